@@ -1,0 +1,480 @@
+"""``save`` / ``restore`` / ``metadata`` of one checkpoint directory.
+
+A save goes: flatten the tree and describe each leaf -> each process writes the shards it
+owns (``arrays.write``) -> barrier -> process 0 merges the per-process databases, writes
+``manifest.json``, renames the temporary directory into place and writes ``COMMITTED``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import math
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from . import arrays, multihost
+from . import tree as tree_lib
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    LeafNotFoundError,
+    ShapeMismatchError,
+    UnsupportedLeafError,
+)
+from .manifest import COMMIT_FILE, MANIFEST_FILE, ArrayInfo, LeafRecord, Manifest, array_info
+from .sharding import (
+    bind_spec,
+    chunk_shape,
+    mesh_by_position,
+    normalize_index,
+    shard_owners,
+    sharding_to_json,
+)
+from .storage import Location, location, rename_dir
+
+DEFAULT_TIMEOUT_S = 600.0
+READ_BUDGET_BYTES = 128 << 20  # host memory for slices read but not yet on device
+
+_PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
+
+
+# --- describing leaves ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    record: LeafRecord
+    write: arrays.ArrayWrite | None
+
+
+def _describe(path: list, leaf: Any, meshes: list[dict], compression: str | None) -> _Leaf:
+    name = tree_lib.path_name(path)
+    pid = multihost.process_index()
+    if type(leaf) in _PY_TYPES:
+        record = LeafRecord(path, name, "python", value=leaf, python_type=_PY_TYPES[type(leaf)])
+        return _Leaf(record, None)
+    if isinstance(leaf, jax.Array):
+        kind, impl, arr = "array", None, leaf
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            kind, impl, arr = "prng_key", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
+        shape = tuple(arr.shape)
+        stored = arrays.stored_dtype(np.dtype(arr.dtype))
+        chunks = chunk_shape(arr.sharding, shape)
+        owners = shard_owners(arr.sharding, shape)
+        writers = [
+            [[start // c for (start, _), c in zip(index, chunks, strict=True)], d.process_index]
+            for index, d in owners.items()
+        ]
+        pieces = [
+            (index, (lambda s=shard: np.asarray(s.data)))
+            for shard in arr.addressable_shards
+            if owners.get(index := normalize_index(shard.index, shape)) == shard.device and math.prod(shape)
+        ]
+        nbytes = math.prod(shape) * np.dtype(stored).itemsize
+        record = LeafRecord(
+            path,
+            name,
+            kind,
+            shape=list(shape),
+            dtype=str(leaf.dtype),
+            stored_dtype=stored if stored != str(arr.dtype) else None,
+            sharding=sharding_to_json(arr.sharding, meshes),
+            chunk_shape=chunks,
+            nbytes=nbytes,
+            chunk_writers=writers if nbytes else None,
+            prng_impl=impl,
+        )
+        mine = sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * np.dtype(stored).itemsize
+        write = arrays.ArrayWrite(
+            name, arrays.zarr_metadata(shape, stored, chunks, compression), pieces, pid == 0, mine
+        )
+        return _Leaf(record, write)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        arr = np.asarray(leaf)
+        stored = arrays.stored_dtype(arr.dtype)
+        chunks = [max(1, d) for d in arr.shape]
+        whole = tuple((0, d) for d in arr.shape)
+        pieces = [(whole, lambda a=arr: np.ascontiguousarray(a))] if pid == 0 and arr.size else []
+        nbytes = arr.size * np.dtype(stored).itemsize
+        record = LeafRecord(
+            path,
+            name,
+            "numpy",
+            shape=list(arr.shape),
+            dtype=arr.dtype.name,
+            stored_dtype=stored if stored != arr.dtype.name else None,
+            chunk_shape=chunks,
+            nbytes=nbytes,
+            chunk_writers=[[[0] * arr.ndim, 0]] if nbytes else None,
+            scalar=isinstance(leaf, np.generic),
+        )
+        meta = arrays.zarr_metadata(arr.shape, stored, chunks, compression)
+        return _Leaf(record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes if pid == 0 else 0))
+    raise UnsupportedLeafError(
+        f"leaf {name!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}, which "
+        "jaxckpt cannot store; leaves must be jax.Array, NumPy arrays or int/float/bool/str/"
+        "None. Convert it, or register its class as a pytree node so its fields are leaves"
+    )
+
+
+# --- save ----------------------------------------------------------------------------------
+
+
+def save(
+    path: str | os.PathLike,
+    tree: Any,
+    *,
+    metadata: Any = None,
+    compression: str | None = None,
+    batch_bytes: int = arrays.DEFAULT_BATCH_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Writes ``tree`` as one checkpoint directory at ``path``; blocks until committed.
+
+    Every process must call it with the same tree structure. Each writes only the shards it
+    owns, one replica of each. ``metadata`` is any JSON-serializable value kept in the
+    manifest. Refuses to overwrite a committed checkpoint.
+
+    >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
+    """
+    loc = location(path)
+    if loc.exists(COMMIT_FILE):
+        raise CheckpointExistsError(
+            f"{loc.url} already holds a committed checkpoint; choose a new path or delete it first"
+        )
+    meshes: list[dict] = []
+    leaves = [_describe(p, leaf, meshes, compression) for p, leaf in tree_lib.flatten(tree)]
+    _check_unique_names(leaves, loc)
+    pid, count = multihost.process_index(), multihost.process_count()
+    save_id = multihost.broadcast(
+        multihost.unique_name("save-id"), uuid.uuid4().hex[:12] if pid == 0 else None, timeout_s
+    )
+    work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
+    writes = [leaf.write for leaf in leaves if leaf.write is not None]
+    try:
+        db = arrays.database_dir(work, None if count == 1 else pid)
+        db.makedirs()
+        arrays.write(db, writes, batch_bytes=batch_bytes)
+        multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s)
+        if pid == 0:
+            if count > 1:
+                arrays.merge(work, count)
+            manifest = _manifest(leaves, meshes, count, metadata)
+            work.write_bytes(MANIFEST_FILE, manifest.to_json().encode())
+            if work != loc:
+                if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
+                    loc.remove()
+                rename_dir(work, loc)
+            loc.write_bytes(COMMIT_FILE, b"")
+        multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s)
+    except BaseException:
+        if pid == 0 and work != loc:
+            work.remove()
+        raise
+
+
+def _check_unique_names(leaves: list[_Leaf], loc: Location) -> None:
+    seen: dict[str, list] = {}
+    for leaf in leaves:
+        other = seen.setdefault(leaf.record.name, leaf.record.path)
+        if other is not leaf.record.path:
+            raise UnsupportedLeafError(
+                f"{loc.url}: leaves {other} and {leaf.record.path} both map to the name "
+                f"{leaf.record.name!r}; rename one of the keys"
+            )
+
+
+def _manifest(leaves: list[_Leaf], meshes: list[dict], count: int, metadata: Any) -> Manifest:
+    per_process = [0] * count
+    for rec in (leaf.record for leaf in leaves):
+        if not rec.chunk_writers:
+            continue
+        itemsize = rec.nbytes // math.prod(rec.shape)
+        for coords, proc in rec.chunk_writers:
+            extent = [
+                min(c, s - i * c) for i, c, s in zip(coords, rec.chunk_shape, rec.shape, strict=True)
+            ]
+            per_process[proc] += math.prod(extent) * itemsize
+    return Manifest(
+        leaves=tuple(leaf.record for leaf in leaves),
+        meshes=meshes,
+        process_count=count,
+        bytes_per_process=per_process,
+        metadata=metadata,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        writer={"jaxckpt": _version(), "jax": jax.__version__, "tensorstore": _dist_version("tensorstore")},
+    )
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "?"
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# --- reading the manifest ----------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike | Location) -> Manifest:
+    """The manifest of the committed checkpoint at ``path``."""
+    loc = location(path)
+    if not loc.exists(COMMIT_FILE):
+        why = (
+            "its save never finished (no COMMITTED marker)"
+            if loc.exists(MANIFEST_FILE) or loc.list_children()
+            else "nothing is there"
+        )
+        raise CheckpointNotFoundError(
+            f"{loc.url} is not a committed jaxckpt checkpoint: {why}; pass the directory "
+            "that jaxckpt.save wrote, or a manager's step directory"
+        )
+    text = loc.read_bytes(MANIFEST_FILE)
+    if text is None:
+        raise CheckpointNotFoundError(f"{loc.url}: COMMITTED but {MANIFEST_FILE} is missing")
+    return Manifest.from_json(text.decode(), where=f"{loc.url}/{MANIFEST_FILE}")
+
+
+def metadata(path: str | os.PathLike) -> Any:
+    """The tree of :class:`ArrayInfo` (shape, dtype, saved mesh and spec, bytes); no data read."""
+    manifest = read_manifest(path)
+    items = [(leaf.path, array_info(leaf, manifest.meshes)) for leaf in manifest.leaves]
+    return tree_lib.unflatten_paths(items)
+
+
+def user_metadata(path: str | os.PathLike) -> Any:
+    """The ``metadata=`` value given to :func:`save`."""
+    return read_manifest(path).metadata
+
+
+# --- restore -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Want:
+    """What one restored leaf should become."""
+
+    record: LeafRecord
+    dtype: np.dtype | None  # None: the saved dtype
+    sharding: jax.sharding.Sharding | None  # None: a NumPy array
+    keep: Any = None  # a non-array target leaf returned as is
+
+
+def restore(
+    path: str | os.PathLike,
+    target: Any = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Any:
+    """Reads the checkpoint at ``path`` onto the devices and shardings asked for.
+
+    ``target`` is a pytree whose leaves are ``jax.ShapeDtypeStruct`` (with ``.sharding``),
+    ``jax.Array`` (its sharding, dtype and shape), ``jax.sharding.Sharding`` or NumPy arrays;
+    the result has its structure, may name fewer leaves than were saved, and casts to its
+    dtypes. With ``mesh`` and no target, each leaf's saved PartitionSpec is bound to
+    ``mesh``. With neither, leaves come back on their saved mesh rebuilt over the current
+    devices when the device count allows, else as NumPy arrays.
+
+    >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
+    """
+    loc = location(path)
+    manifest = read_manifest(loc)
+    by_name = {leaf.name: leaf for leaf in manifest.leaves}
+    if target is None:
+        wants = [_want_saved(rec, manifest, mesh) for rec in manifest.leaves]
+    else:
+        flat = tree_lib.flatten(target)
+        wants = [_want_target(p, t, by_name, loc) for p, t in flat]
+    values = _read_all(loc, wants)
+    if target is None:
+        return tree_lib.unflatten_paths([(w.record.path, v) for w, v in zip(wants, values, strict=True)])
+    return tree_lib.unflatten_like(target, values)
+
+
+def _want_saved(rec: LeafRecord, manifest: Manifest, mesh) -> _Want:
+    if not rec.has_array:
+        return _Want(rec, None, None)
+    sharding = None
+    sj = rec.sharding or {}
+    if sj.get("type") == "named":
+        saved_mesh = manifest.meshes[sj["mesh"]]
+        bound = mesh if mesh is not None else mesh_by_position(saved_mesh)
+        if bound is not None:
+            sharding = bind_spec(sj["spec"], bound, leaf=rec.name, shape=tuple(rec.shape))
+    elif sj.get("type") == "single_device":
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return _Want(rec, None, sharding)
+
+
+def _want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Location) -> _Want:
+    name = tree_lib.path_name(path)
+    rec = by_name.get(name)
+    if rec is None:
+        close = difflib.get_close_matches(name, list(by_name), n=3)
+        raise LeafNotFoundError(
+            f"{loc.url}: the restore target has leaf {name!r}, which the checkpoint does not "
+            f"hold (closest saved leaves: {close or list(by_name)[:3]}); remove it from the "
+            "target or restore it from another checkpoint"
+        )
+    if not rec.has_array:
+        return _Want(rec, None, None, keep=None)
+    if isinstance(t, jax.sharding.Sharding):
+        return _Want(rec, None, t)
+    if isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+        saved_shape = tuple(rec.shape)[: len(t.shape)] if rec.kind == "prng_key" else tuple(rec.shape)
+        if tuple(t.shape) != saved_shape:
+            raise ShapeMismatchError(
+                f"{loc.url}: leaf {name!r} was saved with shape {tuple(rec.shape)} but the "
+                f"target asks for {tuple(t.shape)}; fix the target's shape (jaxckpt.metadata "
+                "shows the saved one)"
+            )
+        sharding = None if isinstance(t, np.ndarray) else getattr(t, "sharding", None)
+        return _Want(rec, np.dtype(t.dtype) if rec.kind != "prng_key" else None, sharding)
+    return _Want(rec, None, None)
+
+
+def _read_all(loc: Location, wants: list[_Want]) -> list[Any]:
+    db = arrays.database_dir(loc, None)
+    ctx = arrays.new_context()
+    stores = {
+        w.record.name: arrays.open_leaf(db, w.record.name, ctx)
+        for w in wants
+        if w.record.has_array and math.prod(w.record.shape)
+    }
+    reader = _BoundedReader(db, READ_BUDGET_BYTES)
+    finishers: list[Callable[[], Any]] = []
+    for w in wants:
+        rec = w.record
+        if not rec.has_array:
+            finishers.append(lambda rec=rec: rec.value)
+            continue
+        finishers.append(_plan_leaf(w, stores.get(rec.name), reader))
+    reader.drain()
+    return [f() for f in finishers]
+
+
+def _plan_leaf(w: _Want, store_fut, reader: _BoundedReader) -> Callable[[], Any]:
+    rec = w.record
+    shape = tuple(rec.shape)
+    saved = jax.numpy.dtype(rec.dtype) if rec.kind != "prng_key" else np.dtype(np.uint32)
+    want_dtype = w.dtype or saved
+
+    def convert(data: np.ndarray) -> np.ndarray:
+        if data.dtype != saved:
+            data = data.view(saved)
+        return data if data.dtype == want_dtype else data.astype(want_dtype)
+
+    if rec.kind == "prng_key" or w.sharding is None:
+        # Whole leaf on the host (NumPy results; PRNG keys are small and re-wrapped).
+        holder: dict = {}
+        if store_fut is None:
+            holder["v"] = np.zeros(shape, saved)
+        else:
+            reader.submit(store_fut, rec, None, lambda d: holder.__setitem__("v", convert(d)))
+
+        def finish() -> Any:
+            data = holder["v"]
+            if rec.kind == "prng_key":
+                key = jax.random.wrap_key_data(data, impl=rec.prng_impl)
+                return key if w.sharding is None else jax.device_put(key, _key_sharding(w, key))
+            if rec.kind == "numpy" and rec.scalar:
+                return data[()]
+            return data
+
+        return finish
+
+    index_map = w.sharding.addressable_devices_indices_map(shape)
+    by_index: dict[tuple, list] = {}
+    for device, index in index_map.items():
+        by_index.setdefault(normalize_index(index, shape), []).append(device)
+    placed: dict = {}
+
+    def put(index, data):
+        for device in by_index[index]:
+            placed[device] = jax.device_put(data, device)
+
+    for index in by_index:
+        if store_fut is None or not math.prod(b - a for a, b in index):
+            put(index, np.zeros(tuple(b - a for a, b in index), want_dtype))
+        else:
+            reader.submit(store_fut, rec, index, lambda d, i=index: put(i, convert(d)))
+
+    def finish_sharded() -> jax.Array:
+        singles = [placed[d] for d in index_map]
+        return jax.make_array_from_single_device_arrays(shape, w.sharding, singles)
+
+    return finish_sharded
+
+
+def _key_sharding(w: _Want, key: jax.Array) -> jax.sharding.Sharding:
+    """A key-data sharding (one more dimension) trimmed to the key's own rank."""
+    s = w.sharding
+    if isinstance(s, jax.sharding.NamedSharding) and len(s.spec) > key.ndim:
+        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[: key.ndim]))
+    return s
+
+
+class _BoundedReader:
+    """Issues slice reads, keeping at most ``budget`` bytes read but not yet consumed."""
+
+    def __init__(self, db: Location, budget: int):
+        self.db, self.budget = db, budget
+        self.inflight: list = []
+        self.bytes = 0
+
+    def submit(self, store_fut, rec: LeafRecord, index, consume) -> None:
+        nbytes = rec.nbytes if index is None else math.prod(b - a for a, b in index) * (
+            rec.nbytes // max(1, math.prod(rec.shape))
+        )
+        while self.inflight and self.bytes + nbytes > self.budget:
+            self._finish_one()
+        try:
+            store = store_fut.result()
+            fut = store.read() if index is None else arrays.read_slice(store, index)
+        except Exception as e:
+            raise self._error(e, rec) from e
+        self.inflight.append((fut, rec, consume, nbytes))
+        self.bytes += nbytes
+
+    def _finish_one(self) -> None:
+        fut, rec, consume, nbytes = self.inflight.pop(0)
+        try:
+            data = fut.result()
+        except Exception as e:
+            raise self._error(e, rec) from e
+        consume(data)
+        self.bytes -= nbytes
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._finish_one()
+
+    def _error(self, e: Exception, rec: LeafRecord) -> Exception:
+        def writers(key: str) -> str:
+            where = {tuple(c): p for c, p in rec.chunk_writers or []}
+            coords = key.rsplit("/c/", 1)[-1].split("/") if "/c/" in key else []
+            try:
+                proc = where.get(tuple(int(c) for c in coords))
+            except ValueError:
+                proc = None
+            if proc is None:
+                return f"the OCDBT database under {self.db.url}"
+            return f"the OCDBT data files of process {proc} under {self.db.url}"
+
+        return arrays.read_error(e, leaf=rec.name, db=self.db, writers=writers)

@@ -1,0 +1,54 @@
+"""Exception classes. Every message names the path, the leaf and what to do."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every jaxckpt error."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint is already at the path being saved to."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint at the path (absent, or a save never finished)."""
+
+
+class FormatVersionError(CheckpointError):
+    """The manifest was written by a newer, incompatible format version."""
+
+
+class ManifestError(CheckpointError):
+    """The manifest is missing fields or cannot be parsed."""
+
+
+class UnsupportedLeafError(CheckpointError, TypeError):
+    """A pytree leaf has a type jaxckpt cannot store."""
+
+
+class LeafNotFoundError(CheckpointError, KeyError):
+    """The restore target names a leaf the checkpoint does not hold."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """The restore target's shape differs from the saved shape."""
+
+
+class ShardingError(CheckpointError, ValueError):
+    """A saved sharding cannot be bound to the requested mesh or devices."""
+
+
+class ChecksumError(CheckpointError):
+    """A chunk's CRC32C did not match: the data on disk is corrupt."""
+
+
+class StorageError(CheckpointError, OSError):
+    """Reading or writing the underlying storage failed."""
+
+
+class CoordinationError(CheckpointError):
+    """Processes failed to agree (timeout, mismatch) during a multi-process save."""

@@ -1,0 +1,155 @@
+"""The manifest: one JSON record per checkpoint describing every leaf (see docs/FORMAT.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from .errors import FormatVersionError, ManifestError
+from .sharding import spec_from_json
+
+FORMAT_NAME = "jaxckpt"
+FORMAT_VERSION = (1, 0)  # (major, minor): a reader accepts any minor of its own major
+MANIFEST_FILE = "manifest.json"
+COMMIT_FILE = "COMMITTED"
+ARRAYS_DIR = "arrays"
+
+
+@dataclass(frozen=True)
+class LeafRecord:
+    """One pytree leaf.
+
+    kind: ``"array"`` (jax.Array), ``"numpy"`` (np.ndarray / NumPy scalar), ``"prng_key"``
+    (typed key; its key data is stored), ``"python"`` (int/float/bool/str/None in ``value``).
+    """
+
+    path: list
+    name: str
+    kind: str
+    shape: list[int] = field(default_factory=list)
+    dtype: str | None = None
+    stored_dtype: str | None = None  # zarr data type, when it differs from ``dtype``
+    sharding: dict | None = None
+    chunk_shape: list[int] | None = None
+    nbytes: int = 0
+    chunk_writers: list | None = None  # [[chunk grid coords], process index]
+    value: Any = None
+    python_type: str | None = None
+    prng_impl: str | None = None
+    scalar: bool = False  # a NumPy scalar (np.float32(1.0)) rather than a 0-d array
+
+    @property
+    def has_array(self) -> bool:
+        return self.kind in ("array", "numpy", "prng_key")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    leaves: tuple[LeafRecord, ...]
+    meshes: list[dict]
+    process_count: int
+    bytes_per_process: list[int]
+    metadata: Any = None
+    created: str = ""
+    writer: dict = field(default_factory=dict)
+    format_version: tuple[int, int] = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": list(self.format_version),
+            "created": self.created,
+            "writer": self.writer,
+            "process_count": self.process_count,
+            "bytes_per_process": self.bytes_per_process,
+            "arrays": ARRAYS_DIR,
+            "metadata": self.metadata,
+            "meshes": self.meshes,
+            "leaves": [
+                {k: v for k, v in dataclasses.asdict(leaf).items() if v not in (None, False)}
+                for leaf in self.leaves
+            ],
+        }
+        return json.dumps(doc, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str) -> Manifest:
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{where}: manifest is not valid JSON ({e})") from e
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where}: not a jaxckpt manifest (no 'format': 'jaxckpt')")
+        version = tuple(doc.get("format_version", (0, 0)))
+        if version[0] != FORMAT_VERSION[0]:
+            raise FormatVersionError(
+                f"{where}: written with format version {version[0]}.{version[1]}, but this "
+                f"jaxckpt reads major version {FORMAT_VERSION[0]} (writer: "
+                f"{doc.get('writer', {}).get('jaxckpt', '?')}); install a jaxckpt that "
+                "supports it, e.g. the writer's version"
+            )
+        try:
+            leaves = tuple(LeafRecord(**leaf) for leaf in doc["leaves"])
+            return cls(
+                leaves=leaves,
+                meshes=doc["meshes"],
+                process_count=doc["process_count"],
+                bytes_per_process=doc["bytes_per_process"],
+                metadata=doc.get("metadata"),
+                created=doc.get("created", ""),
+                writer=doc.get("writer", {}),
+                format_version=version,
+            )
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{where}: manifest is missing or has a bad field: {e}") from e
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What ``jaxckpt.metadata`` reports for a leaf, without reading array data."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype | str | None
+    kind: str
+    nbytes: int
+    mesh_axes: tuple[str, ...] | None = None
+    mesh_shape: tuple[int, ...] | None = None
+    spec: PartitionSpec | None = None
+    value: Any = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def array_info(leaf: LeafRecord, meshes: list[dict]) -> ArrayInfo:
+    mesh_axes = mesh_shape = spec = None
+    if leaf.sharding and leaf.sharding.get("type") == "named":
+        mesh = meshes[leaf.sharding["mesh"]]
+        mesh_axes = tuple(mesh["axis_names"])
+        mesh_shape = tuple(mesh["shape"])
+        spec = spec_from_json(leaf.sharding["spec"])
+    return ArrayInfo(
+        shape=tuple(leaf.shape),
+        dtype=leaf.dtype if leaf.kind == "prng_key" else _dtype_or_none(leaf.dtype),
+        kind=leaf.kind,
+        nbytes=leaf.nbytes,
+        mesh_axes=mesh_axes,
+        mesh_shape=mesh_shape,
+        spec=spec,
+        value=leaf.value if leaf.kind == "python" else None,
+    )
+
+
+def _dtype_or_none(name: str | None) -> np.dtype | None:
+    if name is None:
+        return None
+    import jax.numpy as jnp
+
+    return jnp.dtype(name)

@@ -1,0 +1,130 @@
+"""Shardings as JSON, shard ownership, and binding saved specs to the devices we have now.
+
+A mesh is stored as axis names, axis sizes, the device-id grid and which process held each
+device. Restores never look devices up by their saved ids: a saved mesh is rebuilt *by
+position* over the current devices, so a restart whose devices carry new ids still works.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from .errors import ShardingError
+
+Index = tuple[tuple[int, int], ...]  # per dimension: [start, stop)
+
+
+# --- JSON forms -------------------------------------------------------------------------
+
+
+def mesh_to_json(mesh: Mesh) -> dict:
+    ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
+    procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    return {
+        "axis_names": [str(n) for n in mesh.axis_names],
+        "shape": [int(s) for s in mesh.devices.shape],
+        "device_ids": ids.tolist(),
+        "process_indices": procs.tolist(),
+    }
+
+
+def spec_to_json(spec: PartitionSpec) -> list:
+    out: list = []
+    for entry in spec:
+        if entry is None or isinstance(entry, str):
+            out.append(entry)
+        elif isinstance(entry, tuple):
+            out.append([str(e) for e in entry])
+        else:
+            out.append(str(entry))
+    return out
+
+
+def spec_from_json(spec: list) -> PartitionSpec:
+    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in spec))
+
+
+def sharding_to_json(sharding: jax.sharding.Sharding, meshes: list[dict]) -> dict:
+    """JSON form of a leaf's sharding; named meshes are deduplicated into ``meshes``."""
+    if isinstance(sharding, NamedSharding):
+        mesh_json = mesh_to_json(sharding.mesh)
+        if mesh_json not in meshes:
+            meshes.append(mesh_json)
+        return {
+            "type": "named",
+            "mesh": meshes.index(mesh_json),
+            "spec": spec_to_json(sharding.spec),
+        }
+    if isinstance(sharding, SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return {"type": "single_device", "device_id": device.id}
+    return {"type": "other", "repr": repr(sharding)}
+
+
+# --- ownership: who writes which shard ----------------------------------------------------
+
+
+def normalize_index(index: tuple, shape: tuple[int, ...]) -> Index:
+    out = []
+    for sl, dim in zip(index, shape, strict=False):
+        start, stop, _ = sl.indices(dim)
+        out.append((start, stop))
+    for dim in shape[len(index) :]:
+        out.append((0, dim))
+    return tuple(out)
+
+
+def shard_owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Index, Any]:
+    """Maps each distinct shard index to the device that writes it (one replica only).
+
+    Every process computes the same answer from global information, so together they
+    write each shard exactly once whatever the replication.
+    """
+    owners: dict[Index, Any] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        owners.setdefault(normalize_index(index, shape), device)
+    return owners
+
+
+def chunk_shape(sharding: jax.sharding.Sharding | None, shape: tuple[int, ...]) -> list[int]:
+    """The largest shard extent per dimension, so chunks follow the saved shards."""
+    if sharding is None or not shape:
+        return [max(1, d) for d in shape]
+    sizes = [1] * len(shape)
+    for index in shard_owners(sharding, shape):
+        for dim, (start, stop) in enumerate(index):
+            sizes[dim] = max(sizes[dim], stop - start)
+    return sizes
+
+
+# --- binding saved shardings to current devices -------------------------------------------
+
+
+def mesh_by_position(mesh_json: dict) -> Mesh | None:
+    """Rebuilds a saved mesh over the current devices, or None when the count differs."""
+    shape = tuple(mesh_json["shape"])
+    names = tuple(mesh_json["axis_names"])
+    if math.prod(shape) != jax.device_count():
+        return None
+    return jax.make_mesh(shape, names, devices=jax.devices())
+
+
+def bind_spec(spec_json: list, mesh: Mesh, *, leaf: str, shape: tuple[int, ...]) -> NamedSharding:
+    """Binds a saved PartitionSpec to ``mesh`` (same axis names, sizes may differ)."""
+    spec = spec_from_json(spec_json)
+    used = [n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))]
+    missing = [n for n in used if n not in mesh.axis_names]
+    if missing:
+        raise ShardingError(
+            f"leaf {leaf!r} was saved with PartitionSpec {spec} but the mesh has axes "
+            f"{tuple(mesh.axis_names)} (missing {missing}); pass a mesh with those axis "
+            "names, or a restore target with explicit shardings"
+        )
+    if len(spec) > len(shape):
+        raise ShardingError(f"leaf {leaf!r}: PartitionSpec {spec} is longer than shape {shape}")
+    return NamedSharding(mesh, spec)

@@ -1,0 +1,91 @@
+"""Pytrees as flat lists of (key path, leaf), and back.
+
+A key path is stored in JSON as a list of ``[kind, key]`` pairs: ``"k"`` a dict key,
+``"a"`` an attribute (dataclasses, namedtuples, Flax structs), ``"i"`` a sequence index,
+``"f"`` a flattened index (custom nodes without keys). The leaf's *name* is the same path
+as a ``/``-joined string, percent-escaped, and doubles as the array's key in storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import jax
+
+PathJson = list[list[Any]]
+
+_SAFE = "_.-+=@,~"
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def path_to_json(path: tuple) -> PathJson:
+    out: PathJson = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            key = k.key
+            out.append(["k", key if isinstance(key, (str, int)) else str(key)])
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(["a", k.name])
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(["i", k.idx])
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(["f", k.key])
+        else:  # an unknown key type from a custom node
+            out.append(["k", str(k)])
+    return out
+
+
+def path_name(path: PathJson) -> str:
+    """``[["k","params"],["a","w"]]`` -> ``"params/w"``; the root leaf is ``"_root"``."""
+    if not path:
+        return "_root"
+    parts = []
+    for _, key in path:
+        text = str(key)
+        parts.append(quote(text, safe=_SAFE) if text else "%")
+    return "/".join(parts)
+
+
+def flatten(tree: Any) -> list[tuple[PathJson, Any]]:
+    """Flattens ``tree`` into ``[(path, leaf)]``; ``None`` counts as a leaf."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    return [(path_to_json(p), leaf) for p, leaf in flat]
+
+
+def unflatten_like(target: Any, leaves: list[Any]) -> Any:
+    """Puts ``leaves`` (in flatten order) into the structure of ``target``."""
+    treedef = jax.tree_util.tree_structure(target, is_leaf=_is_none)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def unflatten_paths(items: list[tuple[PathJson, Any]]) -> Any:
+    """Rebuilds nested dicts (keys, attributes) and lists (indices) from paths.
+
+    Used when restoring without a target: custom classes come back as dicts.
+    """
+    if len(items) == 1 and not items[0][0]:
+        return items[0][1]
+    root: dict = {}
+    for path, leaf in items:
+        node = root
+        for depth, (kind, key) in enumerate(path):
+            last = depth == len(path) - 1
+            slot = (kind, key)
+            if last:
+                node[slot] = leaf
+            else:
+                node = node.setdefault(slot, {})
+    return _materialize(root)
+
+
+def _materialize(node: Any) -> Any:
+    if not isinstance(node, dict) or not node or not isinstance(next(iter(node)), tuple):
+        return node
+    kinds = {kind for kind, _ in node}
+    if kinds <= {"i", "f"}:
+        return [_materialize(node[k]) for k in sorted(node, key=lambda s: s[1])]
+    return {key: _materialize(v) for (_, key), v in node.items()}
