@@ -102,7 +102,7 @@ def _describe(path: list, leaf: Any, meshes: list[dict], compression: str | None
         stored = arrays.stored_dtype(arr.dtype)
         chunks = [max(1, d) for d in arr.shape]
         whole = tuple((0, d) for d in arr.shape)
-        pieces = [(whole, lambda a=arr: np.ascontiguousarray(a))] if pid == 0 and arr.size else []
+        pieces = [(whole, lambda a=arr: np.array(a, order="C", copy=not a.flags.c_contiguous))] if pid == 0 and arr.size else []
         nbytes = arr.size * np.dtype(stored).itemsize
         record = LeafRecord(
             path,
