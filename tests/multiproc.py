@@ -1,0 +1,96 @@
+"""Launch N jax.distributed processes on 127.0.0.1, collect output, bound time, kill stragglers.
+
+Parent side: ``run(script, n, ...)``. Worker side: ``init()`` at the top of the script
+(before any other jax use) joins the job with the env vars the parent set.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Result:
+    returncodes: list[int]
+    outputs: list[str]
+
+    def check(self) -> Result:
+        bad = [i for i, rc in enumerate(self.returncodes) if rc != 0]
+        assert not bad, "\n".join(f"--- process {i} (rc={self.returncodes[i]})\n{self.outputs[i]}" for i in bad)
+        return self
+
+
+def run(
+    script: str,
+    n: int,
+    *,
+    devices_per_process: int = 4,
+    args: list[str] | None = None,
+    timeout_s: float = 120.0,
+    env: dict | None = None,
+    process_ids: list[int] | None = None,
+) -> Result:
+    """Runs ``script`` (a file path) as ``n`` processes of one jax.distributed job."""
+    port = free_port()
+    procs = []
+    ids = process_ids or list(range(n))
+    for rank in range(n):
+        penv = dict(os.environ)
+        penv.update(env or {})
+        penv.update(
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+            JAXCKPT_COORD=f"127.0.0.1:{port}",
+            JAXCKPT_NPROC=str(n),
+            JAXCKPT_PID=str(ids[rank]),
+            PYTHONPATH=os.pathsep.join([HERE, ROOT, penv.get("PYTHONPATH", "")]),
+            JAX_PLATFORMS="cpu",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, *(args or [])],
+                env=penv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + timeout_s
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += "\n[killed: time bound exceeded]"
+        outputs.append(out)
+    return Result([p.returncode for p in procs], outputs)
+
+
+def init() -> None:
+    """Worker side: join the job described by the parent's environment variables."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if "JAXCKPT_COORD" in os.environ:
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAXCKPT_COORD"],
+            num_processes=int(os.environ["JAXCKPT_NPROC"]),
+            process_id=int(os.environ["JAXCKPT_PID"]),
+            initialization_timeout=60,
+        )
