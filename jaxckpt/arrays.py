@@ -44,7 +44,7 @@ class ArrayWrite:
 # --- dtypes and metadata -------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _zarr_supports(dtype_name: str) -> bool:
     try:
         ts.open(
@@ -193,7 +193,9 @@ def open_leaf(db: Location, name: str, ctx: ts.Context) -> ts.Future:
 _CHUNK_KEY = re.compile(r'Error reading "([^"]+)"')
 
 
-def read_error(e: Exception, *, leaf: str, db: Location, writers: Callable[[str], str]) -> Exception:
+def read_error(
+    e: Exception, *, leaf: str, db: Location, writers: Callable[[str], str]
+) -> Exception:
     """Turns a TensorStore read failure into a ChecksumError / StorageError naming the leaf."""
     text = str(e)
     match = _CHUNK_KEY.search(text)

@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import tensorstore as ts
 
 from . import arrays, multihost
 from . import tree as tree_lib
@@ -29,7 +28,7 @@ from .errors import (
     ShapeMismatchError,
     UnsupportedLeafError,
 )
-from .manifest import COMMIT_FILE, MANIFEST_FILE, ArrayInfo, LeafRecord, Manifest, array_info
+from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest, array_info
 from .sharding import (
     bind_spec,
     chunk_shape,
@@ -76,7 +75,8 @@ def _describe(path: list, leaf: Any, meshes: list[dict], compression: str | None
         pieces = [
             (index, (lambda s=shard: np.asarray(s.data)))
             for shard in arr.addressable_shards
-            if owners.get(index := normalize_index(shard.index, shape)) == shard.device and math.prod(shape)
+            if owners.get(index := normalize_index(shard.index, shape)) == shard.device
+            and math.prod(shape)
         ]
         nbytes = math.prod(shape) * np.dtype(stored).itemsize
         record = LeafRecord(
@@ -92,7 +92,9 @@ def _describe(path: list, leaf: Any, meshes: list[dict], compression: str | None
             chunk_writers=writers if nbytes else None,
             prng_impl=impl,
         )
-        mine = sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * np.dtype(stored).itemsize
+        mine = (
+            sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * np.dtype(stored).itemsize
+        )
         write = arrays.ArrayWrite(
             name, arrays.zarr_metadata(shape, stored, chunks, compression), pieces, pid == 0, mine
         )
@@ -102,7 +104,11 @@ def _describe(path: list, leaf: Any, meshes: list[dict], compression: str | None
         stored = arrays.stored_dtype(arr.dtype)
         chunks = [max(1, d) for d in arr.shape]
         whole = tuple((0, d) for d in arr.shape)
-        pieces = [(whole, lambda a=arr: np.array(a, order="C", copy=not a.flags.c_contiguous))] if pid == 0 and arr.size else []
+        pieces = (
+            [(whole, lambda a=arr: np.array(a, order="C", copy=not a.flags.c_contiguous))]
+            if pid == 0 and arr.size
+            else []
+        )
         nbytes = arr.size * np.dtype(stored).itemsize
         record = LeafRecord(
             path,
@@ -117,7 +123,9 @@ def _describe(path: list, leaf: Any, meshes: list[dict], compression: str | None
             scalar=isinstance(leaf, np.generic),
         )
         meta = arrays.zarr_metadata(arr.shape, stored, chunks, compression)
-        return _Leaf(record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes if pid == 0 else 0))
+        return _Leaf(
+            record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes if pid == 0 else 0)
+        )
     raise UnsupportedLeafError(
         f"leaf {name!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}, which "
         "jaxckpt cannot store; leaves must be jax.Array, NumPy arrays or int/float/bool/str/"
@@ -200,7 +208,8 @@ def _manifest(leaves: list[_Leaf], meshes: list[dict], count: int, metadata: Any
         itemsize = rec.nbytes // math.prod(rec.shape)
         for coords, proc in rec.chunk_writers:
             extent = [
-                min(c, s - i * c) for i, c, s in zip(coords, rec.chunk_shape, rec.shape, strict=True)
+                min(c, s - i * c)
+                for i, c, s in zip(coords, rec.chunk_shape, rec.shape, strict=True)
             ]
             per_process[proc] += math.prod(extent) * itemsize
     return Manifest(
@@ -210,7 +219,11 @@ def _manifest(leaves: list[_Leaf], meshes: list[dict], count: int, metadata: Any
         bytes_per_process=per_process,
         metadata=metadata,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        writer={"jaxckpt": _version(), "jax": jax.__version__, "tensorstore": _dist_version("tensorstore")},
+        writer={
+            "jaxckpt": _version(),
+            "jax": jax.__version__,
+            "tensorstore": _dist_version("tensorstore"),
+        },
     )
 
 
@@ -303,7 +316,9 @@ def restore(
         wants = [_want_target(p, t, by_name, loc) for p, t in flat]
     values = _read_all(loc, wants)
     if target is None:
-        return tree_lib.unflatten_paths([(w.record.path, v) for w, v in zip(wants, values, strict=True)])
+        return tree_lib.unflatten_paths(
+            [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
+        )
     return tree_lib.unflatten_like(target, values)
 
 
@@ -337,7 +352,9 @@ def _want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Locati
     if isinstance(t, jax.sharding.Sharding):
         return _Want(rec, None, t)
     if isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
-        saved_shape = tuple(rec.shape)[: len(t.shape)] if rec.kind == "prng_key" else tuple(rec.shape)
+        saved_shape = (
+            tuple(rec.shape)[: len(t.shape)] if rec.kind == "prng_key" else tuple(rec.shape)
+        )
         if tuple(t.shape) != saved_shape:
             raise ShapeMismatchError(
                 f"{loc.url}: leaf {name!r} was saved with shape {tuple(rec.shape)} but the "
@@ -439,8 +456,10 @@ class _BoundedReader:
         self.bytes = 0
 
     def submit(self, store_fut, rec: LeafRecord, index, consume) -> None:
-        nbytes = rec.nbytes if index is None else math.prod(b - a for a, b in index) * (
-            rec.nbytes // max(1, math.prod(rec.shape))
+        nbytes = (
+            rec.nbytes
+            if index is None
+            else math.prod(b - a for a, b in index) * (rec.nbytes // max(1, math.prod(rec.shape)))
         )
         while self.inflight and self.bytes + nbytes > self.budget:
             self._finish_one()

@@ -30,7 +30,9 @@ class Result:
 
     def check(self) -> Result:
         bad = [i for i, rc in enumerate(self.returncodes) if rc != 0]
-        assert not bad, "\n".join(f"--- process {i} (rc={self.returncodes[i]})\n{self.outputs[i]}" for i in bad)
+        assert not bad, "\n".join(
+            f"--- process {i} (rc={self.returncodes[i]})\n{self.outputs[i]}" for i in bad
+        )
         return self
 
 

@@ -75,14 +75,18 @@ def test_every_dtype_round_trips_bit_exactly(dtype, mesh42, tmp_path):
 def test_leaf_kinds_round_trip(mesh42, tmp_path):
     single = jax.device_put(jnp.arange(6.0), jax.devices()[3])
     tree = {
-        "partial": sharded(np.arange(64.0, dtype=np.float32).reshape(8, 8), mesh42, (None, "model")),
+        "partial": sharded(
+            np.arange(64.0, dtype=np.float32).reshape(8, 8), mesh42, (None, "model")
+        ),
         "single": single,
         "scalar0d": sharded(np.float32(3.5), mesh42, ()),
         "empty": sharded(np.zeros((0, 4), np.float32), mesh42, ()),
         "np_empty": np.zeros((3, 0), np.int32),
         "np_scalar": np.float32(2.25),
         "key": jax.random.key(7),
-        "keys": jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(mesh42, P("data"))),
+        "keys": jax.device_put(
+            jax.random.split(jax.random.key(1), 8), NamedSharding(mesh42, P("data"))
+        ),
         "py": [1, 2.5, True, "text", None, -(2**70)],
     }
     jaxckpt.save(tmp_path / "c", tree)
@@ -145,7 +149,12 @@ def _train_state(mesh):
 
 @pytest.mark.parametrize(
     "shape,names",
-    [((2, 4), ("data", "model")), ((8, 1), ("data", "model")), ((2, 2), ("data", "model")), ((1, 1), ("data", "model"))],
+    [
+        ((2, 4), ("data", "model")),
+        ((8, 1), ("data", "model")),
+        ((2, 2), ("data", "model")),
+        ((1, 1), ("data", "model")),
+    ],
 )
 def test_train_state_restores_onto_other_meshes(shape, names, mesh42, tmp_path):
     state, _ = _train_state(mesh42)
@@ -154,7 +163,9 @@ def test_train_state_restores_onto_other_meshes(shape, names, mesh42, tmp_path):
     new_mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
     _, spec = _train_state(new_mesh)
     target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(x)) if hasattr(x, "ndim") else x,
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(x)) if hasattr(x, "ndim") else x
+        ),
         state,
     )
     out = jaxckpt.restore(tmp_path / "c", target=target)
@@ -169,16 +180,22 @@ def test_restore_onto_1d_mesh_and_as_numpy(mesh42, tmp_path):
     jaxckpt.save(tmp_path / "c", state)
     mesh8 = jax.make_mesh((8,), ("data",))
     target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh8, P()))
-        if hasattr(x, "ndim")
-        else x,
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh8, P()))
+            if hasattr(x, "ndim")
+            else x
+        ),
         state,
     )
     assert_tree_equal(jaxckpt.restore(tmp_path / "c", target=target), state)
-    as_numpy = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype) if hasattr(x, "ndim") else x, state)
+    as_numpy = jax.tree.map(
+        lambda x: np.zeros(x.shape, x.dtype) if hasattr(x, "ndim") else x, state
+    )
     out = jaxckpt.restore(tmp_path / "c", target=as_numpy)
     assert isinstance(out.params["params"]["layers_0"]["kernel"], np.ndarray)
-    assert_tree_equal(out, jax.tree.map(lambda x: np.asarray(x) if hasattr(x, "ndim") else x, state))
+    assert_tree_equal(
+        out, jax.tree.map(lambda x: np.asarray(x) if hasattr(x, "ndim") else x, state)
+    )
 
 
 def test_restore_without_target_uses_numpy_when_mesh_does_not_fit(mesh42, tmp_path):
@@ -207,7 +224,10 @@ def test_mesh_argument_binds_saved_specs(mesh42, tmp_path):
 
 
 def test_partial_restore_and_missing_leaf(mesh42, tmp_path):
-    tree = {"a": sharded(np.ones((4, 4), np.float32), mesh42, ("data",)), "b": {"c": 1, "d": np.ones(3)}}
+    tree = {
+        "a": sharded(np.ones((4, 4), np.float32), mesh42, ("data",)),
+        "b": {"c": 1, "d": np.ones(3)},
+    }
     jaxckpt.save(tmp_path / "c", tree)
     out = jaxckpt.restore(tmp_path / "c", target={"b": {"d": np.zeros(3)}})
     assert set(out) == {"b"} and set(out["b"]) == {"d"}
@@ -246,7 +266,11 @@ def test_shape_mismatch(mesh42, tmp_path):
 def test_replicated_array_written_once(mesh42, tmp_path):
     x = sharded(np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32), mesh42, ())
     jaxckpt.save(tmp_path / "c", {"x": x})
-    data = sum(os.path.getsize(f) for f in glob.glob(str(tmp_path / "c" / "arrays" / "**"), recursive=True) if os.path.isfile(f))
+    data = sum(
+        os.path.getsize(f)
+        for f in glob.glob(str(tmp_path / "c" / "arrays" / "**"), recursive=True)
+        if os.path.isfile(f)
+    )
     assert x.nbytes <= data < 1.05 * x.nbytes + 8192
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert manifest["bytes_per_process"] == [x.nbytes]
@@ -258,13 +282,19 @@ def test_chunks_follow_shards_and_zstd(mesh42, tmp_path):
     info = json.loads((tmp_path / "c" / "manifest.json").read_text())["leaves"][0]
     assert info["chunk_shape"] == [16, 16]
     assert len(info["chunk_writers"]) == 8
-    on_disk = sum(os.path.getsize(f) for f in glob.glob(str(tmp_path / "c" / "**"), recursive=True) if os.path.isfile(f))
+    on_disk = sum(
+        os.path.getsize(f)
+        for f in glob.glob(str(tmp_path / "c" / "**"), recursive=True)
+        if os.path.isfile(f)
+    )
     assert on_disk < x.nbytes / 4  # zeros compress
     assert_tree_equal(jaxckpt.restore(tmp_path / "c"), {"x": x})
 
 
 def test_few_files_for_many_arrays(mesh42, tmp_path):
-    tree = {f"w{i}": sharded(np.full((64, 64), i, np.float32), mesh42, ("data",)) for i in range(200)}
+    tree = {
+        f"w{i}": sharded(np.full((64, 64), i, np.float32), mesh42, ("data",)) for i in range(200)
+    }
     jaxckpt.save(tmp_path / "c", tree)
     files = [f for f in glob.glob(str(tmp_path / "c" / "**"), recursive=True) if os.path.isfile(f)]
     assert len(files) <= 12, files
@@ -287,13 +317,21 @@ def test_tensorstore_alone_reads_a_leaf(mesh42, tmp_path):
 
 
 def test_corrupted_chunk_is_detected_and_named(mesh42, tmp_path):
-    x = sharded(np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32), mesh42, ("data",))
+    x = sharded(
+        np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32), mesh42, ("data",)
+    )
     jaxckpt.save(tmp_path / "c", {"layer": {"w": x}})
-    files = [f for f in glob.glob(str(tmp_path / "c" / "arrays" / "**"), recursive=True) if os.path.isfile(f)]
+    files = [
+        f
+        for f in glob.glob(str(tmp_path / "c" / "arrays" / "**"), recursive=True)
+        if os.path.isfile(f)
+    ]
     biggest = max(files, key=os.path.getsize)
-    raw = bytearray(open(biggest, "rb").read())
-    raw[len(raw) // 2] ^= 0xFF
-    open(biggest, "wb").write(bytes(raw))
+    with open(biggest, "r+b") as f:
+        f.seek(os.path.getsize(biggest) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(errors.ChecksumError, match=r"layer/w.*process 0"):
         jaxckpt.restore(tmp_path / "c")
 

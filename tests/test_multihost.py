@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 
 import multiproc
 import pytest
@@ -13,7 +14,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
 def test_two_processes_save_one_process_restores(tmp_path):
     path = str(tmp_path / "c")
     multiproc.run(WORKER, 2, devices_per_process=4, args=["save", path]).check()
-    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    manifest = json.loads(pathlib.Path(path, "manifest.json").read_text())
     assert manifest["process_count"] == 2
     # each process wrote its own shards once: bytes per process sum to the logical bytes
     logical = 64 * 32 * 4 + 32 * 4 + 16 * 16 * 4

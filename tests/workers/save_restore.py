@@ -34,7 +34,9 @@ def main(mode: str, path: str) -> None:
     exp = expected()
     if mode == "save":
         tree = {
-            k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, SPECS[k]), lambda i, v=v: v[i])
+            k: jax.make_array_from_callback(
+                v.shape, NamedSharding(mesh, SPECS[k]), lambda i, v=v: v[i]
+            )
             for k, v in exp.items()
             if k in SPECS
         }
