@@ -72,7 +72,11 @@ class Manifest:
             "metadata": self.metadata,
             "meshes": self.meshes,
             "leaves": [
-                {k: v for k, v in dataclasses.asdict(leaf).items() if v not in (None, False)}
+                {
+                    k: v
+                    for k, v in dataclasses.asdict(leaf).items()
+                    if k == "value" and leaf.kind == "python" or (v is not None and v is not False)
+                }
                 for leaf in self.leaves
             ],
         }

@@ -127,4 +127,13 @@ def bind_spec(spec_json: list, mesh: Mesh, *, leaf: str, shape: tuple[int, ...])
         )
     if len(spec) > len(shape):
         raise ShardingError(f"leaf {leaf!r}: PartitionSpec {spec} is longer than shape {shape}")
+    for dim, entry in enumerate(spec):
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        parts = math.prod(mesh.shape[n] for n in names)
+        if shape[dim] % parts:
+            raise ShardingError(
+                f"leaf {leaf!r}: dimension {dim} of shape {shape} does not split into {parts} "
+                f"parts over mesh axes {names} of mesh {dict(mesh.shape)}; give a restore "
+                "target with a sharding that divides it"
+            )
     return NamedSharding(mesh, spec)

@@ -87,7 +87,7 @@ def test_leaf_kinds_round_trip(mesh42, tmp_path):
         "keys": jax.device_put(
             jax.random.split(jax.random.key(1), 8), NamedSharding(mesh42, P("data"))
         ),
-        "py": [1, 2.5, True, "text", None, -(2**70)],
+        "py": [1, 2.5, True, "text", None, -(2**70), 0, False, 0.0, ""],
     }
     jaxckpt.save(tmp_path / "c", tree)
     out = jaxckpt.restore(tmp_path / "c", target=tree)
