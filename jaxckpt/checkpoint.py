@@ -31,106 +31,14 @@ from .errors import (
 from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest, array_info
 from .sharding import (
     bind_spec,
-    chunk_shape,
     mesh_by_position,
     normalize_index,
-    shard_owners,
-    sharding_to_json,
 )
+from .staging import StagedLeaf, describe
 from .storage import Location, location, rename_dir
 
 DEFAULT_TIMEOUT_S = 600.0
 READ_BUDGET_BYTES = 128 << 20  # host memory for slices read but not yet on device
-
-_PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
-
-
-# --- describing leaves ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    record: LeafRecord
-    write: arrays.ArrayWrite | None
-
-
-def _describe(path: list, leaf: Any, meshes: list[dict], compression: str | None) -> _Leaf:
-    name = tree_lib.path_name(path)
-    pid = multihost.process_index()
-    if type(leaf) in _PY_TYPES:
-        record = LeafRecord(path, name, "python", value=leaf, python_type=_PY_TYPES[type(leaf)])
-        return _Leaf(record, None)
-    if isinstance(leaf, jax.Array):
-        kind, impl, arr = "array", None, leaf
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            kind, impl, arr = "prng_key", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
-        shape = tuple(arr.shape)
-        stored = arrays.stored_dtype(np.dtype(arr.dtype))
-        chunks = chunk_shape(arr.sharding, shape)
-        owners = shard_owners(arr.sharding, shape)
-        writers = [
-            [[start // c for (start, _), c in zip(index, chunks, strict=True)], d.process_index]
-            for index, d in owners.items()
-        ]
-        pieces = [
-            (index, (lambda s=shard: np.asarray(s.data)))
-            for shard in arr.addressable_shards
-            if owners.get(index := normalize_index(shard.index, shape)) == shard.device
-            and math.prod(shape)
-        ]
-        nbytes = math.prod(shape) * np.dtype(stored).itemsize
-        record = LeafRecord(
-            path,
-            name,
-            kind,
-            shape=list(shape),
-            dtype=str(leaf.dtype),
-            stored_dtype=stored if stored != str(arr.dtype) else None,
-            sharding=sharding_to_json(arr.sharding, meshes),
-            chunk_shape=chunks,
-            nbytes=nbytes,
-            chunk_writers=writers if nbytes else None,
-            prng_impl=impl,
-        )
-        mine = (
-            sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * np.dtype(stored).itemsize
-        )
-        write = arrays.ArrayWrite(
-            name, arrays.zarr_metadata(shape, stored, chunks, compression), pieces, pid == 0, mine
-        )
-        return _Leaf(record, write)
-    if isinstance(leaf, (np.ndarray, np.generic)):
-        arr = np.asarray(leaf)
-        stored = arrays.stored_dtype(arr.dtype)
-        chunks = [max(1, d) for d in arr.shape]
-        whole = tuple((0, d) for d in arr.shape)
-        pieces = (
-            [(whole, lambda a=arr: np.array(a, order="C", copy=not a.flags.c_contiguous))]
-            if pid == 0 and arr.size
-            else []
-        )
-        nbytes = arr.size * np.dtype(stored).itemsize
-        record = LeafRecord(
-            path,
-            name,
-            "numpy",
-            shape=list(arr.shape),
-            dtype=arr.dtype.name,
-            stored_dtype=stored if stored != arr.dtype.name else None,
-            chunk_shape=chunks,
-            nbytes=nbytes,
-            chunk_writers=[[[0] * arr.ndim, 0]] if nbytes else None,
-            scalar=isinstance(leaf, np.generic),
-        )
-        meta = arrays.zarr_metadata(arr.shape, stored, chunks, compression)
-        return _Leaf(
-            record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes if pid == 0 else 0)
-        )
-    raise UnsupportedLeafError(
-        f"leaf {name!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}, which "
-        "jaxckpt cannot store; leaves must be jax.Array, NumPy arrays or int/float/bool/str/"
-        "None. Convert it, or register its class as a pytree node so its fields are leaves"
-    )
 
 
 # --- save ----------------------------------------------------------------------------------
@@ -158,8 +66,8 @@ def save(
         raise CheckpointExistsError(
             f"{loc.url} already holds a committed checkpoint; choose a new path or delete it first"
         )
-    meshes: list[dict] = []
-    leaves = [_describe(p, leaf, meshes, compression) for p, leaf in tree_lib.flatten(tree)]
+    staged = describe(tree, compression=compression)
+    leaves, meshes = list(staged.leaves), staged.meshes
     _check_unique_names(leaves, loc)
     pid, count = multihost.process_index(), multihost.process_count()
     save_id = multihost.broadcast(
@@ -189,7 +97,7 @@ def save(
         raise
 
 
-def _check_unique_names(leaves: list[_Leaf], loc: Location) -> None:
+def _check_unique_names(leaves: list[StagedLeaf], loc: Location) -> None:
     seen: dict[str, list] = {}
     for leaf in leaves:
         other = seen.setdefault(leaf.record.name, leaf.record.path)
@@ -200,7 +108,7 @@ def _check_unique_names(leaves: list[_Leaf], loc: Location) -> None:
             )
 
 
-def _manifest(leaves: list[_Leaf], meshes: list[dict], count: int, metadata: Any) -> Manifest:
+def _manifest(leaves: list[StagedLeaf], meshes: list[dict], count: int, metadata: Any) -> Manifest:
     per_process = [0] * count
     for rec in (leaf.record for leaf in leaves):
         if not rec.chunk_writers:

@@ -1,0 +1,201 @@
+"""Describing a pytree for writing, and the device->host snapshot of the owned shards.
+
+``describe`` decides, for every leaf, what goes into the manifest and which shards this
+process writes (one replica of each). ``stage`` does the same and also copies those shards
+into host memory now (``copy_to_host_async`` on all of them before any is awaited), so an
+asynchronous save only needs the host copy; host buffers are reused across saves.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import arrays, multihost
+from . import tree as tree_lib
+from .errors import UnsupportedLeafError
+from .manifest import LeafRecord
+from .sharding import chunk_shape, normalize_index, shard_owners, sharding_to_json
+
+_PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A pytree described for writing; with ``host=True`` its owned shards are on the host.
+
+    Pass it to ``CheckpointManager.save`` (or ``jaxckpt.save``) in place of the tree.
+    """
+
+    leaves: tuple[StagedLeaf, ...]
+    meshes: list[dict]
+    compression: str | None
+    host_bytes: int  # bytes of host copies this handle holds (0 when not staged)
+
+
+@dataclass(frozen=True)
+class StagedLeaf:
+    record: LeafRecord
+    write: arrays.ArrayWrite | None
+
+
+def _describe(
+    path: list, leaf: Any, meshes: list[dict], compression: str | None, host: _HostCopies | None
+) -> StagedLeaf:
+    name = tree_lib.path_name(path)
+    pid = multihost.process_index()
+    if type(leaf) in _PY_TYPES:
+        record = LeafRecord(path, name, "python", value=leaf, python_type=_PY_TYPES[type(leaf)])
+        return StagedLeaf(record, None)
+    if isinstance(leaf, jax.Array):
+        kind, impl, arr = "array", None, leaf
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            kind, impl, arr = "prng_key", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
+        shape = tuple(arr.shape)
+        stored = arrays.stored_dtype(np.dtype(arr.dtype))
+        chunks = chunk_shape(arr.sharding, shape)
+        owners = shard_owners(arr.sharding, shape)
+        writers = [
+            [[start // c for (start, _), c in zip(index, chunks, strict=True)], d.process_index]
+            for index, d in owners.items()
+        ]
+        pieces = [
+            (index, _shard_getter(shard, host, name, index))
+            for shard in arr.addressable_shards
+            if owners.get(index := normalize_index(shard.index, shape)) == shard.device
+            and math.prod(shape)
+        ]
+        nbytes = math.prod(shape) * np.dtype(stored).itemsize
+        record = LeafRecord(
+            path,
+            name,
+            kind,
+            shape=list(shape),
+            dtype=str(leaf.dtype),
+            stored_dtype=stored if stored != str(arr.dtype) else None,
+            sharding=sharding_to_json(arr.sharding, meshes),
+            chunk_shape=chunks,
+            nbytes=nbytes,
+            chunk_writers=writers if nbytes else None,
+            prng_impl=impl,
+        )
+        mine = (
+            sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * np.dtype(stored).itemsize
+        )
+        write = arrays.ArrayWrite(
+            name, arrays.zarr_metadata(shape, stored, chunks, compression), pieces, pid == 0, mine
+        )
+        return StagedLeaf(record, write)
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        arr = np.asarray(leaf)
+        stored = arrays.stored_dtype(arr.dtype)
+        chunks = [max(1, d) for d in arr.shape]
+        whole = tuple((0, d) for d in arr.shape)
+        pieces = [(whole, _numpy_getter(arr, host, name))] if pid == 0 and arr.size else []
+        nbytes = arr.size * np.dtype(stored).itemsize
+        record = LeafRecord(
+            path,
+            name,
+            "numpy",
+            shape=list(arr.shape),
+            dtype=arr.dtype.name,
+            stored_dtype=stored if stored != arr.dtype.name else None,
+            chunk_shape=chunks,
+            nbytes=nbytes,
+            chunk_writers=[[[0] * arr.ndim, 0]] if nbytes else None,
+            scalar=isinstance(leaf, np.generic),
+        )
+        meta = arrays.zarr_metadata(arr.shape, stored, chunks, compression)
+        return StagedLeaf(
+            record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes if pid == 0 else 0)
+        )
+    raise UnsupportedLeafError(
+        f"leaf {name!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}, which "
+        "jaxckpt cannot store; leaves must be jax.Array, NumPy arrays or int/float/bool/str/"
+        "None. Convert it, or register its class as a pytree node so its fields are leaves"
+    )
+
+
+class _HostCopies:
+    """Reusable host buffers keyed by (leaf, shard index); one set per manager."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, np.ndarray] = {}
+        self.copies: list[tuple[np.ndarray, Any]] = []  # (destination, source) pending
+        self.lock = threading.Lock()
+
+    def buffer(self, key: tuple, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.buffers[key] = np.empty(shape, dtype)
+        return buf
+
+    def run_copies(self) -> None:
+        """Copies every pending source into its buffer (two threads: memcpy drops the GIL)."""
+        pending, self.copies = self.copies, []
+
+        def copy(item: tuple[np.ndarray, Any]) -> None:
+            dst, src = item
+            np.copyto(dst, np.asarray(src), casting="no")
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(copy, pending))
+
+
+def _shard_getter(
+    shard: Any, host: _HostCopies | None, name: str, index
+) -> Callable[[], np.ndarray]:
+    if host is None:
+        return lambda: np.asarray(shard.data)
+    data = shard.data
+    if data.platform() != "cpu":
+        data.copy_to_host_async()
+    buf = host.buffer((name, index), tuple(data.shape), np.dtype(data.dtype))
+    host.copies.append((buf, data))
+    return lambda: buf
+
+
+def _numpy_getter(arr: np.ndarray, host: _HostCopies | None, name: str) -> Callable[[], np.ndarray]:
+    if host is None:
+        return lambda: np.array(arr, order="C", copy=not arr.flags.c_contiguous)
+    buf = host.buffer((name, None), arr.shape, arr.dtype)
+    host.copies.append((buf, arr))
+    return lambda: buf
+
+
+def describe(
+    tree: Any, *, compression: str | None = None, host: _HostCopies | None = None
+) -> Staged:
+    """Describes ``tree`` for writing; with ``host``, also snapshots the owned shards."""
+    if isinstance(tree, Staged):
+        return tree
+    meshes: list[dict] = []
+    leaves = tuple(
+        _describe(p, leaf, meshes, compression, host) for p, leaf in tree_lib.flatten(tree)
+    )
+    held = 0
+    if host is not None:
+        held = sum(buf.nbytes for buf, _ in host.copies)
+        host.run_copies()
+    return Staged(leaves, meshes, compression, held)
+
+
+def stage(
+    tree: Any, *, compression: str | None = None, buffers: _HostCopies | None = None
+) -> Staged:
+    """Starts device->host copies of the shards this process owns and returns a handle.
+
+    Call it right after the update step; the training loop can go on while
+    ``CheckpointManager.save(step, staged)`` writes the snapshot in the background.
+
+    >>> staged = jaxckpt.stage(state)
+    >>> mgr.save(step, staged)
+    """
+    return describe(tree, compression=compression, host=buffers or _HostCopies())
