@@ -5,18 +5,26 @@
 >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
 """
 
-from . import errors
+from . import errors, export
 from .checkpoint import metadata, restore, save, user_metadata
+from .manager import CheckpointManager
 from .manifest import FORMAT_VERSION, ArrayInfo
+from .options import Options
+from .staging import Staged, stage
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArrayInfo",
+    "CheckpointManager",
+    "Options",
+    "Staged",
     "FORMAT_VERSION",
     "errors",
+    "export",
     "metadata",
     "restore",
     "save",
+    "stage",
     "user_metadata",
 ]

@@ -49,6 +49,7 @@ def save(
     tree: Any,
     *,
     metadata: Any = None,
+    metrics: dict | None = None,
     compression: str | None = None,
     batch_bytes: int = arrays.DEFAULT_BATCH_BYTES,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -57,7 +58,8 @@ def save(
 
     Every process must call it with the same tree structure. Each writes only the shards it
     owns, one replica of each. ``metadata`` is any JSON-serializable value kept in the
-    manifest. Refuses to overwrite a committed checkpoint.
+    manifest; ``metrics`` a dict of numbers (used by the manager to rank steps). ``tree``
+    may be a handle from :func:`jaxckpt.stage`. Refuses to overwrite a committed checkpoint.
 
     >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
     """
@@ -83,7 +85,7 @@ def save(
         if pid == 0:
             if count > 1:
                 arrays.merge(work, count)
-            manifest = _manifest(leaves, meshes, count, metadata)
+            manifest = _manifest(leaves, meshes, count, metadata, metrics)
             work.write_bytes(MANIFEST_FILE, manifest.to_json().encode())
             if work != loc:
                 if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
@@ -108,7 +110,9 @@ def _check_unique_names(leaves: list[StagedLeaf], loc: Location) -> None:
             )
 
 
-def _manifest(leaves: list[StagedLeaf], meshes: list[dict], count: int, metadata: Any) -> Manifest:
+def _manifest(
+    leaves: list[StagedLeaf], meshes: list[dict], count: int, metadata: Any, metrics: dict | None
+) -> Manifest:
     per_process = [0] * count
     for rec in (leaf.record for leaf in leaves):
         if not rec.chunk_writers:
@@ -126,6 +130,7 @@ def _manifest(leaves: list[StagedLeaf], meshes: list[dict], count: int, metadata
         process_count=count,
         bytes_per_process=per_process,
         metadata=metadata,
+        metrics=metrics,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         writer={
             "jaxckpt": _version(),

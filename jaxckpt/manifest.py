@@ -56,6 +56,7 @@ class Manifest:
     process_count: int
     bytes_per_process: list[int]
     metadata: Any = None
+    metrics: dict | None = None
     created: str = ""
     writer: dict = field(default_factory=dict)
     format_version: tuple[int, int] = FORMAT_VERSION
@@ -70,6 +71,7 @@ class Manifest:
             "bytes_per_process": self.bytes_per_process,
             "arrays": ARRAYS_DIR,
             "metadata": self.metadata,
+            "metrics": self.metrics,
             "meshes": self.meshes,
             "leaves": [
                 {
@@ -106,6 +108,7 @@ class Manifest:
                 process_count=doc["process_count"],
                 bytes_per_process=doc["bytes_per_process"],
                 metadata=doc.get("metadata"),
+                metrics=doc.get("metrics"),
                 created=doc.get("created", ""),
                 writer=doc.get("writer", {}),
                 format_version=version,

@@ -7,6 +7,7 @@ have no rename, so there the commit marker written last is the truth.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -97,6 +98,13 @@ class Location:
                 return []
         keys = _kv(self).list().result()
         return sorted({k.decode().split("/", 1)[0] for k in keys})
+
+    def delete_file(self, name: str) -> None:
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.url, name))
+            return
+        _kv(self).delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
 
     def remove(self) -> None:
         """Deletes this directory / prefix and everything under it."""

@@ -1,0 +1,342 @@
+"""``CheckpointManager``: numbered steps in one directory, policies, and a background writer.
+
+``save`` blocks for the device->host copy of the owned shards only; one persistent thread
+writes and commits (at most one save in flight). A background failure is raised at the next
+``save`` / ``wait_until_finished`` / ``close``. Steps are ``<directory>/<zero-padded step>``;
+only directories with a ``COMMITTED`` marker exist, leftovers of interrupted saves are
+deleted when a manager starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import weakref
+from typing import Any
+
+import jax
+
+from . import checkpoint, multihost
+from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from .manifest import COMMIT_FILE
+from .options import Options
+from .staging import Staged, _HostCopies, describe
+from .storage import Location, location
+
+log = logging.getLogger("jaxckpt")
+
+_live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+class BackgroundSaveError(CheckpointError):
+    """A save that ran in the background failed; raised at the next call."""
+
+
+class CheckpointManager:
+    """Saves and restores numbered steps of a training run.
+
+    >>> with jaxckpt.CheckpointManager("/ckpt/run1", jaxckpt.Options(max_to_keep=3)) as mgr:
+    ...     for step in range(1000):
+    ...         state = train_step(state)
+    ...         mgr.save(step, state, metrics={"loss": float(loss)})
+    >>> state = mgr.restore(target=abstract_state)
+    """
+
+    def __init__(self, directory: str | os.PathLike, options: Options | None = None):
+        self.directory: Location = location(directory)
+        self.options = options or Options()
+        if self.options.create:
+            self.directory.makedirs()
+        elif self.directory.is_local and not os.path.isdir(self.directory.url):
+            raise CheckpointNotFoundError(
+                f"{self.directory.url} does not exist; create it or pass Options(create=True)"
+            )
+        self._host = _HostCopies()
+        self._error: BaseException | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._metrics: dict[int, dict | None] = {}
+        if self.options.cleanup_tmp and multihost.process_index() == 0:
+            self._cleanup()
+        self.reload()
+        _live.add(self)
+
+    # --- listing -------------------------------------------------------------------------
+
+    def step_path(self, step: int) -> Location:
+        return self.directory.join(f"{step:0{self.options.step_digits}d}")
+
+    def reload(self) -> None:
+        """Re-reads the directory: sees steps another process committed or deleted."""
+        steps: dict[int, dict | None] = {}
+        for name in self.directory.list_children():
+            if name.isdigit() and self.directory.join(name).exists(COMMIT_FILE):
+                step = int(name)
+                steps[step] = self._metrics.get(step, _NOT_READ)
+        self._metrics = steps
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(self._metrics)
+
+    def latest_step(self) -> int | None:
+        return max(self._metrics, default=None)
+
+    def metrics(self, step: int) -> dict | None:
+        """The metrics saved with ``step`` (None if none were given)."""
+        self._require(step)
+        if self._metrics[step] is _NOT_READ:
+            self._metrics[step] = checkpoint.read_manifest(self.step_path(step)).metrics
+        return self._metrics[step]
+
+    def best_step(self) -> int | None:
+        """The step whose metrics rank best by ``Options.best_fn`` (newest without one)."""
+        ranked = self._ranked()
+        if ranked is None:
+            return self.latest_step()
+        return ranked[0] if ranked else None
+
+    def metadata(self, step: int | None = None) -> Any:
+        """The tree of leaf info of ``step`` (default: newest); see ``jaxckpt.metadata``."""
+        return checkpoint.metadata(self.step_path(self._step_or_latest(step)).url)
+
+    def should_save(self, step: int) -> bool:
+        """True when the interval policy asks for ``step`` and it is not saved yet."""
+        return step % self.options.save_interval_steps == 0 and step not in self._metrics
+
+    # --- save ----------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict | None = None,
+        metadata: Any = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves ``state`` (a pytree, or a ``jaxckpt.stage`` handle) as ``step``.
+
+        Returns False when the policy says not now. With ``async_save`` it returns once the
+        owned shards are on the host; the write and commit run in the background.
+        """
+        self._check_open()
+        self._raise_background_error()
+        if not force and not self.should_save(step):
+            return False
+        if step in self._metrics:
+            raise CheckpointExistsError(
+                f"step {step} is already committed at {self.step_path(step).url}; delete it "
+                "first (mgr.delete(step)) or save another step"
+            )
+        self.wait_until_finished()
+        opts = self.options
+        staged = state if isinstance(state, Staged) else None
+        if staged is None and opts.async_save and not self._over_budget(state):
+            staged = describe(state, compression=opts.compression, host=self._host)
+        job = (step, staged if staged is not None else state, metrics, metadata)
+        if staged is None or not opts.async_save:
+            self._write(*job)
+            self._raise_background_error()
+            return True
+        self._idle.clear()
+        self._ensure_thread()
+        self._queue.put(job)
+        return True
+
+    def _over_budget(self, state: Any) -> bool:
+        budget = self.options.staging_budget_bytes
+        if budget is None:
+            return False
+        owned = describe(state, compression=self.options.compression)
+        total = sum(leaf.write.nbytes for leaf in owned.leaves if leaf.write is not None)
+        if total > budget:
+            log.warning(
+                "jaxckpt: %d bytes to stage exceed staging_budget_bytes=%d; saving synchronously",
+                total,
+                budget,
+            )
+            return True
+        return False
+
+    def _write(self, step: int, state: Any, metrics: dict | None, metadata: Any) -> None:
+        try:
+            checkpoint.save(
+                self.step_path(step).url,
+                state,
+                metadata=metadata,
+                metrics=metrics,
+                compression=self.options.compression,
+                timeout_s=self.options.timeout_s,
+            )
+            self._metrics[step] = metrics
+            self._apply_retention()
+        except BaseException as e:  # kept and re-raised in the caller's thread
+            self._error = BackgroundSaveError(
+                f"saving step {step} to {self.directory.url} failed: {e}"
+            )
+            self._error.__cause__ = e
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="jaxckpt-writer", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._write(*job)
+            finally:
+                self._idle.set()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight is committed; raises its error if it failed."""
+        if not self._idle.wait(self.options.timeout_s):
+            raise BackgroundSaveError(
+                f"{self.directory.url}: the background save did not finish within "
+                f"{self.options.timeout_s:.0f}s (Options.timeout_s)"
+            )
+        self._raise_background_error()
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # --- retention -----------------------------------------------------------------------
+
+    def _ranked(self) -> list[int] | None:
+        fn = self.options.best_fn
+        if fn is None:
+            return None
+        scored = []
+        for step in self._metrics:
+            m = self.metrics(step)
+            if m is not None:
+                scored.append((fn(m), step))
+        reverse = self.options.best_mode == "max"
+        scored.sort(key=lambda t: t[0], reverse=reverse)
+        return [s for _, s in scored]
+
+    def _apply_retention(self) -> None:
+        opts = self.options
+        if opts.max_to_keep is None or multihost.process_index() != 0:
+            return
+        steps = self.all_steps()
+        newest = steps[-1] if steps else None
+        forever = {s for s in steps if opts.keep_period and s % opts.keep_period == 0}
+        ranked = self._ranked()
+        if ranked is None:
+            candidates = list(reversed(steps))
+        else:  # best first; steps without metrics rank after, newest first
+            candidates = ranked + [s for s in reversed(steps) if s not in ranked]
+        keep = set(candidates[: opts.max_to_keep]) | forever | {newest}
+        for step in steps:
+            if step not in keep:
+                self._delete(step)
+
+    def delete(self, step: int) -> None:
+        """Deletes a committed step (its marker first, so a half-deleted step is invisible)."""
+        self._require(step)
+        self.wait_until_finished()
+        if multihost.process_index() == 0:
+            self._delete(step)
+        else:
+            self._metrics.pop(step, None)
+
+    def _delete(self, step: int) -> None:
+        path = self.step_path(step)
+        path.delete_file(COMMIT_FILE)
+        path.remove()
+        self._metrics.pop(step, None)
+
+    def _cleanup(self) -> None:
+        """Deletes temporary and uncommitted step directories left by interrupted saves."""
+        for name in self.directory.list_children():
+            child = self.directory.join(name)
+            if ".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE)):
+                log.info("jaxckpt: removing leftover %s", child.url)
+                child.remove()
+
+    # --- restore -------------------------------------------------------------------------
+
+    def restore(
+        self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None
+    ) -> Any:
+        """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`."""
+        self.wait_until_finished()
+        return checkpoint.restore(
+            self.step_path(self._step_or_latest(step)).url, target=target, mesh=mesh
+        )
+
+    def _step_or_latest(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"{self.directory.url} holds no committed step; train from scratch or "
+                    "point the manager at the run's directory"
+                )
+        self._require(step)
+        return step
+
+    def _require(self, step: int) -> None:
+        if step not in self._metrics:
+            raise CheckpointNotFoundError(
+                f"step {step} is not a committed step of {self.directory.url} "
+                f"(committed: {self.all_steps()}); call reload() if another process saved it"
+            )
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the manager of {self.directory.url} is closed")
+
+    def close(self) -> None:
+        """Finishes the save in flight, stops the writer thread, raises a pending error."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._idle.wait(self.options.timeout_s)
+        finally:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join(self.options.timeout_s)
+                self._thread = None
+            _live.discard(self)
+        self._raise_background_error()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _NotRead:
+    def __repr__(self) -> str:
+        return "<metrics not read>"
+
+
+_NOT_READ: Any = _NotRead()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit, finish what is in flight: no half-visible step, no thread."""
+    for mgr in list(_live):
+        try:
+            mgr.close()
+        except Exception as e:  # nobody is left to raise it to
+            log.error("jaxckpt: %s", e)

@@ -1,0 +1,105 @@
+"""``Options``: how a CheckpointManager saves, keeps and times out; readable from TOML files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CheckpointError
+
+
+class OptionsError(CheckpointError, ValueError):
+    """An option file or value is invalid."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Policies of a :class:`CheckpointManager`.
+
+    save_interval_steps: save when ``step % save_interval_steps == 0`` (``force`` overrides).
+    max_to_keep: committed steps kept (the newest ones, or the best ones with ``best_fn``);
+        None keeps all. The newest step is never deleted.
+    keep_period: steps that are multiples of it are kept forever, in addition to the
+        ``max_to_keep`` newest (or best).
+    best_fn / best_mode: rank steps by ``best_fn(metrics)``, lower (``"min"``) or higher
+        (``"max"``) is better; ``best_metric = "loss"`` in a file means ``m["loss"]``.
+    async_save: ``save`` returns after the device->host copy; a background thread writes.
+    staging_budget_bytes: host memory for that copy; a state bigger than it is saved
+        synchronously instead (None: no limit).
+    step_digits: zero padding of step directory names (``00001000``).
+    create: create the directory if missing. cleanup_tmp: delete leftovers of
+        interrupted saves when the manager starts.
+    timeout_s: bound on every cross-process wait and on ``close``.
+    compression: None or ``"zstd"``.
+    """
+
+    save_interval_steps: int = 1
+    max_to_keep: int | None = None
+    keep_period: int | None = None
+    best_fn: Callable[[dict], float] | None = None
+    best_mode: str = "min"
+    async_save: bool = True
+    staging_budget_bytes: int | None = None
+    step_digits: int = 8
+    create: bool = True
+    cleanup_tmp: bool = True
+    timeout_s: float = 600.0
+    compression: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.save_interval_steps < 1:
+            raise OptionsError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise OptionsError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        if self.keep_period is not None and self.keep_period < 1:
+            raise OptionsError(f"keep_period must be >= 1 or None, got {self.keep_period}")
+        if self.best_mode not in ("min", "max"):
+            raise OptionsError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        if self.compression not in (None, "zstd"):
+            raise OptionsError(f"compression must be None or 'zstd', got {self.compression!r}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> Options:
+        """Reads a TOML option file (see ``configs/``); unknown keys are an error.
+
+        TOML has no null: leave a key out to keep its default (None where it is None).
+
+        >>> Options.from_file("configs/default.toml", max_to_keep=3)
+        """
+        with open(path, "rb") as f:
+            try:
+                doc = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise OptionsError(f"{os.fspath(path)}: not valid TOML: {e}") from e
+        return cls.from_dict(doc, where=os.fspath(path), **overrides)
+
+    @classmethod
+    def from_dict(cls, doc: dict, *, where: str = "options", **overrides: Any) -> Options:
+        doc = dict(doc)
+        fields = {f.name for f in dataclasses.fields(cls)} - {"best_fn"}
+        metric = doc.pop("best_metric", None)
+        unknown = sorted(set(doc) - fields)
+        if unknown:
+            raise OptionsError(
+                f"{where}: unknown option(s) {unknown}; known options are {sorted(fields)} "
+                "and best_metric"
+            )
+        if metric is not None:
+            doc["best_fn"] = _metric_getter(str(metric))
+        doc.update(overrides)
+        try:
+            return cls(**doc)
+        except TypeError as e:
+            raise OptionsError(f"{where}: {e}") from e
+
+
+def _metric_getter(name: str) -> Callable[[dict], float]:
+    def get(metrics: dict) -> float:
+        return float(metrics[name])
+
+    get.__name__ = f"metric[{name!r}]"
+    return get

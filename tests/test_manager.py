@@ -1,0 +1,241 @@
+"""CheckpointManager: policies, async saves, staging, errors, option files, leftovers."""
+
+import os
+import shutil
+import threading
+
+import jax
+import numpy as np
+import pytest
+from conftest import assert_tree_equal, sharded
+
+import jaxckpt
+from jaxckpt import errors
+from jaxckpt.manager import BackgroundSaveError
+from jaxckpt.options import OptionsError
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def _state(mesh, step):
+    return {
+        "w": sharded(np.full((64, 32), step, np.float32), mesh, ("data", "model")),
+        "b": sharded(np.arange(32, dtype=np.float32) + step, mesh, ("model",)),
+        "step": step,
+    }
+
+
+def test_async_save_restore_and_listing(mesh42, tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        for step in range(3):
+            assert mgr.save(step, _state(mesh42, step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 1, 2] and mgr.latest_step() == 2
+        assert_tree_equal(mgr.restore(), _state(mesh42, 2))
+        assert_tree_equal(mgr.restore(1, target=_state(mesh42, 0)), _state(mesh42, 1))
+        assert mgr.metadata(1)["w"].shape == (64, 32)
+    assert sorted(os.listdir(tmp_path)) == ["00000000", "00000001", "00000002"]
+    # a fresh manager sees the same committed steps
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [0, 1, 2]
+
+
+def test_snapshot_is_taken_when_save_returns(mesh42, tmp_path):
+    """The async save writes what the state was at save(), whatever happens to it after."""
+    host = np.full((64, 32), 1.0, np.float32)
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"x": host})
+        host[:] = 99.0  # mutate right after save returned
+        mgr.wait_until_finished()
+        np.testing.assert_array_equal(mgr.restore(1)["x"], np.full((64, 32), 1.0))
+
+
+def test_stage_handle(mesh42, tmp_path):
+    state = _state(mesh42, 5)
+    staged = jaxckpt.stage(state)
+    assert staged.host_bytes == 64 * 32 * 4 + 32 * 4
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(5, staged)
+        mgr.wait_until_finished()
+        assert_tree_equal(mgr.restore(5, target=state), state)
+    jaxckpt.save(tmp_path / "single", jaxckpt.stage(state))
+    assert_tree_equal(jaxckpt.restore(tmp_path / "single", target=state), state)
+
+
+def test_host_buffers_are_reused_across_saves(mesh42, tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(0, _state(mesh42, 0))
+        mgr.wait_until_finished()
+        before = {k: id(v) for k, v in mgr._host.buffers.items()}
+        mgr.save(1, _state(mesh42, 1))
+        mgr.wait_until_finished()
+        assert {k: id(v) for k, v in mgr._host.buffers.items()} == before
+        assert_tree_equal(mgr.restore(0), _state(mesh42, 0))
+
+
+def test_sync_mode(mesh42, tmp_path):
+    opts = jaxckpt.Options(async_save=False)
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        mgr.save(3, _state(mesh42, 3))
+        assert mgr._thread is None and mgr.all_steps() == [3]
+
+
+def test_intervals_and_force(mesh42, tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, jaxckpt.Options(save_interval_steps=5)) as mgr:
+        saved = [s for s in range(12) if mgr.save(s, {"s": s})]
+        assert saved == [0, 5, 10]
+        assert mgr.save(7, {"s": 7}, force=True)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 5, 7, 10]
+        assert not mgr.save(5, {"s": 5})  # already saved: the policy says no
+        with pytest.raises(errors.CheckpointExistsError, match="step 5"):
+            mgr.save(5, {"s": 5}, force=True)
+
+
+def test_max_to_keep_and_keep_period(tmp_path):
+    opts = jaxckpt.Options(max_to_keep=2, keep_period=4)
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        for s in range(10):
+            mgr.save(s, {"s": np.int32(s)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 4, 8, 9]
+    assert sorted(os.listdir(tmp_path)) == ["00000000", "00000004", "00000008", "00000009"]
+
+
+def test_best_n_by_metric_keeps_newest(tmp_path):
+    losses = [5.0, 1.0, 4.0, 0.5, 3.0, 2.0]
+    opts = jaxckpt.Options(max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        for s, loss in enumerate(losses):
+            mgr.save(s, {"s": s}, metrics={"loss": loss})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3, 5]  # best two, plus the newest
+        assert mgr.best_step() == 3
+        assert mgr.metrics(1) == {"loss": 1.0}
+    # metrics survive a restart
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        assert mgr.best_step() == 3
+
+
+def test_best_mode_max(tmp_path):
+    opts = jaxckpt.Options(max_to_keep=1, best_fn=lambda m: m["acc"], best_mode="max")
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        for s, acc in enumerate([0.1, 0.9, 0.5, 0.3]):
+            mgr.save(s, {"s": s}, metrics={"acc": acc})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3]
+
+
+def test_delete_and_reload(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path) as mgr, jaxckpt.CheckpointManager(tmp_path) as other:
+        mgr.save(1, {"a": 1})
+        mgr.save(2, {"a": 2})
+        mgr.delete(1)
+        assert mgr.all_steps() == [2]
+        assert other.all_steps() == []
+        other.reload()
+        assert other.all_steps() == [2]
+        with pytest.raises(errors.CheckpointNotFoundError, match="step 1"):
+            mgr.restore(1)
+
+
+def test_background_failure_surfaces_with_step(tmp_path):
+    directory = tmp_path / "run"
+    mgr = jaxckpt.CheckpointManager(directory)
+    shutil.rmtree(directory)
+    directory.write_text("not a directory any more")  # the next write must fail
+    assert mgr.save(7, {"x": np.ones(4)})
+    with pytest.raises(BackgroundSaveError, match="step 7") as info:
+        mgr.wait_until_finished()
+    assert info.value.__cause__ is not None
+    mgr.close()  # the error was raised once; close is clean
+    assert not any(t.name == "jaxckpt-writer" for t in threading.enumerate())
+
+
+def test_background_failure_raised_at_next_save_and_close(tmp_path):
+    directory = tmp_path / "run"
+    mgr = jaxckpt.CheckpointManager(directory)
+    shutil.rmtree(directory)
+    directory.write_text("x")
+    mgr.save(1, {"x": np.ones(4)})
+    mgr._idle.wait()
+    with pytest.raises(BackgroundSaveError, match="step 1"):
+        mgr.save(2, {"x": np.ones(4)})
+    mgr2 = jaxckpt.CheckpointManager(tmp_path / "run2")
+    shutil.rmtree(tmp_path / "run2")
+    (tmp_path / "run2").write_text("x")
+    mgr2.save(3, {"x": np.ones(4)})
+    with pytest.raises(BackgroundSaveError, match="step 3"):
+        mgr2.close()
+    mgr.close()
+
+
+def test_close_with_save_in_flight_finishes_it(mesh42, tmp_path):
+    big = {"w": sharded(np.ones((2048, 1024), np.float32), mesh42, ("data",))}
+    mgr = jaxckpt.CheckpointManager(tmp_path)
+    mgr.save(1, big)
+    mgr.close()
+    assert not any(t.name == "jaxckpt-writer" for t in threading.enumerate())
+    assert sorted(os.listdir(tmp_path)) == ["00000001"]
+    assert_tree_equal(jaxckpt.restore(tmp_path / "00000001", target=big), big)
+    with pytest.raises(errors.CheckpointError, match="closed"):
+        mgr.save(2, big)
+
+
+def test_leftovers_are_cleaned_and_never_listed(tmp_path):
+    jaxckpt.save(tmp_path / "00000001", {"a": 1})
+    jaxckpt.save(tmp_path / "00000002", {"a": 2})
+    os.remove(tmp_path / "00000002" / "COMMITTED")  # crashed before its marker
+    (tmp_path / "00000003.tmp-abc" / "arrays").mkdir(parents=True)  # crashed mid-write
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [1]
+        assert sorted(os.listdir(tmp_path)) == ["00000001"]
+        mgr.save(2, {"a": 22})
+        mgr.wait_until_finished()
+        assert mgr.restore(2) == {"a": 22}
+
+
+def test_staging_budget_falls_back_to_sync(mesh42, tmp_path):
+    opts = jaxckpt.Options(staging_budget_bytes=1024)
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        mgr.save(0, _state(mesh42, 0))
+        assert mgr.all_steps() == [0]  # written before save returned
+        assert mgr._host.buffers == {}
+
+
+def test_restore_empty_directory(tmp_path):
+    with (
+        jaxckpt.CheckpointManager(tmp_path) as mgr,
+        pytest.raises(errors.CheckpointNotFoundError, match="no committed step"),
+    ):
+        mgr.restore()
+
+
+def test_option_files(tmp_path):
+    for name in ("default.toml", "large_run.toml", "best_of.toml"):
+        opts = jaxckpt.Options.from_file(os.path.join(CONFIGS, name))
+        assert isinstance(opts, jaxckpt.Options)
+    best = jaxckpt.Options.from_file(os.path.join(CONFIGS, "best_of.toml"))
+    assert best.best_fn({"eval_loss": 0.25}) == 0.25 and best.max_to_keep == 2
+    assert (
+        jaxckpt.Options.from_file(os.path.join(CONFIGS, "default.toml"), max_to_keep=3).max_to_keep
+        == 3
+    )
+    bad = tmp_path / "bad.toml"
+    bad.write_text("save_interval_steps = 10\nmax_to_kep = 3\n")
+    with pytest.raises(OptionsError, match="max_to_kep"):
+        jaxckpt.Options.from_file(bad)
+    bad.write_text("save_interval_steps = 0\n")
+    with pytest.raises(OptionsError, match="save_interval_steps"):
+        jaxckpt.Options.from_file(bad)
+    bad.write_text("save_interval_steps = \n")
+    with pytest.raises(OptionsError, match="not valid TOML"):
+        jaxckpt.Options.from_file(bad)
+
+
+def test_prng_and_python_leaves_through_manager(mesh42, tmp_path):
+    state = {"key": jax.random.key(3), "lr": 0.1, "name": "run"}
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(0, state)
+        mgr.wait_until_finished()
+        assert_tree_equal(mgr.restore(0, target=state), state)
