@@ -239,3 +239,39 @@ def test_prng_and_python_leaves_through_manager(mesh42, tmp_path):
         mgr.save(0, state)
         mgr.wait_until_finished()
         assert_tree_equal(mgr.restore(0, target=state), state)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_exposes_a_partial_step(tmp_path):
+    """20 trials: a saving loop is SIGKILLed at a random moment; only committed steps show."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+    from crash_loop import expected
+
+    worker = os.path.join(os.path.dirname(__file__), "workers", "crash_loop.py")
+    rng = random.Random(1234)
+    directory = tmp_path / "run"
+    newest_seen = 0
+    for trial in range(20):
+        proc = subprocess.Popen(
+            [sys.executable, worker, str(directory)], stdout=subprocess.PIPE, text=True
+        )
+        line = proc.stdout.readline()
+        assert line.startswith("ready"), f"trial {trial}: worker said {line!r}"
+        time.sleep(rng.uniform(0.0, 0.8))
+        proc.kill()
+        proc.wait()
+        with jaxckpt.CheckpointManager(directory, jaxckpt.Options(max_to_keep=3)) as mgr:
+            steps = mgr.all_steps()
+            assert steps, f"trial {trial}: nothing committed"
+            leftovers = [n for n in os.listdir(directory) if not n.isdigit()]
+            assert leftovers == [], f"trial {trial}: leftovers not cleaned: {leftovers}"
+            assert all((directory / f"{s:08d}" / "COMMITTED").exists() for s in steps)
+            newest = mgr.latest_step()
+            assert newest >= newest_seen
+            newest_seen = newest
+            assert_tree_equal(mgr.restore(), expected(newest) | {"step": newest})

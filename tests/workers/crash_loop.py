@@ -1,0 +1,45 @@
+"""Worker: saves a deterministic state every step, forever, until it is killed.
+
+usage: crash_loop.py DIR      (prints "ready" once the first save was issued)
+The state at step s is ``expected(s)`` so the parent can check any restored step.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxckpt  # noqa: E402
+
+
+def expected(step: int) -> dict:
+    return {
+        "w": np.full((512, 256), step, np.float32),
+        "b": np.arange(256, dtype=np.float32) * step,
+        "step": step,
+    }
+
+
+def main(directory: str) -> None:
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    specs = {"w": P("data", "model"), "b": P("model")}
+    mgr = jaxckpt.CheckpointManager(directory, jaxckpt.Options(max_to_keep=3))
+    step = (mgr.latest_step() or 0) + 1
+    while True:
+        state = {
+            k: jax.device_put(v, NamedSharding(mesh, specs[k])) if k in specs else v
+            for k, v in expected(step).items()
+        }
+        mgr.save(step, state)
+        if step == (mgr.all_steps() or [0])[0] + 1 or step % 5 == 0:
+            print("ready", step, flush=True)
+        step += 1
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
