@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .errors import ShardingError
 
@@ -30,6 +30,7 @@ def mesh_to_json(mesh: Mesh) -> dict:
         "shape": [int(s) for s in mesh.devices.shape],
         "device_ids": ids.tolist(),
         "process_indices": procs.tolist(),
+        "axis_types": [str(t).rsplit(".", 1)[-1] for t in mesh.axis_types],
     }
 
 
@@ -111,7 +112,9 @@ def mesh_by_position(mesh_json: dict) -> Mesh | None:
     names = tuple(mesh_json["axis_names"])
     if math.prod(shape) != jax.device_count():
         return None
-    return jax.make_mesh(shape, names, devices=jax.devices())
+    types = mesh_json.get("axis_types")
+    axis_types = tuple(getattr(AxisType, t) for t in types) if types else None
+    return jax.make_mesh(shape, names, axis_types=axis_types, devices=jax.devices())
 
 
 def bind_spec(spec_json: list, mesh: Mesh, *, leaf: str, shape: tuple[int, ...]) -> NamedSharding:

@@ -275,3 +275,35 @@ def test_sigkill_at_random_moments_never_exposes_a_partial_step(tmp_path):
             assert newest >= newest_seen
             newest_seen = newest
             assert_tree_equal(mgr.restore(), expected(newest) | {"step": newest})
+
+
+@pytest.mark.slow
+def test_resume_after_kill_is_bit_identical(tmp_path):
+    """2N steps straight == N steps, SIGKILL, resume, N more: same losses, same parameters."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_flax.py")
+
+    def run(directory, log, *extra):
+        cmd = [sys.executable, example, "--dir", str(directory), "--steps", "12"]
+        cmd += ["--save-every", "3", "--log", str(log), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    straight = run(tmp_path / "a", tmp_path / "a.log")
+    assert straight.returncode == 0, straight.stderr
+    killed = run(tmp_path / "b", tmp_path / "b.log", "--kill-at", "6")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = run(tmp_path / "b", tmp_path / "b.log", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from step 6" in resumed.stdout
+
+    def losses(log):
+        return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+    assert losses(tmp_path / "a.log") == losses(tmp_path / "b.log")
+    assert len(losses(tmp_path / "a.log")) == 12
+    digest = [line for line in straight.stdout.splitlines() if "digest" in line]
+    assert digest and digest == [line for line in resumed.stdout.splitlines() if "digest" in line]
