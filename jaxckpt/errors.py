@@ -52,3 +52,19 @@ class StorageError(CheckpointError, OSError):
 
 class CoordinationError(CheckpointError):
     """Processes failed to agree (timeout, mismatch) during a multi-process save."""
+
+
+class ExportError(CheckpointError):
+    """An exported function cannot be saved, found or served as asked."""
+
+
+class ExportVersionError(ExportError):
+    """The export was written by a format or jax.export version the installed code can't read."""
+
+
+class ExportArgumentError(ExportError, ValueError):
+    """An argument given to a served function does not match the exported signature."""
+
+
+class ExportChecksumError(ExportError, ChecksumError):
+    """An exported artifact's SHA-256 differs from the one in signature.json: it is corrupt."""
