@@ -78,6 +78,12 @@ def save(
     work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
     try:
+        if work == loc:
+            # Object stores have no rename, so the arrays go straight to ``loc``: first clear
+            # what an earlier save that never committed left there (its zarr.json would clash).
+            if pid == 0 and loc.list_children():
+                loc.remove()
+            multihost.barrier(f"jaxckpt/{save_id}/cleared", timeout_s)
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
         arrays.write(db, writes, batch_bytes=batch_bytes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -49,13 +50,19 @@ class Location:
         return Location(self.url.rstrip("/").rsplit("/", 1)[0])
 
     def kvstore(self) -> dict:
-        """TensorStore kvstore spec for this directory (trailing slash: a prefix)."""
+        """TensorStore kvstore spec for this directory (trailing slash: a prefix).
+
+        ``s3://`` takes its endpoint, region and credentials from the environment the way
+        the AWS CLI does (see :func:`_s3_options`).
+        """
         if self.is_local:
             return {"driver": "file", "path": self.url + "/"}
         parsed = urlparse(self.url)
         spec = {"driver": "s3" if parsed.scheme == "s3" else "gcs", "bucket": parsed.netloc}
         prefix = parsed.path.lstrip("/")
         spec["path"] = prefix + "/" if prefix else ""
+        if parsed.scheme == "s3":
+            spec.update(_s3_options())
         return spec
 
     # --- small files -----------------------------------------------------------------
@@ -96,8 +103,11 @@ class Location:
                 return sorted(os.listdir(self.url))
             except FileNotFoundError:
                 return []
+        # Object stores have no directories and TensorStore's list has no delimiter: this lists
+        # every key under the prefix (one ListObjectsV2 request per 1000 keys), never keys
+        # outside it. A step holds a handful of objects, so a run of N steps costs ~N * 10 keys.
         keys = _kv(self).list().result()
-        return sorted({k.decode().split("/", 1)[0] for k in keys})
+        return sorted({name for k in keys if (name := k.decode().split("/", 1)[0])})
 
     def delete_file(self, name: str) -> None:
         if self.is_local:
@@ -111,6 +121,8 @@ class Location:
         if self.is_local:
             shutil.rmtree(self.url, ignore_errors=True)
             return
+        if not urlparse(self.url).path.strip("/"):
+            raise StorageError(f"refusing to delete {self.url}: it is a whole bucket")
         _kv(self).delete_range(ts.KvStore.KeyRange()).result()
 
     def makedirs(self) -> None:
@@ -152,3 +164,42 @@ def rename_dir(src: Location, dst: Location) -> None:
 
 def _kv(loc: Location) -> ts.KvStore:
     return ts.KvStore.open(loc.kvstore()).result()
+
+
+def _s3_options(environ: Mapping[str, str] | None = None) -> dict:
+    """The parts of an ``s3`` kvstore spec that TensorStore does not take from the environment.
+
+    TensorStore's s3 driver reads the credentials itself (``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, else ``AWS_PROFILE`` and the
+    ``~/.aws`` files, else the EC2/ECS metadata services) but not the endpoint or the
+    region, so these are put into the spec:
+
+    * ``endpoint``: ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL`` (neither when
+      ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS`` is true), for S3-compatible servers
+      (MinIO, Ceph, LocalStack, moto...), addressed path-style: ``<endpoint>/<bucket>/<key>``.
+    * ``aws_region``: ``AWS_REGION``, else ``AWS_DEFAULT_REGION``, used with an endpoint
+      (without one TensorStore asks the server, falling back to us-east-1). On AWS itself
+      (no endpoint) TensorStore finds the bucket's own region, which a wrong region in the
+      environment could not break.
+    * ``aws_credentials``: ``{"type": "environment"}`` when ``AWS_ACCESS_KEY_ID`` is set,
+      which is what the default chain would pick first anyway, minus its probing of the
+      ``~/.aws`` files (logged as errors when absent) and of the metadata services.
+    """
+    env = os.environ if environ is None else environ
+    out: dict = {}
+    ignore = env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() == "true"
+    endpoint = "" if ignore else env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        endpoint = endpoint.strip().rstrip("/")
+        if urlparse(endpoint).scheme not in ("http", "https"):
+            raise StorageError(
+                f"S3 endpoint {endpoint!r} (from AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) must "
+                "be an http:// or https:// URL"
+            )
+        out["endpoint"] = endpoint
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        if region:
+            out["aws_region"] = region.strip()
+    if env.get("AWS_ACCESS_KEY_ID"):
+        out["aws_credentials"] = {"type": "environment"}
+    return out

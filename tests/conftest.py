@@ -43,3 +43,71 @@ def assert_tree_equal(a, b):
             assert x.tobytes() == y.tobytes()
         else:
             assert type(x) is type(y) and x == y, (x, y)
+
+
+# --- S3: a moto server on 127.0.0.1 -----------------------------------------------------------
+
+S3_BUCKET = "jaxckpt-test"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """``s3://<bucket>`` on a moto S3 server at 127.0.0.1 (a thread of this process).
+
+    Sets AWS_ENDPOINT_URL and fake credentials in ``os.environ`` for the session (other
+    AWS_* settings that could redirect requests are removed) and puts them back after.
+    """
+    import logging
+
+    moto_server = pytest.importorskip("moto.server", reason="needs moto[s3], flask, flask-cors")
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request else
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    no_proxy = ",".join(
+        p for p in (os.environ.get("NO_PROXY") or os.environ.get("no_proxy"), "127.0.0.1") if p
+    )
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_REGION": "us-east-1",
+        "NO_PROXY": no_proxy,  # libcurl (TensorStore) and botocore honour a proxy otherwise
+        "no_proxy": no_proxy,
+    }
+    drop = [
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+        "AWS_DEFAULT_REGION",
+        "AWS_PROFILE",
+    ]
+    saved = {k: os.environ.get(k) for k in [*env, *drop]}
+    os.environ.update(env)
+    for k in drop:
+        os.environ.pop(k, None)
+    try:
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket=S3_BUCKET
+        )
+        yield f"s3://{S3_BUCKET}"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server, request):
+    """A fresh, empty ``s3://<bucket>/<prefix>`` for one test."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:60]
+    return f"{s3_server}/{name}-{uuid.uuid4().hex[:8]}"
