@@ -307,3 +307,46 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
     assert len(losses(tmp_path / "a.log")) == 12
     digest = [line for line in straight.stdout.splitlines() if "digest" in line]
     assert digest and digest == [line for line in resumed.stdout.splitlines() if "digest" in line]
+
+
+def test_manager_on_s3(s3_url, mesh42):
+    """Save, list, restore and retention against the local S3 server."""
+    opts = jaxckpt.Options(max_to_keep=2)
+    with jaxckpt.CheckpointManager(s3_url, opts) as mgr:
+        for step in range(4):
+            mgr.save(step, _state(mesh42, step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2, 3]
+        assert_tree_equal(mgr.restore(), _state(mesh42, 3))
+    with jaxckpt.CheckpointManager(s3_url, opts) as mgr:
+        assert mgr.all_steps() == [2, 3]
+        assert_tree_equal(mgr.restore(2, target=_state(mesh42, 0)), _state(mesh42, 2))
+        assert sorted(mgr.directory.list_children()) == ["00000002", "00000003"]
+
+
+@pytest.mark.slow
+def test_interrupted_saves_on_s3_never_show(s3_url):
+    """A saving loop writing to S3 is SIGKILLed; a fresh manager lists committed steps only."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+    from crash_loop import expected
+
+    worker = os.path.join(os.path.dirname(__file__), "workers", "crash_loop.py")
+    rng = random.Random(7)
+    for trial in range(3):
+        proc = subprocess.Popen([sys.executable, worker, s3_url], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().startswith("ready"), f"trial {trial}"
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.kill()
+        proc.wait()
+        with jaxckpt.CheckpointManager(s3_url, jaxckpt.Options(max_to_keep=3)) as mgr:
+            newest = mgr.latest_step()
+            assert newest is not None
+            assert all(name.isdigit() for name in mgr.directory.list_children())
+            committed = mgr.directory.list_children()
+            assert [int(n) for n in committed] == mgr.all_steps()
+            assert_tree_equal(mgr.restore(), expected(newest) | {"step": newest})
