@@ -318,6 +318,39 @@ def worker_save(args) -> dict:
     }
 
 
+def worker_async(args) -> dict:
+    """Blocking time of a manager's async save, first save and later saves (same buffers)."""
+    mesh = make_mesh((4, 2), 8)
+    state, _ = build_state(args.size_gb, mesh)
+    jax.block_until_ready(state)
+    if args.lib == "jaxckpt":
+        import jaxckpt
+
+        mgr = jaxckpt.CheckpointManager(args.path, jaxckpt.Options(max_to_keep=1))
+
+        def save(step):
+            mgr.save(step, state)
+
+    else:
+        import orbax.checkpoint as ocp
+
+        opts = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True)
+        mgr = ocp.CheckpointManager(args.path, options=opts)
+
+        def save(step):
+            mgr.save(step, args=ocp.args.StandardSave(state))
+
+    blocking, total = [], []
+    for step in range(4):
+        t0 = time.perf_counter()
+        save(step)
+        blocking.append(time.perf_counter() - t0)
+        mgr.wait_until_finished()
+        total.append(time.perf_counter() - t0)
+    mgr.close()
+    return {"blocking": blocking, "total": total}
+
+
 def worker_restore(args) -> dict:
     shape = tuple(int(n) for n in args.mesh.split("x"))
     mesh = make_mesh(shape, args.devices)
@@ -418,7 +451,7 @@ def worker_raw(args) -> dict:
     return {"write": write, "read": read}
 
 
-WORKERS = {"save": worker_save, "restore": worker_restore, "raw": worker_raw}
+WORKERS = {"async": worker_async, "save": worker_save, "restore": worker_restore, "raw": worker_raw}
 
 
 # --- the parent: orchestration and report --------------------------------------------------
@@ -443,6 +476,7 @@ def orchestrate(args) -> dict:
     files = {lib: [] for lib in libs}
     raw: dict = {"write": {}, "read": {}}
     bad: list[str] = []
+    asyncs: dict = {}
     load = [os.getloadavg()[0]]
     for rep in range(args.repeats):
         order = libs if rep % 2 == 0 else libs[::-1]
@@ -467,8 +501,20 @@ def orchestrate(args) -> dict:
                 if got["crcs"] != saved["crcs"] or not got["shardings_ok"]:
                     bad.append(f"{lib} {op} repeat {rep + 1}")
             shutil.rmtree(path)
+            _log(f"repeat {rep + 1}/{args.repeats}: {lib} async manager save")
+            got = run_worker(args, "async", lib=lib, path=path)
+            asyncs.setdefault(lib, []).append(got)
+            shutil.rmtree(path, ignore_errors=True)
         load.append(os.getloadavg()[0])
-    return {"libs": libs, "results": res, "files": files, "raw": raw, "bad": bad, "load": load}
+    return {
+        "libs": libs,
+        "results": res,
+        "files": files,
+        "raw": raw,
+        "bad": bad,
+        "load": load,
+        "async": asyncs,
+    }
 
 
 def _log(msg: str) -> None:
@@ -569,10 +615,35 @@ def report(args, out: dict) -> None:
     for name, value, cap in limits:
         verdict = "PASS" if value <= cap else "FAIL"
         print(f"  {verdict:<5}{name:<52}{value:>8.3f} GB (limit {cap:.3f})")
+    _report_async(out, speed["jaxckpt"]["save"], state_bytes(args.size_gb) / GB)
     cap = 8 + 4 * 1
     verdict = "PASS" if nfiles["jaxckpt"] <= cap else "FAIL"
     name = "files per step <= 8 + 4 x processes"
     print(f"  {verdict:<5}{name:<52}{nfiles['jaxckpt']:>8} (limit {cap})")
+
+
+def _report_async(out: dict, sync_gbps: float, state_gb: float) -> None:
+    """Manager async saves: blocking time (first save, and later ones) and total throughput."""
+    rows = {}
+    for lib, runs in out["async"].items():
+        first = statistics.median(r["blocking"][0] for r in runs)
+        later = statistics.median(b for r in runs for b in r["blocking"][1:])
+        total = statistics.median(t for r in runs for t in r["total"][1:])
+        rows[lib] = (first, later, state_gb / total)
+    print("\nasync manager save      first block s  later block s  total GB/s")
+    for lib, (first, later, gbps) in rows.items():
+        print(f"  {lib:<22}{first:>13.3f}{later:>15.3f}{gbps:>12.3f}")
+    jx = rows["jaxckpt"]
+    if "orbax" in rows:
+        ratio = jx[1] / rows["orbax"][1]
+        verdict = "PASS" if ratio <= 0.5 else "FAIL"
+        print(f"  {verdict:<5}{'async blocking <= 0.5x orbax (later saves)':<52}{ratio:>8.2f}x")
+        ratio = jx[0] / rows["orbax"][0]
+        verdict = "PASS" if ratio <= 0.5 else "FAIL"
+        print(f"  {verdict:<5}{'async blocking <= 0.5x orbax (first save)':<52}{ratio:>8.2f}x")
+    ratio = jx[2] / sync_gbps
+    verdict = "PASS" if ratio >= 1.0 else "FAIL"
+    print(f"  {verdict:<5}{'async total throughput >= sync save':<52}{ratio:>8.2f}x")
 
 
 def main() -> None:
