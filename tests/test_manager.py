@@ -350,3 +350,22 @@ def test_interrupted_saves_on_s3_never_show(s3_url):
             committed = mgr.directory.list_children()
             assert [int(n) for n in committed] == mgr.all_steps()
             assert_tree_equal(mgr.restore(), expected(newest) | {"step": newest})
+
+
+def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
+    """A script that returns right after an async save still commits it (atexit)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import jaxckpt, numpy as np\n"
+        f"mgr = jaxckpt.CheckpointManager({str(tmp_path)!r})\n"
+        "mgr.save(4, {'w': np.ones((1024, 1024), np.float32)})\n"
+        "print('returned', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["00000004"]
+    np.testing.assert_array_equal(
+        jaxckpt.restore(tmp_path / "00000004")["w"], np.ones((1024, 1024), np.float32)
+    )
