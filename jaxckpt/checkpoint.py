@@ -75,6 +75,8 @@ def save(
     save_id = multihost.broadcast(
         multihost.unique_name("save-id"), uuid.uuid4().hex[:12] if pid == 0 else None, timeout_s
     )
+    if count > 1:  # before anything is written: same path, tree, shapes and dtypes?
+        multihost.agree(f"jaxckpt/{save_id}/agree", _summary(loc, leaves), timeout_s, what=loc.url)
     work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
     try:
@@ -83,11 +85,11 @@ def save(
             # what an earlier save that never committed left there (its zarr.json would clash).
             if pid == 0 and loc.list_children():
                 loc.remove()
-            multihost.barrier(f"jaxckpt/{save_id}/cleared", timeout_s)
+            multihost.barrier(f"jaxckpt/{save_id}/cleared", timeout_s, what=loc.url)
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
         arrays.write(db, writes, batch_bytes=batch_bytes)
-        multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s)
+        multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url)
         if pid == 0:
             if count > 1:
                 arrays.merge(work, count)
@@ -98,11 +100,22 @@ def save(
                     loc.remove()
                 rename_dir(work, loc)
             loc.write_bytes(COMMIT_FILE, b"")
-        multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s)
+        multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
     except BaseException:
         if pid == 0 and work != loc:
             work.remove()
         raise
+
+
+def _summary(loc: Location, leaves: list[StagedLeaf]) -> dict:
+    """What every process must agree on before a multi-process save writes anything."""
+    return {
+        "path": loc.url,
+        "leaves": len(leaves),
+        "tree": [
+            (r.name, r.kind, list(r.shape), r.dtype) for r in (leaf.record for leaf in leaves)
+        ],
+    }
 
 
 def _check_unique_names(leaves: list[StagedLeaf], loc: Location) -> None:

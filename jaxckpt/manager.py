@@ -110,6 +110,15 @@ class CheckpointManager:
         """True when the interval policy asks for ``step`` and it is not saved yet."""
         return step % self.options.save_interval_steps == 0 and step not in self._metrics
 
+    def reached_preemption(self, step: int) -> bool:
+        """True at the step all processes agreed on after one got a preemption notice.
+
+        Call it every step (same steps on every process); when True, save that step with
+        ``force=True`` and exit. Uses JAX's preemption sync point (SIGTERM); always False
+        in a single-process job.
+        """
+        return multihost.reached_preemption(step)
+
     # --- save ----------------------------------------------------------------------------
 
     def save(

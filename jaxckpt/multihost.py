@@ -1,18 +1,47 @@
 """Process index/count, barriers and key-value agreement through ``jax.distributed``.
 
 All use of JAX's coordination-service client lives here. With one process every call is a
-cheap no-op, so single-host code pays nothing.
+cheap no-op, so single-host code pays nothing. Every wait has a timeout; a timeout raises
+:class:`CoordinationError` naming the processes that did not arrive. Time spent in
+coordination is accumulated in :data:`STATS` (see :func:`coordination_stats`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import jax
 
 from .errors import CoordinationError
 
 _counter = itertools.count()
+
+# Cheap counters: seconds and calls spent waiting in barriers and key-value traffic.
+STATS: dict[str, float] = {"barrier_s": 0.0, "kv_s": 0.0, "barriers": 0, "kv_calls": 0}
+
+
+def coordination_stats(reset: bool = False) -> dict[str, float]:
+    """A copy of the coordination timers; ``reset`` zeroes them afterwards."""
+    out = dict(STATS)
+    if reset:
+        for k in STATS:
+            STATS[k] = 0
+    return out
+
+
+@contextmanager
+def _timed(kind: str) -> Iterator[None]:
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        STATS[f"{kind}_s"] += time.perf_counter() - t
+        STATS["barriers" if kind == "barrier" else "kv_calls"] += 1
 
 
 def process_index() -> int:
@@ -40,17 +69,43 @@ def unique_name(prefix: str) -> str:
     return f"jaxckpt/{prefix}/{next(_counter)}"
 
 
-def barrier(name: str, timeout_s: float) -> None:
-    """Waits until every process reaches ``name``; raises CoordinationError on timeout."""
+def _missing(name: str) -> list[int]:
+    """Processes that did not mark their arrival at barrier ``name`` (best effort)."""
+    try:
+        with _timed("kv"):
+            entries = _client().key_value_dir_get(f"{name}/arrived/")
+        arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in entries}
+    except Exception:  # the service itself may be gone; then we cannot tell
+        return []
+    return [p for p in range(process_count()) if p not in arrived]
+
+
+def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
+    """Waits until every process reaches ``name``; raises CoordinationError on timeout.
+
+    ``what`` (e.g. the checkpoint path) is named in the error.
+    """
     if process_count() == 1:
         return
+    client = _client()
     try:
-        _client().wait_at_barrier(name, int(timeout_s * 1000))
+        with _timed("kv"):
+            client.key_value_set(f"{name}/arrived/{process_index()}", "1")
+        with _timed("barrier"):
+            client.wait_at_barrier(name, int(timeout_s * 1000))
     except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
+        missing = _missing(name)
+        who = (
+            f"process(es) {missing} of {process_count()} never arrived"
+            if missing
+            else "not every process arrived"
+        )
+        first = (str(e).splitlines()[0] if str(e) else type(e).__name__).rstrip(".")
         raise CoordinationError(
-            f"barrier {name!r}: not every process arrived within {timeout_s:.0f}s "
-            f"(this is process {process_index()} of {process_count()}): {e}. A process "
-            "may have died or be saving a different step; check every process's log"
+            f"{what + ': ' if what else ''}barrier {name!r}: {who} within {timeout_s:g}s "
+            f"(this is process {process_index()}): {first}. Those processes died, hang or "
+            "are saving something else; check their logs. Nothing was committed; restart "
+            "the job to restore the previous checkpoint"
         ) from e
 
 
@@ -62,12 +117,72 @@ def broadcast(name: str, value: str | None, timeout_s: float) -> str:
     client = _client()
     if process_index() == 0:
         assert value is not None
-        client.key_value_set(name, value)
+        with _timed("kv"):
+            client.key_value_set(name, value)
         return value
     try:
-        return client.blocking_key_value_get(name, int(timeout_s * 1000))
+        with _timed("kv"):
+            return client.blocking_key_value_get(name, int(timeout_s * 1000))
     except Exception as e:
         raise CoordinationError(
-            f"waiting for process 0 to publish {name!r} timed out after {timeout_s:.0f}s: "
-            f"{e}. Process 0 may have died or not called save/restore"
+            f"waiting for process 0 to publish {name!r} timed out after {timeout_s:g}s "
+            f"(this is process {process_index()}): {e}. Process 0 may have died or not "
+            "called save/restore; check its log"
         ) from e
+
+
+def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> list[str]:
+    """Every process's ``value``, in process order (one set, one barrier, one listing)."""
+    if process_count() == 1:
+        return [value]
+    client = _client()
+    with _timed("kv"):
+        client.key_value_set(f"{name}/value/{process_index()}", value)
+    barrier(name, timeout_s, what=what)
+    with _timed("kv"):
+        entries = client.key_value_dir_get(f"{name}/value/")
+    by_pid = {int(k.rsplit("/", 1)[-1]): v for k, v in entries}
+    return [by_pid[p] for p in range(process_count())]
+
+
+def agree(name: str, description: dict, timeout_s: float, *, what: str = "") -> None:
+    """Raises CoordinationError on every process unless all give the same ``description``.
+
+    Only a short hash and a summary travel through the key-value store.
+    """
+    if process_count() == 1:
+        return
+    full = json.dumps(description, sort_keys=True, default=str)
+    digest = hashlib.sha256(full.encode()).hexdigest()[:16]
+    summary = {k: v for k, v in description.items() if k in ("path", "leaves")}
+    values = all_gather(name, json.dumps({"h": digest, **summary}), timeout_s, what=what)
+    got = [json.loads(v) for v in values]
+    if len({g["h"] for g in got}) == 1:
+        return
+    groups: dict[str, list[int]] = {}
+    for pid, g in enumerate(got):
+        groups.setdefault(g["h"], []).append(pid)
+    lines = "; ".join(
+        f"process(es) {pids}: path {got[pids[0]].get('path')}, "
+        f"{got[pids[0]].get('leaves')} leaves, tree/shape/dtype hash {h}"
+        for h, pids in groups.items()
+    )
+    raise CoordinationError(
+        f"{what + ': ' if what else ''}processes disagree on what to save ({lines}); nothing "
+        "was written. Every process must call save with the same step/path and the same tree "
+        "structure, shapes and dtypes"
+    )
+
+
+def reached_preemption(step: int) -> bool:
+    """True on every process at the same ``step`` after any process got SIGTERM.
+
+    Uses JAX's preemption sync manager (on by default in ``jax.distributed.initialize``):
+    call it every step, from the same step on every process. False with one process.
+    """
+    if process_count() == 1:
+        return False
+    from jax.experimental import multihost_utils
+
+    with _timed("kv"):
+        return bool(multihost_utils.reached_preemption_sync_point(step))

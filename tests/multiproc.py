@@ -36,17 +36,40 @@ class Result:
         return self
 
 
-def run(
+@dataclass
+class Job:
+    """Running worker processes; ``wait`` collects them within a time bound."""
+
+    procs: list[subprocess.Popen]
+
+    def wait(self, timeout_s: float = 120.0) -> Result:
+        deadline = time.monotonic() + timeout_s
+        outputs = []
+        for p in self.procs:
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in self.procs:
+                    q.kill()
+                out, _ = p.communicate()
+                out += "\n[killed: time bound exceeded]"
+            outputs.append(out)
+        return Result([p.returncode for p in self.procs], outputs)
+
+
+def start(
     script: str,
     n: int,
     *,
     devices_per_process: int = 4,
     args: list[str] | None = None,
-    timeout_s: float = 120.0,
     env: dict | None = None,
     process_ids: list[int] | None = None,
-) -> Result:
-    """Runs ``script`` (a file path) as ``n`` processes of one jax.distributed job."""
+) -> Job:
+    """Starts ``script`` (a file path) as ``n`` processes of one jax.distributed job.
+
+    ``process_ids[rank]`` is the jax process id of the rank-th process started.
+    """
     port = free_port()
     procs = []
     ids = process_ids or list(range(n))
@@ -60,6 +83,7 @@ def run(
             JAXCKPT_PID=str(ids[rank]),
             PYTHONPATH=os.pathsep.join([HERE, ROOT, penv.get("PYTHONPATH", "")]),
             JAX_PLATFORMS="cpu",
+            PYTHONUNBUFFERED="1",
         )
         procs.append(
             subprocess.Popen(
@@ -70,18 +94,29 @@ def run(
                 text=True,
             )
         )
-    deadline = time.monotonic() + timeout_s
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-            out += "\n[killed: time bound exceeded]"
-        outputs.append(out)
-    return Result([p.returncode for p in procs], outputs)
+    return Job(procs)
+
+
+def run(
+    script: str,
+    n: int,
+    *,
+    devices_per_process: int = 4,
+    args: list[str] | None = None,
+    timeout_s: float = 120.0,
+    env: dict | None = None,
+    process_ids: list[int] | None = None,
+) -> Result:
+    """Runs ``script`` as ``n`` processes of one jax.distributed job and collects them."""
+    job = start(
+        script,
+        n,
+        devices_per_process=devices_per_process,
+        args=args,
+        env=env,
+        process_ids=process_ids,
+    )
+    return job.wait(timeout_s)
 
 
 def init() -> None:
@@ -95,4 +130,6 @@ def init() -> None:
             num_processes=int(os.environ["JAXCKPT_NPROC"]),
             process_id=int(os.environ["JAXCKPT_PID"]),
             initialization_timeout=60,
+            # a survivor of a dead peer waits this long for it at exit, then exits anyway
+            shutdown_timeout_seconds=int(os.environ.get("JAXCKPT_SHUTDOWN_TIMEOUT", "5")),
         )

@@ -3,11 +3,15 @@
 import json
 import os
 import pathlib
+import signal
+import time
 
 import multiproc
 import pytest
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
+HERE = os.path.dirname(__file__)
+WORKER = os.path.join(HERE, "workers", "save_restore.py")
+LOOP = os.path.join(HERE, "workers", "manager_loop.py")
 
 
 @pytest.mark.slow
@@ -29,3 +33,99 @@ def test_one_process_saves_two_processes_restore(tmp_path):
     path = str(tmp_path / "c")
     multiproc.run(WORKER, 1, devices_per_process=8, args=["save", path]).check()
     multiproc.run(WORKER, 2, devices_per_process=4, args=["restore", path]).check()
+
+
+# Each restore run checks a target on another layout, ``mesh=`` and neither (saved mesh by
+# position, with the saved axis names and shape).
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "saved, restored",
+    [((2, 4), (4, 2)), ((2, 4), (1, 8)), ((4, 2), (2, 4))],
+    ids=["2x4-to-4x2", "2x4-to-1x8", "4x2-to-2x4"],
+)
+def test_restore_with_another_process_count(tmp_path, saved, restored):
+    path = str(tmp_path / "c")
+    multiproc.run(WORKER, saved[0], devices_per_process=saved[1], args=["save", path]).check()
+    manifest = json.loads(pathlib.Path(path, "manifest.json").read_text())
+    assert manifest["process_count"] == saved[0]
+    assert sum(manifest["bytes_per_process"]) == 64 * 32 * 4 + 32 * 4 + 16 * 16 * 4
+    multiproc.run(
+        WORKER, restored[0], devices_per_process=restored[1], args=["restore", path]
+    ).check()
+
+
+@pytest.mark.slow
+def test_restart_with_permuted_process_ids(tmp_path):
+    """Processes come back in another order: devices have new ids; restore by position."""
+    path = str(tmp_path / "c")
+    multiproc.run(WORKER, 4, devices_per_process=2, args=["save", path]).check()
+    multiproc.run(
+        WORKER, 4, devices_per_process=2, args=["restore", path], process_ids=[2, 0, 3, 1]
+    ).check()
+    multiproc.run(
+        WORKER, 2, devices_per_process=4, args=["restore", path], process_ids=[1, 0]
+    ).check()
+
+
+@pytest.mark.slow
+def test_manager_async_saves_then_restore_in_another_layout(tmp_path):
+    d = str(tmp_path / "run")
+    multiproc.run(LOOP, 2, devices_per_process=4, args=["save", d, "3"]).check()
+    assert sorted(os.listdir(d)) == ["00000002", "00000003"]  # max_to_keep=2
+    multiproc.run(LOOP, 4, devices_per_process=2, args=["restore", d, "3"]).check()
+
+
+@pytest.mark.slow
+def test_process_killed_mid_save(tmp_path):
+    """Survivors raise CoordinationError naming the dead process; the previous step restores."""
+    d = str(tmp_path / "run")
+    env = {
+        "JAXCKPT_TEST_KILL_RANK": "1",
+        "JAXCKPT_TEST_KILL_STEP": "2",
+        "JAXCKPT_TEST_TIMEOUT": "3",
+    }
+    t = time.monotonic()
+    res = multiproc.run(LOOP, 2, devices_per_process=4, args=["save", d, "2"], env=env)
+    elapsed = time.monotonic() - t
+    assert res.returncodes[1] == -signal.SIGKILL, res.outputs[1]
+    assert res.returncodes[0] != 0
+    out = res.outputs[0]
+    assert "CoordinationError" in out and "process(es) [1] of 2 never arrived" in out, out
+    assert "within 3s" in out and "00000002" in out, out
+    assert elapsed < 30, elapsed  # 3 s save timeout + 5 s shutdown timeout + start-up
+    assert not any(n.startswith("00000002") for n in os.listdir(d)), os.listdir(d)
+    multiproc.run(LOOP, 2, devices_per_process=4, args=["restore", d, "1"]).check()
+
+
+@pytest.mark.slow
+def test_processes_saving_different_steps_fail_before_writing(tmp_path):
+    path = str(tmp_path / "c")
+    res = multiproc.run(
+        WORKER, 2, devices_per_process=4, args=["save", path], env={"JAXCKPT_TEST_SKEW": "1"}
+    )
+    assert res.returncodes == [1, 1], res.outputs
+    for out in res.outputs:
+        assert "processes disagree on what to save" in out, out
+        assert "process(es) [0]" in out and "process(es) [1]" in out, out
+    assert os.listdir(tmp_path) == []  # nothing written, not even a temporary directory
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_saves_an_agreed_step(tmp_path):
+    d = str(tmp_path / "run")
+    job = multiproc.start(LOOP, 2, devices_per_process=4, args=["preempt", d])
+    first = job.procs[1].stdout
+    for line in first:
+        if line.startswith("ready"):
+            break
+    job.procs[1].send_signal(signal.SIGTERM)
+    res = job.wait(60).check()
+    steps = {
+        line.split()[-1]
+        for out in res.outputs
+        for line in out.splitlines()
+        if "preempted at" in line
+    }
+    assert len(steps) == 1, res.outputs
+    (step,) = steps
+    assert os.listdir(d) == [f"{int(step):08d}"]
