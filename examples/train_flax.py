@@ -96,7 +96,13 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="continue from the newest step")
     ap.add_argument("--kill-at", type=int, help="SIGKILL this process after saving this step")
     ap.add_argument("--log", help="append one JSON line per step (step, loss) to this file")
+    ap.add_argument("--coordinator", help="host:port of process 0 (multi-process runs)")
+    ap.add_argument("--num-processes", type=int, default=1)
+    ap.add_argument("--process-id", type=int, default=0)
     args = ap.parse_args()
+    if args.coordinator:  # one process per host; see examples/multihost.py
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     state = create_state(mesh)
@@ -105,7 +111,7 @@ def main() -> None:
         if args.resume and mgr.latest_step() is not None:
             state = mgr.restore(target=state)
             print(f"resumed from step {int(state.step)}")
-        log = open(args.log, "a") if args.log else None  # noqa: SIM115
+        log = open(args.log, "a") if args.log and jax.process_index() == 0 else None  # noqa: SIM115
         while int(state.step) < args.steps:
             step = int(state.step)
             state, loss = train_step(state, *batch(step, mesh))
@@ -113,12 +119,15 @@ def main() -> None:
                 log.write(json.dumps({"step": step, "loss": float(loss)}) + "\n")
                 log.flush()
             mgr.save(int(state.step), state, metrics={"loss": float(loss)})
-            if step % 50 == 0:
+            if step % 50 == 0 and jax.process_index() == 0:
                 print(f"step {step:5d}  loss {float(loss):.5f}")
             if args.kill_at is not None and int(state.step) == args.kill_at:
                 mgr.wait_until_finished()
                 os.kill(os.getpid(), signal.SIGKILL)
-    print(f"done at step {int(state.step)}; params digest {params_digest(state)}")
+    if jax.process_count() == 1:
+        print(f"done at step {int(state.step)}; params digest {params_digest(state)}")
+    else:
+        print(f"process {jax.process_index()} done at step {int(state.step)}")
 
 
 if __name__ == "__main__":
