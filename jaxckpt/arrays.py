@@ -3,16 +3,18 @@
 Each process writes the shards it owns into its own OCDBT database under
 ``<step>/arrays/p<index>/``; after every process finished, process 0 merges them into the
 root database ``<step>/arrays/`` (by reference, no data copied). A single process writes the
-root database directly. Writes are grouped into non-atomic transactions of about
-``batch_bytes`` each: one transaction becomes a few large files, so a step has few files
-and host memory in flight stays bounded.
+root database directly. A process writes everything in one non-atomic transaction that
+references the source buffers instead of copying them: a step is a few large data files
+(about four per process, written in parallel), and a save adds almost no host memory.
+The sources must stay unchanged until ``write`` returns (device buffers are immutable;
+staged host copies are not reused before the save is done).
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +24,8 @@ from .errors import ChecksumError, StorageError
 from .sharding import Index
 from .storage import Location
 
-DEFAULT_BATCH_BYTES = 256 << 20
+MIN_DATA_FILE_BYTES = 64 << 20
+DATA_FILES_PER_PROCESS = 4  # written in parallel
 _OCDBT_CONFIG = {
     "max_inline_value_bytes": 1024,
     "max_decoded_node_bytes": 100_000_000,
@@ -94,13 +97,13 @@ def database_dir(step: Location, process: int | None) -> Location:
     return arrays if process is None else arrays.join(f"p{process}")
 
 
-def kvstore_spec(db: Location) -> dict:
+def kvstore_spec(db: Location, data_file_bytes: int = 0) -> dict:
     return {
         "driver": "ocdbt",
         "base": db.kvstore(),
         "config": _OCDBT_CONFIG,
         "assume_config": True,
-        "target_data_file_size": 0,
+        "target_data_file_size": data_file_bytes,
         "cache_pool": "cache_pool#ocdbt",
     }
 
@@ -123,51 +126,36 @@ def new_context() -> ts.Context:
 # --- writing --------------------------------------------------------------------------------
 
 
-def _batches(writes: Iterable[ArrayWrite], batch_bytes: int) -> list[list[ArrayWrite]]:
-    out: list[list[ArrayWrite]] = [[]]
-    size = 0
-    for w in writes:
-        if out[-1] and size + w.nbytes > batch_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(w)
-        size += w.nbytes
-    return [b for b in out if b]
-
-
-def write(
-    db: Location, writes: Sequence[ArrayWrite], *, batch_bytes: int = DEFAULT_BATCH_BYTES
-) -> None:
+def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
     """Writes every piece of ``writes`` into the OCDBT database at ``db``."""
     ctx = new_context()
-    kv = kvstore_spec(db)
+    total = sum(w.nbytes for w in writes)
+    file_bytes = max(MIN_DATA_FILE_BYTES, -(-total // DATA_FILES_PER_PROCESS))
+    kv = kvstore_spec(db, file_bytes)
     try:
-        for batch in _batches(writes, batch_bytes):
-            txn = ts.Transaction(atomic=False)
-            opens = []
-            for w in batch:
-                spec = {"driver": "zarr3", "kvstore": kv, "path": w.name + "/"}
-                spec["metadata"] = w.metadata
-                if w.create:
-                    spec.update(create=True, open=False)
-                else:
-                    spec.update(assume_metadata=True)
-                opens.append(ts.open(spec, context=ctx, transaction=txn))
-            pending = []
-            for w, fut in zip(batch, opens, strict=True):
-                store = fut.result()
-                for index, get in w.pieces:
-                    data = get()
-                    if data.dtype != store.dtype.numpy_dtype:
-                        data = data.view(store.dtype.numpy_dtype)
-                    pending.append(store[_slices(index)].write(data))
-            for fut in pending:
-                fut.result()
-            txn.commit_async().result()
-            del txn, opens, pending
-            release_free_memory()
+        txn = ts.Transaction(atomic=False)
+        opens = []
+        for w in writes:
+            spec = {"driver": "zarr3", "kvstore": kv, "path": w.name + "/", "metadata": w.metadata}
+            spec.update(dict(create=True, open=False) if w.create else dict(assume_metadata=True))
+            opens.append(ts.open(spec, context=ctx, transaction=txn))
+        pending = []
+        for w, fut in zip(writes, opens, strict=True):
+            store = fut.result()
+            for index, get in w.pieces:
+                data = get()
+                if data.dtype != store.dtype.numpy_dtype:
+                    data = data.view(store.dtype.numpy_dtype)
+                pending.append(
+                    store[_slices(index)].write(data, can_reference_source_data_indefinitely=True)
+                )
+        for fut in pending:
+            fut.result()
+        txn.commit_async().result()
     except Exception as e:
         raise StorageError(f"writing arrays into {db.url} failed: {e}") from e
+    finally:
+        release_free_memory()
 
 
 @functools.cache
@@ -181,10 +169,10 @@ def _malloc_trim():
 
 
 def release_free_memory() -> None:
-    """Hands memory freed by a finished batch back to the OS (glibc keeps it otherwise).
+    """Hands memory TensorStore's threads freed back to the OS (glibc keeps it otherwise).
 
-    TensorStore's threads allocate in many malloc arenas, so buffers freed by one batch are
-    often not reused by the next and the peak grows; trimming keeps it near one batch.
+    Those threads allocate in many malloc arenas, so buffers one save or restore freed are
+    often not reused by the next and the process's footprint creeps up.
     """
     trim = _malloc_trim()
     if trim is not None:

@@ -51,7 +51,6 @@ def save(
     metadata: Any = None,
     metrics: dict | None = None,
     compression: str | None = None,
-    batch_bytes: int = arrays.DEFAULT_BATCH_BYTES,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Writes ``tree`` as one checkpoint directory at ``path``; blocks until committed.
@@ -88,7 +87,7 @@ def save(
             multihost.barrier(f"jaxckpt/{save_id}/cleared", timeout_s, what=loc.url)
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
-        arrays.write(db, writes, batch_bytes=batch_bytes)
+        arrays.write(db, writes)
         multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url)
         if pid == 0:
             if count > 1:
