@@ -7,12 +7,14 @@ owns (``arrays.write``) -> barrier -> process 0 merges the per-process databases
 
 from __future__ import annotations
 
+import collections
 import datetime
 import difflib
 import math
 import os
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -352,6 +354,16 @@ def _plan_leaf(w: _Want, store_fut, reader: _BoundedReader) -> Callable[[], Any]
     for device, index in index_map.items():
         by_index.setdefault(normalize_index(index, shape), []).append(device)
     placed: dict = {}
+    if store_fut is not None and w.sharding.is_fully_addressable and math.prod(shape):
+        # This process holds every slice: read the leaf once, let jax place all its shards.
+        holder: dict = {}
+        reader.submit(
+            store_fut,
+            rec,
+            None,
+            lambda d: holder.__setitem__("v", jax.device_put(convert(d), w.sharding)),
+        )
+        return lambda: holder["v"]
 
     def put(index, data):
         for device in by_index[index]:
@@ -379,41 +391,53 @@ def _key_sharding(w: _Want, key: jax.Array) -> jax.sharding.Sharding:
 
 
 class _BoundedReader:
-    """Issues slice reads, keeping at most ``budget`` bytes read but not yet consumed."""
+    """Issues slice reads, keeping at most ``budget`` bytes read but not yet on a device.
+
+    Slices read are handed to two threads that copy them onto their devices, so reading
+    and the host->device copies overlap.
+    """
 
     def __init__(self, db: Location, budget: int):
         self.db, self.budget = db, budget
-        self.inflight: list = []
+        self.reads: collections.deque = collections.deque()
+        self.placing: collections.deque = collections.deque()
         self.bytes = 0
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxckpt-restore")
 
     def submit(self, store_fut, rec: LeafRecord, index, consume) -> None:
-        nbytes = (
-            rec.nbytes
-            if index is None
-            else math.prod(b - a for a, b in index) * (rec.nbytes // max(1, math.prod(rec.shape)))
-        )
-        while self.inflight and self.bytes + nbytes > self.budget:
-            self._finish_one()
+        itemsize = rec.nbytes // max(1, math.prod(rec.shape))
+        nbytes = rec.nbytes if index is None else math.prod(b - a for a, b in index) * itemsize
+        while self.bytes + nbytes > self.budget and (self.reads or self.placing):
+            self._advance()
         try:
             store = store_fut.result()
             fut = store.read() if index is None else arrays.read_slice(store, index)
         except Exception as e:
             raise self._error(e, rec) from e
-        self.inflight.append((fut, rec, consume, nbytes))
+        self.reads.append((fut, rec, consume, nbytes))
         self.bytes += nbytes
 
-    def _finish_one(self) -> None:
-        fut, rec, consume, nbytes = self.inflight.pop(0)
-        try:
-            data = fut.result()
-        except Exception as e:
-            raise self._error(e, rec) from e
-        consume(data)
-        self.bytes -= nbytes
+    def _advance(self) -> None:
+        """Hands the oldest read to a placing thread, or waits for the oldest placement."""
+        if self.reads and len(self.placing) < 2:
+            fut, rec, consume, nbytes = self.reads.popleft()
+            try:
+                data = fut.result()
+            except Exception as e:
+                raise self._error(e, rec) from e
+            self.placing.append((self.pool.submit(consume, data), nbytes))
+        else:
+            done, nbytes = self.placing.popleft()
+            done.result()
+            self.bytes -= nbytes
 
     def drain(self) -> None:
-        while self.inflight:
-            self._finish_one()
+        try:
+            while self.reads or self.placing:
+                self._advance()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            arrays.release_free_memory()
 
     def _error(self, e: Exception, rec: LeafRecord) -> Exception:
         def writers(key: str) -> str:
