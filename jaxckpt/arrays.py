@@ -13,6 +13,7 @@ staged host copies are not reused before the save is done).
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -224,5 +225,30 @@ def _slices(index: Index) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in index)
 
 
-def read_slice(store: ts.TensorStore, index: Index) -> ts.Future:
-    return store[_slices(index)].read()
+class _ReadInto:
+    """A read into a buffer we own; ``result()`` waits and returns the buffer."""
+
+    def __init__(self, fut: ts.Future, buf: np.ndarray):
+        self.fut, self.buf = fut, buf
+
+    def result(self) -> np.ndarray:
+        self.fut.result()
+        return self.buf
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialized C-order array whose data starts on an ``align``-byte boundary.
+
+    XLA's CPU client adopts such a buffer as a device buffer without copying it.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def read_slice(store: ts.TensorStore, index: Index) -> _ReadInto:
+    """Reads ``store[index]`` into a fresh aligned buffer."""
+    buf = aligned_empty([b - a for a, b in index], store.dtype.numpy_dtype)
+    target = ts.array(buf, copy=False, write=True)
+    return _ReadInto(target.write(store[_slices(index)]), buf)

@@ -354,20 +354,14 @@ def _plan_leaf(w: _Want, store_fut, reader: _BoundedReader) -> Callable[[], Any]
     for device, index in index_map.items():
         by_index.setdefault(normalize_index(index, shape), []).append(device)
     placed: dict = {}
-    if store_fut is not None and w.sharding.is_fully_addressable and math.prod(shape):
-        # This process holds every slice: read the leaf once, let jax place all its shards.
-        holder: dict = {}
-        reader.submit(
-            store_fut,
-            rec,
-            None,
-            lambda d: holder.__setitem__("v", jax.device_put(convert(d), w.sharding)),
-        )
-        return lambda: holder["v"]
 
     def put(index, data):
-        for device in by_index[index]:
-            placed[device] = jax.device_put(data, device)
+        # The first device may adopt the read buffer (zero-copy on CPU when aligned); the
+        # replicas are device-to-device copies of it, so no two devices share memory.
+        first, *rest = by_index[index]
+        placed[first] = jax.device_put(data, first, may_alias=True)
+        for device in rest:
+            placed[device] = jax.device_put(placed[first], device)
 
     for index in by_index:
         if store_fut is None or not math.prod(b - a for a, b in index):

@@ -389,3 +389,16 @@ def test_single_device_sharding_restore(tmp_path):
     out = jaxckpt.restore(tmp_path / "c", target={"x": SingleDeviceSharding(jax.devices()[2])})
     assert out["x"].sharding.device_set == {jax.devices()[2]}
     np.testing.assert_array_equal(out["x"], x)
+
+
+def test_restored_replicas_do_not_share_memory(mesh42, tmp_path):
+    """Read buffers become device buffers without a copy, but never two devices' at once."""
+    x = sharded(np.arange(512 * 64, dtype=np.float32).reshape(512, 64), mesh42, ("data",))
+    jaxckpt.save(tmp_path / "c", {"x": x})
+    out = jaxckpt.restore(tmp_path / "c", target={"x": x})["x"]
+    pointers = [s.data.unsafe_buffer_pointer() for s in out.addressable_shards]
+    assert len(set(pointers)) == len(pointers) == 8
+    # donating the restored array must not disturb anything else restored
+    other = jaxckpt.restore(tmp_path / "c", target={"x": x})["x"]
+    jax.jit(lambda a: a * 2, donate_argnums=0)(out).block_until_ready()
+    np.testing.assert_array_equal(np.asarray(other), np.asarray(x))
