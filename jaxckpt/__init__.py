@@ -7,6 +7,7 @@
 
 from . import errors, export
 from .checkpoint import metadata, restore, save, user_metadata
+from .emergency import EmergencyCheckpointManager, EmergencyOptions, RecoveryReport
 from .manager import CheckpointManager
 from .manifest import FORMAT_VERSION, ArrayInfo
 from .options import Options
@@ -17,7 +18,10 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayInfo",
     "CheckpointManager",
+    "EmergencyCheckpointManager",
+    "EmergencyOptions",
     "Options",
+    "RecoveryReport",
     "Staged",
     "FORMAT_VERSION",
     "errors",

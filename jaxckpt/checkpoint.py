@@ -341,8 +341,9 @@ def _plan_leaf(w: _Want, store_fut, reader: _BoundedReader) -> Callable[[], Any]
         def finish() -> Any:
             data = holder["v"]
             if rec.kind == "prng_key":
-                key = jax.random.wrap_key_data(data, impl=rec.prng_impl)
-                return key if w.sharding is None else jax.device_put(key, _key_sharding(w, key))
+                if w.sharding is None:
+                    return jax.random.wrap_key_data(data, impl=rec.prng_impl)
+                return place_key(data, w, rec)
             if rec.kind == "numpy" and rec.scalar:
                 return data[()]
             return data
@@ -376,12 +377,16 @@ def _plan_leaf(w: _Want, store_fut, reader: _BoundedReader) -> Callable[[], Any]
     return finish_sharded
 
 
-def _key_sharding(w: _Want, key: jax.Array) -> jax.sharding.Sharding:
-    """A key-data sharding (one more dimension) trimmed to the key's own rank."""
+def place_key(data: np.ndarray, w: _Want, rec: LeafRecord) -> jax.Array:
+    """A typed PRNG key from its key data, on ``w.sharding`` (which may span processes)."""
     s = w.sharding
-    if isinstance(s, jax.sharding.NamedSharding) and len(s.spec) > key.ndim:
-        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[: key.ndim]))
-    return s
+    ndim = data.ndim - 1 if data.ndim else 0  # key data has one more (impl) dimension
+    if isinstance(s, jax.sharding.NamedSharding) and len(s.spec) > ndim:
+        s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[:ndim]))
+    if isinstance(s, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+        arr = jax.make_array_from_callback(data.shape, s, lambda i: data[i])
+        return jax.random.wrap_key_data(arr, impl=rec.prng_impl)
+    return jax.device_put(jax.random.wrap_key_data(data, impl=rec.prng_impl), s)
 
 
 class _BoundedReader:

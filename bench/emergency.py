@@ -1,0 +1,214 @@
+"""Emergency checkpointing: local vs remote saves and restores, 2 processes on 127.0.0.1.
+
+usage: python bench/emergency.py [--mib 1024] [--processes 2] [--no-s3]
+
+The state is --mib MiB of float32 in total, sharded over every device (each process holds
+its own part). Measures, per process (the slowest process is reported):
+  * blocking time (until ``save`` returns) and wall time (until committed) of a local save
+    (replication=1: includes the peer exchange) and of a remote save by the plain
+    CheckpointManager to a second directory and to S3 (moto server on 127.0.0.1);
+  * restore time from local copies, from peer copies (process 1's local directory deleted),
+    and from the remote directory and S3;
+  * the overhead per training step of ``local_interval_steps=1`` on a small model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import multiproc  # noqa: E402
+
+
+def worker(root: str, mib: int, s3: str | None) -> None:
+    multiproc.init()
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxckpt
+    from jaxckpt import multihost
+
+    pid = jax.process_index()
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    sh = NamedSharding(mesh, P("data"))
+    cols = 1024
+    rows = (mib << 20) // (4 * cols) // jax.device_count() * jax.device_count()
+    state = {
+        "w": jax.make_array_from_callback(
+            (rows, cols),
+            sh,
+            lambda i: np.full((i[0].stop - i[0].start, cols), i[0].start, np.float32),
+        ),
+        "step": 1,
+    }
+    jax.block_until_ready(state["w"])
+    out: dict[str, float] = {}
+
+    def barrier(name: str) -> None:
+        multihost.barrier(f"bench/{name}", 600)
+
+    def timed_save(key: str, mgr, step: int) -> None:
+        barrier(key)
+        t = time.perf_counter()
+        mgr.save(step, state)
+        out[f"{key} blocking"] = time.perf_counter() - t
+        mgr.wait_until_finished()
+        barrier(key + "/done")
+        out[f"{key} wall"] = time.perf_counter() - t
+
+    def timed_restore(key: str, fn) -> None:
+        barrier(key)
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        barrier(key + "/done")
+        out[key] = time.perf_counter() - t
+
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, remote_interval_steps=10**9, replication=1, timeout_s=600
+    )
+    local_dir = os.path.join(root, f"host{pid}")
+    em = jaxckpt.EmergencyCheckpointManager(local_dir, os.path.join(root, "em_remote"), opts)
+    timed_save("local save (warm-up)", em, 1)
+    timed_save("local save", em, 2)
+    out["  of which peer exchange"] = em.timings.get("peer_exchange_s", 0.0)
+    em0 = jaxckpt.EmergencyCheckpointManager(
+        os.path.join(root, f"norepl{pid}"),
+        os.path.join(root, "em_remote0"),
+        dataclasses.replace(opts, replication=0),
+    )
+    timed_save("local save, replication=0", em0, 2)
+    em0.close()
+    remotes = {"dir": os.path.join(root, "remote")}
+    if s3:
+        remotes["S3"] = s3
+    for name, where in remotes.items():
+        mgr = jaxckpt.CheckpointManager(where, jaxckpt.Options(async_save=True))
+        timed_save(f"remote save ({name})", mgr, 2)
+        mgr.close()
+    timed_restore("restore: local copies", lambda: em.restore(target=state))
+    assert em.last_report.tier == "local"
+    barrier("wipe")
+    if pid == jax.process_count() - 1:
+        shutil.rmtree(local_dir)
+    em.close()
+    em = jaxckpt.EmergencyCheckpointManager(local_dir, os.path.join(root, "em_remote"), opts)
+    timed_restore("restore: peer copies (one host wiped)", lambda: em.restore(target=state))
+    assert em.last_report.tier == "local"
+    for name, where in remotes.items():
+        mgr = jaxckpt.CheckpointManager(where)
+        timed_restore(f"restore: remote ({name})", lambda m=mgr: m.restore(target=state))
+
+    # overhead per step of local_interval_steps=1 on a small model (~8 MiB of parameters)
+    small = {"w": jax.device_put(np.zeros((2048, 1024), np.float32), sh)}
+    x = jax.device_put(np.ones((64, 2048), np.float32), NamedSharding(mesh, P()))
+
+    @jax.jit
+    def step_fn(s):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(s["w"])
+        return {"w": s["w"] - 1e-3 * g}
+
+    em2 = jaxckpt.EmergencyCheckpointManager(
+        os.path.join(root, f"small{pid}"), os.path.join(root, "small_remote"), opts
+    )
+    for rep, with_save in enumerate((False, True, False, True)):
+        s = step_fn(small)
+        jax.block_until_ready(s)
+        barrier(f"steps{rep}")
+        t = time.perf_counter()
+        for i in range(20):
+            s = step_fn(s)
+            if with_save:
+                em2.save(10_000 + i + 100 * len(out), s)
+        jax.block_until_ready(s)
+        em2.wait_until_finished()
+        out[f"step {'with' if with_save else 'without'} save"] = (time.perf_counter() - t) / 20
+    em2.close()
+    out["overhead per step, local_interval_steps=1"] = (
+        out["step with save"] - out["step without save"]
+    )
+    print("RESULT", json.dumps(out), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=1024, help="total state size")
+    ap.add_argument("--processes", type=int, default=2, choices=[2, 4])
+    ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        root, mib, s3 = args.worker
+        worker(root, int(mib), None if s3 == "-" else s3)
+        return
+    env, server = {}, None
+    s3 = "-"
+    if not args.no_s3:
+        import logging
+
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        env = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+            "NO_PROXY": "127.0.0.1",
+            "no_proxy": "127.0.0.1",
+        }
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket="bench")
+        s3 = "s3://bench/emergency"
+    root = tempfile.mkdtemp(prefix="jaxckpt_bench_em_")
+    try:
+        res = multiproc.run(
+            os.path.abspath(__file__),
+            args.processes,
+            devices_per_process=8 // args.processes,
+            args=["--worker", root, str(args.mib), s3],
+            timeout_s=1800,
+            env=env,
+        ).check()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if server is not None:
+            server.stop()
+    results = [
+        json.loads(line.split(" ", 1)[1])
+        for text in res.outputs
+        for line in text.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    print(f"\n{args.mib} MiB float32 state, {args.processes} processes (CPU devices), seconds")
+    print(f"| {'what':<44} | {'s (slowest process)':>19} |")
+    print(f"|{'-' * 46}|{'-' * 21}|")
+    for key in results[0]:
+        value = max(r[key] for r in results)
+        print(f"| {key:<44} | {value:>19.3f} |")
+
+
+if __name__ == "__main__":
+    main()

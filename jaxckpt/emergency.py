@@ -1,0 +1,762 @@
+"""``EmergencyCheckpointManager``: frequent saves to each host's local disk, rare remote ones.
+
+Local tier (every ``local_interval_steps``): each process writes every distinct shard it
+holds to its own ``local_directory`` (see :mod:`jaxckpt.local`); with ``replication=k`` it
+also sends them to processes ``p+1 .. p+k`` (mod the process count) through a JAX
+collective (``ppermute`` of one packed byte row per process), which store them too. No
+cross-host filesystem traffic, no barrier: each process commits its own copy.
+
+Remote tier (every ``remote_interval_steps``): a normal checkpoint through an inner
+:class:`CheckpointManager`.
+
+Restore: processes publish what they hold through the ``jax.distributed`` key-value store and
+take the newest step whose every slice is held by somebody, unless the remote tier has a newer
+one. Each process reads (and CRC-checks) the held slices anybody needs; a failed copy counts
+as missing and the step is re-planned without it. Slices nobody needing them holds move
+through an all-gather of packed rows. Slices are placed by global index, never by device id,
+so renumbered processes or a different process count work when the copies cover every slice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import local, multihost
+from . import tree as tree_lib
+from .checkpoint import _Want, _want_saved, _want_target, place_key
+from .errors import CheckpointError, CheckpointNotFoundError
+from .manager import BackgroundSaveError, CheckpointManager
+from .manifest import LeafRecord
+from .options import Options, OptionsError
+from .sharding import Index, normalize_index
+from .staging import describe
+from .storage import location
+
+log = logging.getLogger("jaxckpt")
+
+_live: weakref.WeakSet[EmergencyCheckpointManager] = weakref.WeakSet()
+_seq = itertools.count()  # names of key-value exchanges (main thread only)
+
+
+@dataclass(frozen=True)
+class EmergencyOptions:
+    """Policies of an :class:`EmergencyCheckpointManager`.
+
+    local_interval_steps / remote_interval_steps: save to that tier when ``step`` is a
+        multiple (``force=True`` saves both tiers).
+    local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
+    replication: how many other processes keep a copy of each process's local shards.
+    async_save: ``save`` returns after the device->host copy (and the peer exchange).
+    timeout_s: bound on every cross-process wait. compression: remote tier only.
+    """
+
+    local_interval_steps: int = 10
+    remote_interval_steps: int = 1000
+    local_max_to_keep: int | None = 2
+    remote_max_to_keep: int | None = 3
+    replication: int = 0
+    async_save: bool = True
+    timeout_s: float = 600.0
+    compression: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("local_interval_steps", "remote_interval_steps"):
+            if getattr(self, name) < 1:
+                raise OptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("local_max_to_keep", "remote_max_to_keep"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise OptionsError(f"{name} must be >= 1 or None, got {value}")
+        if self.replication < 0:
+            raise OptionsError(f"replication must be >= 0, got {self.replication}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> EmergencyOptions:
+        """Reads a TOML option file (see ``configs/emergency_gpu.toml``)."""
+        import tomllib
+
+        with open(path, "rb") as f:
+            try:
+                doc = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise OptionsError(f"{os.fspath(path)}: not valid TOML: {e}") from e
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(doc) - fields)
+        if unknown:
+            raise OptionsError(f"{os.fspath(path)}: unknown option(s) {unknown}")
+        return cls(**{**doc, **overrides})
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What the last ``restore`` used (this process's view; tier and step agree everywhere).
+
+    from_peers: (leaf, index, holder, writer) for each slice this process used that it did not
+        read from a copy it wrote itself: ``holder`` is the process that read it from its
+        local directory (this one, for a peer copy on its own disk), ``writer`` the process
+        that held it at save time.
+    rejected: (step, why) for each newer step that was not used.
+    bad_copies: (process, leaf, index, why) for local copies that failed to read / verify.
+    """
+
+    tier: str
+    step: int
+    process_count: int
+    saved_process_count: int | None = None
+    from_peers: tuple[tuple[str, str, int, int], ...] = ()
+    rejected: tuple[tuple[int, str], ...] = ()
+    bad_copies: tuple[tuple[int, str, str, str], ...] = ()
+
+
+class _Failed(Exception):
+    """A local step cannot be assembled after verification; try the next one."""
+
+
+class EmergencyCheckpointManager:
+    """Two-tier checkpoints for jobs that lose hosts.
+
+    >>> opts = jaxckpt.EmergencyOptions(local_interval_steps=10, remote_interval_steps=500,
+    ...                                 replication=1)
+    >>> with jaxckpt.EmergencyCheckpointManager("/local_nvme/ckpt", "s3://b/run", opts) as m:
+    ...     if m.latest_step() is not None:
+    ...         state = m.restore(target=abstract_state)   # m.last_report says from where
+    ...     for step in range(start, n):
+    ...         state = train_step(state)
+    ...         m.save(step, state)
+
+    ``local_directory`` is this host's own disk (RAM disk or NVMe); ``remote_directory`` is
+    shared (filesystem, ``s3://``, ``gs://``). Every process calls ``save`` and ``restore``
+    with the same steps.
+    """
+
+    def __init__(
+        self,
+        local_directory: str | os.PathLike,
+        remote_directory: str | os.PathLike,
+        options: EmergencyOptions | None = None,
+    ):
+        self.options = opts = options or EmergencyOptions()
+        self.local_directory = location(local_directory)
+        if not self.local_directory.is_local:
+            raise CheckpointError(
+                f"local_directory must be a local path, got {self.local_directory.url}"
+            )
+        self.local_directory.makedirs()
+        local.cleanup(self.local_directory)
+        self._remote = CheckpointManager(
+            remote_directory,
+            Options(
+                max_to_keep=opts.remote_max_to_keep,
+                async_save=opts.async_save,
+                timeout_s=opts.timeout_s,
+                compression=opts.compression,
+            ),
+        )
+        self.last_report: RecoveryReport | None = None
+        self._local_steps = set(local.committed_steps(self.local_directory))
+        self._host: dict[tuple, np.ndarray] = {}
+        self._error: BaseException | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.timings: dict[str, float] = {}
+        _live.add(self)
+
+    @property
+    def remote(self) -> CheckpointManager:
+        return self._remote
+
+    # --- listing -------------------------------------------------------------------------
+
+    def local_steps(self) -> list[int]:
+        """Steps committed in this process's local directory."""
+        return sorted(self._local_steps)
+
+    def all_steps(self) -> list[int]:
+        """Steps this process can see: its local ones and the remote ones (oldest first).
+
+        Which step ``restore`` uses is decided with the other processes.
+        """
+        return sorted(self._local_steps | set(self._remote.all_steps()))
+
+    def latest_step(self) -> int | None:
+        return max(self.all_steps(), default=None)
+
+    def reached_preemption(self, step: int) -> bool:
+        return multihost.reached_preemption(step)
+
+    # --- save ----------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> tuple[bool, bool]:
+        """(local, remote): which tiers the interval policy asks for at ``step``."""
+        o = self.options
+        return step % o.local_interval_steps == 0, step % o.remote_interval_steps == 0
+
+    def save(self, step: int, state: Any, *, force: bool = False, metrics: dict | None = None):
+        """Saves ``state`` to the tiers whose interval ``step`` hits; False when none.
+
+        Every process must call it with the same steps (the peer exchange is a collective).
+        """
+        self._check_open()
+        self._raise_background_error()
+        do_local, do_remote = self.should_save(step)
+        do_local, do_remote = do_local or force, do_remote or force
+        if do_remote and step not in self._remote.all_steps():
+            t = time.perf_counter()
+            self._remote.save(step, state, metrics=metrics, force=True)
+            self.timings["remote_blocking_s"] = time.perf_counter() - t
+        if do_local:
+            t = time.perf_counter()
+            self._save_local(step, state)
+            self.timings["local_blocking_s"] = time.perf_counter() - t
+        return do_local or do_remote
+
+    def _tag(self, what: str) -> str:
+        # the same on every process: every process makes the same save/restore calls, in order
+        return f"jaxckpt/emergency/{what}/{next(_seq)}"
+
+    def _save_local(self, step: int, state: Any) -> None:
+        self.wait_until_finished()  # host buffers are reused
+        staged = describe(state)  # records only; nothing copied
+        records = [leaf.record for leaf in staged.leaves]
+        slices, required = self._stage(state, records)
+        pid, count = multihost.process_index(), multihost.process_count()
+        origins = dict.fromkeys(slices, pid)
+        k = min(self.options.replication, count - 1)
+        extra = {
+            "process_index": pid,
+            "process_count": count,
+            "replication": k,
+            "sends_to": [(pid + j) % count for j in range(1, k + 1)],
+            "receives_from": [(pid - j) % count for j in range(1, k + 1)],
+            "slices": required,
+        }
+        if k:
+            t = time.perf_counter()
+            row = local.pack(slices, origins)
+            rows = exchange_rows(
+                row,
+                shifts=range(1, k + 1),
+                name=self._tag("peers"),
+                timeout_s=self.options.timeout_s,
+            )
+            for got in rows:
+                peer_slices, peer_origins = local.unpack(got)
+                for key, data in peer_slices.items():
+                    if key not in slices:
+                        slices[key], origins[key] = data, peer_origins[key]
+            self.timings["peer_exchange_s"] = time.perf_counter() - t
+        job = (step, records, staged.meshes, slices, origins, extra)
+        if not self.options.async_save:
+            self._write(*job)
+            self._raise_background_error()
+            return
+        self._idle.clear()
+        self._ensure_thread()
+        self._queue.put(job)
+
+    def _stage(self, state: Any, records: list[LeafRecord]):
+        """Host copies of every distinct shard this process holds, and each leaf's slices."""
+        slices: local.Slices = {}
+        required: dict[str, list[str]] = {}
+        pending = []
+        for (_, leaf), rec in zip(tree_lib.flatten(state), records, strict=True):
+            if not rec.has_array or not math.prod(rec.shape):
+                continue
+            if rec.kind == "numpy":
+                arr = np.asarray(leaf)
+                index = tuple((0, d) for d in arr.shape)
+                required[rec.name] = [local.index_key(index)]
+                pending.append(((rec.name, index), arr))
+                continue
+            arr = leaf if rec.kind == "array" else jax.random.key_data(leaf)
+            shape = tuple(arr.shape)
+            every = {
+                normalize_index(i, shape) for i in arr.sharding.devices_indices_map(shape).values()
+            }
+            required[rec.name] = [local.index_key(i) for i in sorted(every)]
+            seen: set[Index] = set()
+            for shard in arr.addressable_shards:
+                index = normalize_index(shard.index, shape)
+                if index in seen:
+                    continue
+                seen.add(index)
+                if shard.data.platform() != "cpu":
+                    shard.data.copy_to_host_async()
+                pending.append(((rec.name, index), shard.data))
+        for key, src in pending:  # all D2H copies were started above
+            buf = self._host.get(key)
+            if buf is None or buf.shape != tuple(src.shape) or buf.dtype != src.dtype:
+                buf = self._host[key] = np.empty(tuple(src.shape), src.dtype)
+            np.copyto(buf, np.asarray(src), casting="no")
+            slices[key] = buf
+        return slices, required
+
+    def _write(self, step, records, meshes, slices, origins, extra) -> None:
+        try:
+            if step not in self._local_steps:
+                t = time.perf_counter()
+                local.write_step(
+                    self.local_directory, step, records, meshes, slices, origins, extra
+                )
+                self.timings["local_write_s"] = time.perf_counter() - t
+                self._local_steps.add(step)
+            keep = self.options.local_max_to_keep
+            if keep is not None:
+                for old in sorted(self._local_steps)[:-keep]:
+                    local.delete_step(self.local_directory, old)
+                    self._local_steps.discard(old)
+        except BaseException as e:
+            self._error = BackgroundSaveError(
+                f"saving local step {step} to {self.local_directory.url} failed: {e}"
+            )
+            self._error.__cause__ = e
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="jaxckpt-local", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._write(*job)
+            finally:
+                self._idle.set()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the local write in flight is committed; raises a background error."""
+        if not self._idle.wait(self.options.timeout_s):
+            raise BackgroundSaveError(
+                f"{self.local_directory.url}: the local save did not finish within "
+                f"{self.options.timeout_s:.0f}s"
+            )
+        self._raise_background_error()
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # --- restore -------------------------------------------------------------------------
+
+    def restore(
+        self, step: int | None = None, target: Any = None, *, mesh: Mesh | None = None
+    ) -> Any:
+        """Restores the newest step every process can assemble (or ``step``); see the module.
+
+        ``target`` / ``mesh`` work as in :func:`jaxckpt.restore`. The report is in
+        ``last_report``. Every process must call it.
+        """
+        self.wait_until_finished()
+        self._remote.wait_until_finished()
+        self._remote.reload()
+        timeout = self.options.timeout_s
+        tag = self._tag("restore")
+        mine = {
+            s: ls
+            for s in local.committed_steps(self.local_directory)
+            if (ls := local.read_step(self.local_directory, s)) is not None
+        }
+        published = {
+            "remote": self._remote.all_steps(),
+            "steps": {
+                str(s): {
+                    "digest": ls.digest,
+                    "need": {n: len(keys) for n, keys in ls.doc["slices"].items()},
+                    "held": {n: sorted(h) for n, h in ls.held().items()},
+                }
+                for s, ls in mine.items()
+            },
+        }
+        views = [
+            json.loads(v)
+            for v in multihost.all_gather(f"{tag}/held", json.dumps(published), timeout)
+        ]
+        remote_steps = views[0]["remote"]
+        newest_remote = max(remote_steps, default=None)
+        steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
+        if step is not None:
+            steps = [s for s in steps if s == step]
+        rejected: list[tuple[int, str]] = []
+        bad_all: list[tuple[int, str, str, str]] = []
+        for s in steps:
+            if step is None and newest_remote is not None and newest_remote > s:
+                rejected.append((s, f"the remote tier has a newer step {newest_remote}"))
+                break
+            why = _uncovered(s, views)
+            if why:
+                rejected.append((s, why))
+                continue
+            try:
+                return self._restore_local(
+                    tag, s, views, mine.get(s), target, mesh, rejected, bad_all
+                )
+            except _Failed as e:
+                rejected.append((s, str(e)))
+        chosen = step if step is not None else newest_remote
+        if chosen is None or chosen not in remote_steps:
+            raise CheckpointNotFoundError(
+                f"no step to restore{f' (asked for {step})' if step is not None else ''}: no "
+                f"local step is complete on the {len(views)} processes ({rejected or 'none'}) "
+                f"and the remote tier {self._remote.directory.url} has {remote_steps}"
+            )
+        out = self._remote.restore(chosen, target, mesh=mesh)
+        self.last_report = RecoveryReport(
+            "remote",
+            chosen,
+            multihost.process_count(),
+            None,
+            rejected=tuple(rejected),
+            bad_copies=tuple(bad_all),
+        )
+        log.info("jaxckpt: restored %s", self.last_report)
+        return out
+
+    def _restore_local(self, tag, s, views, mine, target, mesh, rejected, bad_all) -> Any:
+        timeout = self.options.timeout_s
+        pid = multihost.process_index()
+        tag = f"{tag}/{s}"
+        holders = [p for p, v in enumerate(views) if str(s) in v["steps"]]
+        elected = holders[0]
+        docs = multihost.all_gather(
+            f"{tag}/doc", json.dumps(mine.doc) if pid == elected else "", timeout
+        )
+        doc = json.loads(docs[elected])
+        records = [LeafRecord(**r) for r in doc["leaves"]]
+        by_name = {r.name: r for r in records}
+        meshes = _Meshes(doc["meshes"])
+        if target is None:
+            wants = [_want_saved(r, meshes, mesh) for r in records]
+        else:
+            flat = tree_lib.flatten(target)
+            wants = [_want_target(p, t, by_name, self.local_directory) for p, t in flat]
+        required = {n: [local.parse_index(k) for k in keys] for n, keys in doc["slices"].items()}
+        needs = {w.record.name: _needed(w, required.get(w.record.name, [])) for w in wants}
+        needs = {n: [local.index_key(i) for i in idx] for n, idx in needs.items() if idx}
+        all_needs = [
+            json.loads(v) for v in multihost.all_gather(f"{tag}/needs", json.dumps(needs), timeout)
+        ]
+        # Each process reads (and CRC-checks) the held slices it needs; then the lowest
+        # process with a verified copy sends each slice somebody lacks. A sender reads those
+        # in another round; a copy failing there re-plans. Every process computes the same
+        # plan from the same published facts, so all run the same number of rounds.
+        read_by = [
+            {(n, k) for n, keys in need.items() for k in keys if _verified(views[p], s, n, k)}
+            for p, need in enumerate(all_needs)
+        ]
+        to_read = set(read_by[pid])
+        data: local.Slices = {}
+        bad_set: set[tuple[int, str, str]] = set()
+        for round_ in range(len(views) + 2):
+            got, bad = ({}, []) if mine is None or not to_read else _read(mine, to_read)
+            data.update(got)
+            gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(bad), timeout)
+            for p, text in enumerate(gathered):
+                for name, key, why in json.loads(text):
+                    bad_set.add((p, name, key))
+                    bad_all.append((p, name, key, why))
+            sends = _plan(s, views, holders, all_needs, bad_set, bad_all)
+            unread = [sends.get(p, set()) - read_by[p] for p in range(len(views))]
+            if not any(unread):
+                break
+            to_read = unread[pid]
+            for p, more in enumerate(unread):
+                read_by[p] |= more
+        else:
+            raise _Failed("copies kept failing verification")
+        origins_mine = {
+            (name, local.parse_index(k)): w
+            for name, h in (mine.held() if mine else {}).items()
+            for k, w in h.items()
+        }
+        used_from: dict[tuple[str, Index], tuple[int, int]] = {}
+        if sends:
+            out = {
+                (n, local.parse_index(k)): data[(n, local.parse_index(k))]
+                for n, k in sends.get(pid, ())
+            }
+            row = local.pack(out, {key: origins_mine[key] for key in out})
+            rows = exchange_rows(row, gather=True, name=f"{tag}/move", timeout_s=timeout)
+            my_needs = {(n, local.parse_index(k)) for n, keys in needs.items() for k in keys}
+            for sender, got in enumerate(rows):
+                if sender == pid:
+                    continue
+                got_slices, got_origins = local.unpack(got)
+                for key, value in got_slices.items():
+                    if key in my_needs and (
+                        key not in data or (pid, key[0], local.index_key(key[1])) in bad_set
+                    ):
+                        data[key] = value
+                        used_from[key] = (sender, got_origins[key])
+        own_pid = mine.doc["process_index"] if mine else None
+        for name, keys in needs.items():
+            for k in keys:
+                key = (name, local.parse_index(k))
+                if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
+                    used_from[key] = (pid, origins_mine[key])
+        values = [_assemble(w, required.get(w.record.name, []), data) for w in wants]
+        if target is None:
+            result = tree_lib.unflatten_paths(
+                [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
+            )
+        else:
+            result = tree_lib.unflatten_like(target, values)
+        self.last_report = RecoveryReport(
+            "local",
+            s,
+            multihost.process_count(),
+            doc.get("process_count"),
+            from_peers=tuple(
+                sorted((n, local.index_key(i), h, w) for (n, i), (h, w) in used_from.items())
+            ),
+            rejected=tuple(rejected),
+            bad_copies=tuple(bad_all),
+        )
+        log.info("jaxckpt: restored %s", self.last_report)
+        return result
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
+
+    def close(self) -> None:
+        """Finishes both tiers' saves in flight and stops the writer threads."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._idle.wait(self.options.timeout_s)
+        finally:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join(self.options.timeout_s)
+                self._thread = None
+            _live.discard(self)
+            self._remote.close()
+        self._raise_background_error()
+
+    def __enter__(self) -> EmergencyCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --- restore helpers ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Meshes:
+    meshes: list[dict]
+
+
+def _read(mine: local.LocalStep, keys: set[tuple[str, str]]):
+    wanted: dict[str, list[str]] = {}
+    for name, key in sorted(keys):
+        wanted.setdefault(name, []).append(key)
+    return local.read_slices(mine, wanted)
+
+
+def _plan(s, views, holders, all_needs, bad_set, bad_all) -> dict[int, set[tuple[str, str]]]:
+    """Who sends what: the lowest process holding a verified copy, to whoever lacks one."""
+    sends: dict[int, set[tuple[str, str]]] = {}
+    for q, need in enumerate(all_needs):
+        for name, keys in need.items():
+            for key in keys:
+                if _verified(views[q], s, name, key) and (q, name, key) not in bad_set:
+                    continue
+                ok = [
+                    p
+                    for p in holders
+                    if _verified(views[p], s, name, key) and (p, name, key) not in bad_set
+                ]
+                if not ok:
+                    raise _Failed(
+                        f"no verified copy of {name}[{key}] is left (bad copies: "
+                        f"{sorted(b[:3] for b in bad_all)})"
+                    )
+                sends.setdefault(ok[0], set()).add((name, key))
+    return sends
+
+
+def _verified(view: dict, s: int, name: str, key: str) -> bool:
+    entry = view["steps"].get(str(s))
+    return entry is not None and key in entry["held"].get(name, ())
+
+
+def _uncovered(s: int, views: list[dict]) -> str | None:
+    """Why step ``s`` cannot be assembled from what the processes say they hold (or None)."""
+    entries = [v["steps"][str(s)] for v in views if str(s) in v["steps"]]
+    if len({e["digest"] for e in entries}) > 1:
+        return "processes hold different trees under this step"
+    need = entries[0]["need"]
+    for name, count in need.items():
+        held = set().union(*(e["held"].get(name, ()) for e in entries))
+        if len(held) < count:
+            return (
+                f"{count - len(held)} of {count} slices of leaf {name!r} are held by none of "
+                f"the {len(views)} processes"
+            )
+    return None
+
+
+def _intersect(a: Index, b: Index) -> Index | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _needed(w: _Want, required: list[Index]) -> list[Index]:
+    """The saved slices this process must have to build ``w``."""
+    rec = w.record
+    if not rec.has_array or not math.prod(rec.shape):
+        return []
+    if rec.kind == "prng_key" or w.sharding is None:
+        return list(required)
+    shape = tuple(rec.shape)
+    targets = {
+        normalize_index(i, shape)
+        for i in w.sharding.addressable_devices_indices_map(shape).values()
+    }
+    return [s for s in required if any(_intersect(s, t) for t in targets)]
+
+
+def _fill(index: Index, required: list[Index], data: dict, name: str, dtype) -> np.ndarray:
+    exact = data.get((name, index))
+    if exact is not None:
+        return exact if exact.dtype == dtype else exact.view(dtype)
+    out = np.empty(tuple(b - a for a, b in index), dtype)
+    for s in required:
+        part = _intersect(s, index)
+        if part is None:
+            continue
+        src = data[(name, s)]
+        if src.dtype != dtype:
+            src = src.view(dtype)
+        dst_sl = tuple(
+            slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(part, index, strict=True)
+        )
+        src_sl = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(part, s, strict=True))
+        out[dst_sl] = src[src_sl]
+    return out
+
+
+def _assemble(w: _Want, required: list[Index], data: dict) -> Any:
+    rec = w.record
+    if not rec.has_array:
+        return rec.value
+    shape = tuple(rec.shape)
+    saved = jax.numpy.dtype(rec.dtype) if rec.kind != "prng_key" else np.dtype(np.uint32)
+    want = w.dtype or saved
+    whole = tuple((0, d) for d in shape)
+    if rec.kind == "prng_key" or w.sharding is None:
+        full = _fill(whole, required, data, rec.name, saved).astype(want, copy=False)
+        if rec.kind == "prng_key":
+            key = jax.random.wrap_key_data(full, impl=rec.prng_impl)
+            return key if w.sharding is None else place_key(full, w, rec)
+        return full[()] if rec.kind == "numpy" and rec.scalar else full
+    singles = []
+    for device, index in w.sharding.addressable_devices_indices_map(shape).items():
+        piece = _fill(normalize_index(index, shape), required, data, rec.name, saved)
+        singles.append(jax.device_put(piece.astype(want, copy=False), device))
+    return jax.make_array_from_single_device_arrays(shape, w.sharding, singles)
+
+
+# --- moving byte rows between processes ------------------------------------------------------
+
+
+def _row_mesh() -> Mesh:
+    """One device per process, in process order."""
+    first: dict[int, Any] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        first.setdefault(d.process_index, d)
+    return Mesh(np.array([first[p] for p in range(jax.process_count())]), ("p",))
+
+
+def exchange_rows(
+    row: np.ndarray, *, name: str, timeout_s: float, shifts=(), gather: bool = False
+) -> list[np.ndarray]:
+    """Moves one uint8 row per process through a JAX collective (a collective call).
+
+    ``shifts=(j, ...)``: returns, per j, the row of process ``(me - j) % count``
+    (``ppermute``; each process holds 2 rows). ``gather=True``: returns every process's row
+    (``all_gather``; each process holds ``count`` rows of the longest row's size).
+    Rows are zero-padded to the longest one (lengths agreed through the key-value store).
+    """
+    count = jax.process_count()
+    lengths = multihost.all_gather(f"{name}/len", str(row.size), timeout_s)
+    width = max(int(n) for n in lengths)
+    if width == 0:
+        return [np.zeros(0, np.uint8)] * (count if gather else len(list(shifts)))
+    mesh = _row_mesh()
+    me = mesh.devices[jax.process_index()]
+    padded = np.zeros((1, width), np.uint8)
+    padded[0, : row.size] = row
+    x = jax.make_array_from_single_device_arrays(
+        (count, width), NamedSharding(mesh, P("p")), [jax.device_put(padded, me)]
+    )
+    if gather:
+        rows = np.asarray(_gather_fn(mesh)(x).addressable_shards[0].data)
+        return [rows[p] for p in range(count)]
+    return [np.asarray(_permute_fn(mesh, j)(x).addressable_shards[0].data)[0] for j in shifts]
+
+
+@functools.lru_cache(maxsize=16)
+def _gather_fn(mesh: Mesh):
+    return jax.jit(
+        jax.shard_map(
+            lambda b: jax.lax.all_gather(b, "p", tiled=True),
+            mesh=mesh,
+            in_specs=P("p"),
+            out_specs=P(),
+            check_vma=False,  # all_gather's result is the same on every process
+        )
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _permute_fn(mesh: Mesh, shift: int):
+    count = mesh.devices.size
+    perm = [(i, (i + shift) % count) for i in range(count)]
+    return jax.jit(
+        jax.shard_map(
+            lambda b: jax.lax.ppermute(b, "p", perm),
+            mesh=mesh,
+            in_specs=P("p"),
+            out_specs=P("p"),
+        )
+    )
+
+
+@atexit.register
+def _close_all() -> None:
+    for mgr in list(_live):
+        try:
+            mgr.close()
+        except Exception as e:
+            log.error("jaxckpt: %s", e)

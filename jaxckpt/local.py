@@ -1,0 +1,270 @@
+"""The local tier of emergency checkpoints: one process's own copy of a step, on its own disk.
+
+``<local_directory>/<step:08d>/`` holds an OCDBT database (``arrays/``) with one zarr v3
+array per leaf at its *global* shape, into which the process wrote every distinct shard it
+held (its own, deduplicated by global index) plus the shards peers sent it; ``local.json``
+says which global slices are in there and which process originally wrote each; ``COMMITTED``
+is written last. A step is written in ``<step>.tmp-<id>``, renamed into place (parent
+fsynced), then marked; TensorStore's file driver fsyncs the data files it writes. Every chunk
+carries a CRC32C (zarr codec), checked on read.
+
+Also here: packing held slices into one byte buffer (and back), for the peer exchange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import struct
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import arrays
+from .manifest import COMMIT_FILE, LeafRecord
+from .sharding import Index
+from .storage import Location, rename_dir
+
+log = logging.getLogger("jaxckpt")
+
+LOCAL_FILE = "local.json"
+LOCAL_FORMAT = "jaxckpt-local"
+LOCAL_VERSION = 1
+_ALIGN = 64
+
+# A held slice: (leaf name, global index) -> host data in the stored dtype.
+Slices = dict[tuple[str, Index], np.ndarray]
+
+
+def index_key(index: Index) -> str:
+    """A slice's global index as text: ``0:16,0:8`` (``-`` for a 0-d array)."""
+    return ",".join(f"{a}:{b}" for a, b in index) or "-"
+
+
+def parse_index(key: str) -> Index:
+    if key == "-":
+        return ()
+    return tuple((int(a), int(b)) for a, b in (part.split(":") for part in key.split(",")))
+
+
+def record_to_json(rec: LeafRecord) -> dict:
+    return {
+        k: v
+        for k, v in dataclasses.asdict(rec).items()
+        if k == "value" and rec.kind == "python" or (v is not None and v is not False)
+    }
+
+
+def tree_digest(records: Iterable[dict]) -> str:
+    """What must match for copies of a step to be combined: names, kinds, shapes, dtypes."""
+    summary = [(r["name"], r["kind"], r.get("shape"), r.get("dtype")) for r in records]
+    return hashlib.sha256(json.dumps(summary).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """A committed local step as ``local.json`` describes it."""
+
+    step: int
+    path: Location
+    doc: dict
+
+    @property
+    def records(self) -> list[LeafRecord]:
+        return [LeafRecord(**r) for r in self.doc["leaves"]]
+
+    @property
+    def digest(self) -> str:
+        return self.doc["digest"]
+
+    def held(self) -> dict[str, dict[str, int]]:
+        """{leaf: {index key: original writer process}}."""
+        return self.doc["held"]
+
+
+def step_dir(directory: Location, step: int) -> Location:
+    return directory.join(f"{step:08d}")
+
+
+def committed_steps(directory: Location) -> list[int]:
+    return sorted(
+        int(n)
+        for n in directory.list_children()
+        if n.isdigit() and directory.join(n).exists(COMMIT_FILE)
+    )
+
+
+def read_step(directory: Location, step: int) -> LocalStep | None:
+    """The committed step's manifest, or None when it is missing or unreadable."""
+    path = step_dir(directory, step)
+    if not path.exists(COMMIT_FILE):
+        return None
+    text = path.read_bytes(LOCAL_FILE)
+    try:
+        doc = json.loads(text.decode()) if text else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != LOCAL_FORMAT:
+        log.warning("jaxckpt: %s has no valid %s; ignoring it", path.url, LOCAL_FILE)
+        return None
+    return LocalStep(step, path, doc)
+
+
+def write_step(
+    directory: Location,
+    step: int,
+    records: list[LeafRecord],
+    meshes: list[dict],
+    slices: Slices,
+    origins: dict[tuple[str, Index], int],
+    extra: dict,
+) -> Location:
+    """Writes one committed local step (tmp dir, rename, marker last); returns its path."""
+    final = step_dir(directory, step)
+    work = directory.join(f"{step:08d}.tmp-{uuid.uuid4().hex[:8]}")
+    db = work.join("arrays")
+    db.makedirs()
+    by_leaf: dict[str, list] = {}
+    for (name, index), data in slices.items():
+        by_leaf.setdefault(name, []).append((index, lambda d=data: d))
+    writes = []
+    for rec in records:
+        if not rec.has_array or not math.prod(rec.shape):
+            continue
+        stored = rec.stored_dtype or (rec.dtype if rec.kind != "prng_key" else "uint32")
+        meta = arrays.zarr_metadata(rec.shape, stored, rec.chunk_shape, None)
+        pieces = by_leaf.get(rec.name, [])
+        nbytes = sum(get().nbytes for _, get in pieces)
+        writes.append(arrays.ArrayWrite(rec.name, meta, pieces, True, nbytes))
+    try:
+        arrays.write(db, writes)
+        held: dict[str, dict[str, int]] = {}
+        for name, index in slices:
+            held.setdefault(name, {})[index_key(index)] = origins[(name, index)]
+        leaves = [record_to_json(r) for r in records]
+        doc = {
+            "format": LOCAL_FORMAT,
+            "version": LOCAL_VERSION,
+            "step": step,
+            "digest": tree_digest(leaves),
+            "meshes": meshes,
+            "leaves": leaves,
+            "held": held,
+            **extra,
+        }
+        work.write_bytes(LOCAL_FILE, json.dumps(doc).encode())
+        if os.path.exists(final.url):  # an uncommitted leftover of a crash
+            final.remove()
+        rename_dir(work, final)
+        final.write_bytes(COMMIT_FILE, b"")
+    except BaseException:
+        work.remove()
+        raise
+    return final
+
+
+def delete_step(directory: Location, step: int) -> None:
+    path = step_dir(directory, step)
+    path.delete_file(COMMIT_FILE)  # marker first: a half-deleted step is invisible
+    path.remove()
+
+
+def cleanup(directory: Location) -> list[str]:
+    """Removes temporary and uncommitted step directories; returns their names."""
+    removed = []
+    for name in directory.list_children():
+        child = directory.join(name)
+        if ".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE)):
+            log.info("jaxckpt: removing leftover local step %s", child.url)
+            child.remove()
+            removed.append(name)
+    return removed
+
+
+def read_slices(
+    step: LocalStep, wanted: dict[str, list[str]]
+) -> tuple[Slices, list[tuple[str, str, str]]]:
+    """Reads the held slices in ``wanted`` ({leaf: [index key]}), verifying checksums.
+
+    Returns (slices read, [(leaf, index key, why)] for copies that failed to read: those
+    count as missing, their data is never used).
+    """
+    db = step.path.join("arrays")
+    ctx = arrays.new_context()
+    held = step.held()
+    futures = []
+    bad: list[tuple[str, str, str]] = []
+    for name, keys in wanted.items():
+        keys = [k for k in keys if k in held.get(name, {})]
+        if not keys:
+            continue
+        try:
+            store = arrays.open_leaf(db, name, ctx).result()
+        except Exception as e:
+            bad.extend((name, k, f"cannot open: {e}") for k in keys)
+            continue
+        for k in keys:
+            futures.append((name, k, arrays.read_slice(store, parse_index(k))))
+    out: Slices = {}
+    for name, k, fut in futures:
+        try:
+            out[(name, parse_index(k))] = fut.result()
+        except Exception as e:
+            err = arrays.read_error(e, leaf=name, db=db, writers=lambda _k: db.url)
+            bad.append((name, k, f"{type(err).__name__}: {err}"))
+    arrays.release_free_memory()
+    return out, bad
+
+
+# --- packing slices into one byte buffer -----------------------------------------------------
+
+
+def pack(slices: Slices, origins: dict[tuple[str, Index], int]) -> np.ndarray:
+    """One uint8 buffer: header length (8 bytes), JSON header, then each slice 64-aligned."""
+    entries, offset = [], 0
+    for (name, index), data in slices.items():
+        entries.append(
+            [name, index_key(index), origins[(name, index)], offset, str(data.dtype), data.shape]
+        )
+        offset += -(-data.nbytes // _ALIGN) * _ALIGN
+    header = json.dumps(entries).encode()
+    start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
+    buf = np.zeros(start + offset, np.uint8)
+    buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
+    buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
+    for (_, _, _, off, _, _), data in zip(entries, slices.values(), strict=True):
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        buf[start + off : start + off + flat.size] = flat
+    return buf
+
+
+def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:
+    """The slices (views into ``buf``) and their original writers."""
+    if buf.size < 8:
+        return {}, {}
+    (hlen,) = struct.unpack("<Q", buf[:8].tobytes())
+    if hlen == 0:
+        return {}, {}
+    entries = json.loads(buf[8 : 8 + hlen].tobytes().decode())
+    start = -(-(8 + hlen) // _ALIGN) * _ALIGN
+    slices: Slices = {}
+    origins: dict[tuple[str, Index], int] = {}
+    for name, key, origin, off, dtype, shape in entries:
+        dt = jnp.dtype(dtype)
+        n = math.prod(shape) * dt.itemsize
+        data = buf[start + off : start + off + n].view(dt).reshape(shape)
+        slices[(name, parse_index(key))] = data
+        origins[(name, parse_index(key))] = origin
+    return slices, origins
+
+
+def describe_slices(slices: Any) -> list[str]:
+    return [f"{n}[{index_key(i)}]" for n, i in slices]

@@ -1,0 +1,330 @@
+"""EmergencyCheckpointManager: the local tier, peer copies, agreement and recovery."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+
+import jax
+import multiproc
+import numpy as np
+import pytest
+from conftest import assert_tree_equal, sharded
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import local
+from jaxckpt.errors import CheckpointNotFoundError
+from jaxckpt.options import OptionsError
+
+HERE = os.path.dirname(__file__)
+LOOP = os.path.join(HERE, "workers", "emergency_loop.py")
+CONFIG = os.path.join(os.path.dirname(HERE), "configs", "emergency_gpu.toml")
+
+
+def make_state(mesh, step):
+    return {
+        "w": sharded(
+            np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step, mesh, ("data", "model")
+        ),
+        "b": sharded(np.arange(32, dtype=np.float32) * step, mesh, ("model",)),
+        "h": sharded(np.ones((8, 4), jax.numpy.bfloat16) * step, mesh, (None, "model")),
+        "n": np.arange(3) + step,
+        "key": jax.random.key(step),
+        "step": step,
+        "none": None,
+    }
+
+
+def opts(**kw):
+    base = dict(local_interval_steps=1, remote_interval_steps=100, async_save=True)
+    return jaxckpt.EmergencyOptions(**{**base, **kw})
+
+
+def corrupt(step_dir: pathlib.Path, data: np.ndarray) -> None:
+    """Flips one byte inside ``data``'s bytes where they sit in a local step's data files."""
+    needle = np.ascontiguousarray(data).tobytes()
+    for f in (step_dir / "arrays").rglob("*"):
+        if f.is_file():
+            blob = bytearray(f.read_bytes())
+            at = blob.find(needle)
+            if at >= 0:
+                blob[at + len(needle) // 2] ^= 0xFF
+                f.write_bytes(bytes(blob))
+                return
+    raise AssertionError(f"bytes of the slice not found under {step_dir}")
+
+
+# --- single process: the local tier --------------------------------------------------------
+
+
+def test_local_step_format_and_exact_restore(tmp_path, mesh42):
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        for step in (1, 2, 3):
+            assert mgr.save(step, make_state(mesh42, step))
+        mgr.wait_until_finished()
+        assert mgr.local_steps() == [2, 3]  # local_max_to_keep=2
+        assert mgr.remote.all_steps() == []
+        out = mgr.restore()
+        assert_tree_equal(out, make_state(mesh42, 3))
+        assert out["w"].sharding == NamedSharding(mesh42, P("data", "model"))
+        rep = mgr.last_report
+        assert (rep.tier, rep.step, rep.from_peers, rep.rejected) == ("local", 3, (), ())
+    d = tmp_path / "l" / "00000003"
+    assert sorted(os.listdir(d)) == ["COMMITTED", "arrays", "local.json"]
+    doc = json.loads((d / "local.json").read_text())
+    assert doc["format"] == "jaxckpt-local" and doc["process_count"] == 1
+    assert doc["slices"]["w"] == [
+        f"{r}:{r + 16},{c}:{c + 16}" for r in (0, 16, 32, 48) for c in (0, 16)
+    ]
+    assert set(doc["held"]["w"]) == set(doc["slices"]["w"])  # every distinct shard, once
+    assert doc["held"]["b"] == {"0:16": 0, "16:32": 0}
+    kinds = {leaf["name"]: leaf["kind"] for leaf in doc["leaves"]}
+    assert kinds == {"w": "array", "b": "array", "h": "array", "n": "numpy", "key": "prng_key",
+                     "step": "python", "none": "python"}  # fmt: skip
+
+
+def test_restore_onto_another_target(tmp_path, mesh42):
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        mgr.save(5, make_state(mesh42, 5))
+        mesh = jax.make_mesh((2, 4), ("data", "model"))
+        target = {"w": NamedSharding(mesh, P("model", None)), "n": np.zeros(3, np.int64)}
+        out = mgr.restore(target=target)
+        np.testing.assert_array_equal(out["w"], make_state(mesh42, 5)["w"])
+        assert out["w"].sharding == target["w"]
+        np.testing.assert_array_equal(out["n"], np.arange(3) + 5)
+        out = mgr.restore(mesh=jax.make_mesh((8, 1), ("data", "model")))
+        assert out["w"].sharding.mesh.shape == {"data": 8, "model": 1}
+        np.testing.assert_array_equal(out["w"], make_state(mesh42, 5)["w"])
+
+
+def test_uncommitted_and_tmp_leftovers_are_removed(tmp_path, mesh42):
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        mgr.save(1, make_state(mesh42, 1))
+    ldir = tmp_path / "l"
+    shutil.copytree(ldir / "00000001", ldir / "00000002")
+    (ldir / "00000002" / "COMMITTED").unlink()  # a step whose commit never happened
+    (ldir / "00000003.tmp-abcd").mkdir()
+    with jaxckpt.EmergencyCheckpointManager(ldir, tmp_path / "r", opts()) as mgr:
+        assert sorted(os.listdir(ldir)) == ["00000001"]
+        assert mgr.local_steps() == [1] and mgr.latest_step() == 1
+        assert_tree_equal(mgr.restore(), make_state(mesh42, 1))
+
+
+def test_corrupt_chunk_is_never_restored(tmp_path, mesh42):
+    """The only copy of a slice fails its CRC: that step is rejected, the older one used."""
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        mgr.save(1, make_state(mesh42, 1))
+        mgr.save(2, make_state(mesh42, 2))
+        mgr.wait_until_finished()
+        w2 = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + 2
+        corrupt(tmp_path / "l" / "00000002", w2[16:32, 0:16])
+        out = mgr.restore()
+        assert_tree_equal(out, make_state(mesh42, 1))
+        rep = mgr.last_report
+        assert (rep.tier, rep.step) == ("local", 1)
+        assert rep.rejected[0][0] == 2 and "no verified copy of w[16:32,0:16]" in rep.rejected[0][1]
+        assert rep.bad_copies[0][:3] == (0, "w", "16:32,0:16")
+        assert "CRC32C" in rep.bad_copies[0][3]
+
+
+def test_remote_tier_when_newer_or_local_gone(tmp_path, mesh42):
+    o = opts(local_interval_steps=2, remote_interval_steps=3)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, make_state(mesh42, step))
+        mgr.remote.wait_until_finished()
+        assert mgr.local_steps() == [2] and mgr.remote.all_steps() == [3]
+        assert_tree_equal(mgr.restore(), make_state(mesh42, 3))
+        assert mgr.last_report.tier == "remote" and mgr.last_report.step == 3
+        assert mgr.last_report.rejected == ((2, "the remote tier has a newer step 3"),)
+        assert_tree_equal(mgr.restore(step=2), make_state(mesh42, 2))
+        assert mgr.last_report.tier == "local"
+    shutil.rmtree(tmp_path / "l")
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        assert_tree_equal(mgr.restore(), make_state(mesh42, 3))
+        assert mgr.last_report.tier == "remote"
+    with (
+        jaxckpt.EmergencyCheckpointManager(tmp_path / "l2", tmp_path / "r2", o) as mgr,
+        pytest.raises(CheckpointNotFoundError, match="no step to restore"),
+    ):
+        mgr.restore()
+
+
+def test_remote_tier_on_s3(tmp_path, mesh42, s3_url):
+    o = opts(local_interval_steps=1, remote_interval_steps=2)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", s3_url, o) as mgr:
+        for step in (1, 2):
+            mgr.save(step, make_state(mesh42, step))
+    shutil.rmtree(tmp_path / "l")
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", s3_url, o) as mgr:
+        assert_tree_equal(mgr.restore(), make_state(mesh42, 2))
+        assert (mgr.last_report.tier, mgr.last_report.step) == ("remote", 2)
+
+
+def test_force_saves_both_tiers_and_sync_mode(tmp_path, mesh42):
+    o = opts(local_interval_steps=10, remote_interval_steps=10, async_save=False)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        assert not mgr.save(3, make_state(mesh42, 3))
+        assert mgr.save(4, make_state(mesh42, 4), force=True)
+        assert mgr.local_steps() == [4] and mgr.remote.all_steps() == [4]
+        assert mgr.should_save(20) == (True, True)
+
+
+def test_pack_unpack_roundtrip():
+    slices = {
+        ("a", ((0, 2), (0, 3))): np.arange(6, dtype=np.float32).reshape(2, 3),
+        ("b", ((4, 5),)): np.array([7], jax.numpy.bfloat16),
+        ("c", ()): np.array(3, np.int64),
+    }
+    origins = dict.fromkeys(slices, 2)
+    got, got_origins = local.unpack(local.pack(slices, origins))
+    assert got_origins == origins
+    for k, v in slices.items():
+        assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes()
+    assert local.unpack(local.pack({}, {})) == ({}, {})
+
+
+def test_options(tmp_path):
+    with pytest.raises(OptionsError, match="replication"):
+        jaxckpt.EmergencyOptions(replication=-1)
+    with pytest.raises(OptionsError, match="local_interval_steps"):
+        jaxckpt.EmergencyOptions(local_interval_steps=0)
+    o = jaxckpt.EmergencyOptions.from_file(CONFIG)
+    assert o.local_interval_steps < o.remote_interval_steps and o.replication >= 1
+    bad = tmp_path / "bad.toml"
+    bad.write_text("local_every = 3\n")
+    with pytest.raises(OptionsError, match="unknown"):
+        jaxckpt.EmergencyOptions.from_file(bad)
+
+
+# --- multi-process -----------------------------------------------------------------------
+
+
+def run(n, mode, root, *args, env=None, ids=None, check=True):
+    e = {"JAXCKPT_TEST_REPL": "1", **(env or {})}
+    res = multiproc.run(
+        LOOP, n, devices_per_process=8 // n, args=[mode, str(root), *map(str, args)], env=e,
+        process_ids=ids, timeout_s=60,
+    )  # fmt: skip
+    return res.check() if check else res
+
+
+def reports(res):
+    out = []
+    for text in res.outputs:
+        line = next(ln for ln in text.splitlines() if ln.startswith("REPORT "))
+        out.append(json.loads(line[len("REPORT ") :]))
+    return out
+
+
+def steps(d):
+    return sorted(os.listdir(d))
+
+
+@pytest.mark.slow
+def test_local_restart_and_retention_of_both_tiers(tmp_path):
+    env = {"JAXCKPT_TEST_REPL": "0", "JAXCKPT_TEST_REMOTE": "2"}
+    run(2, "save", tmp_path, 5, env=env)
+    for h in ("host0", "host1"):
+        assert steps(tmp_path / h) == ["00000004", "00000005"]  # local_max_to_keep=2
+    assert steps(tmp_path / "remote") == ["00000002", "00000004"]  # remote_max_to_keep=2
+    reps = reports(run(2, "restore", tmp_path, "local", 5, env=env))
+    assert all(r["from_peers"] == [] and r["saved_process_count"] == 2 for r in reps)
+
+
+@pytest.mark.slow
+def test_replaced_host_restores_from_peer_copies(tmp_path):
+    run(2, "save", tmp_path, 3)
+    shutil.rmtree(tmp_path / "host1")  # a new machine, empty local disk
+    r0, r1 = reports(run(2, "restore", tmp_path, "local", 3))
+    assert r0["from_peers"] == []
+    # process 1's rows of w come from process 0, which held process 1's peer copy
+    w = [p for p in r1["from_peers"] if p[0] == "w"]
+    assert sorted(p[1] for p in w) == ["32:48,0:16", "32:48,16:32", "48:64,0:16", "48:64,16:32"]
+    assert all(p[2:] == [0, 1] for p in w)
+
+
+@pytest.mark.slow
+def test_replaced_host_with_permuted_process_ids(tmp_path):
+    run(4, "save", tmp_path, 3)
+    shutil.rmtree(tmp_path / "host2")
+    # rank r comes back as process ids[r] on the machine (local directory) host<r>
+    ids = [2, 0, 3, 1]
+    hosts = [ids.index(p) for p in range(4)]
+    res = run(
+        4, "restore", tmp_path, "local", 3, ids=ids, env={"JAXCKPT_TEST_HOSTS": json.dumps(hosts)}
+    )
+    reps = reports(res)
+    assert all((r["tier"], r["step"]) == ("local", 3) for r in reps)
+    # the slices process 2 (on host2) wrote came from host3's peer copy
+    assert any(p[0] == "w" and p[3] == 2 for r in reps for p in r["from_peers"])
+
+
+@pytest.mark.slow
+def test_all_local_directories_wiped_uses_newest_remote_step(tmp_path):
+    run(2, "save", tmp_path, 5, env={"JAXCKPT_TEST_REMOTE": "2"})
+    for h in ("host0", "host1"):
+        shutil.rmtree(tmp_path / h)
+    reps = reports(run(2, "restore", tmp_path, "remote", 4))
+    assert all(r["rejected"] == [] for r in reps)
+
+
+@pytest.mark.slow
+def test_corrupt_local_chunk_is_rejected_and_restored_from_the_peer_copy(tmp_path):
+    run(2, "save", tmp_path, 3)
+    w3 = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + 3
+    corrupt(tmp_path / "host0" / "00000003", w3[0:16, 0:16])
+    r0, r1 = reports(run(2, "restore", tmp_path, "local", 3))
+    assert [b[:3] for b in r0["bad_copies"]] == [[0, "w", "0:16,0:16"]]
+    assert "CRC32C" in r0["bad_copies"][0][3]
+    assert ["w", "0:16,0:16", 1, 0] in r0["from_peers"]  # process 1's copy, verified
+
+
+@pytest.mark.slow
+def test_remote_newer_than_every_complete_local_step(tmp_path):
+    env = {"JAXCKPT_TEST_LOCAL": "2", "JAXCKPT_TEST_REMOTE": "3", "JAXCKPT_TEST_REPL": "0"}
+    run(2, "save", tmp_path, 3, env=env)
+    reps = reports(run(2, "restore", tmp_path, "remote", 3, env=env))
+    assert reps[0]["rejected"] == [[2, "the remote tier has a newer step 3"]]
+
+
+@pytest.mark.slow
+def test_process_killed_during_local_save(tmp_path):
+    env = {"JAXCKPT_TEST_REPL": "0", "JAXCKPT_TEST_KILL_PID": "1", "JAXCKPT_TEST_KILL_STEP": "3"}
+    res = run(2, "save", tmp_path, 3, env=env, check=False)
+    assert res.returncodes[1] == -signal.SIGKILL, res.outputs[1]
+    assert any(".tmp-" in n for n in steps(tmp_path / "host1"))
+    assert "00000003" in steps(tmp_path / "host0")  # process 0 committed its own copy
+    reps = reports(run(2, "restore", tmp_path, "local", 2, env={"JAXCKPT_TEST_REPL": "0"}))
+    assert reps[0]["rejected"][0][0] == 3 and "held by none" in reps[0]["rejected"][0][1]
+    assert steps(tmp_path / "host1") == ["00000001", "00000002"]  # leftover removed
+
+
+@pytest.mark.slow
+def test_restart_with_fewer_processes(tmp_path):
+    run(4, "save", tmp_path, 3, env={"JAXCKPT_TEST_REMOTE": "2"})
+    # hosts 0 and 2 survive: host0 holds p0 and (peer copy) p3, host2 holds p2 and p1
+    reps = reports(run(2, "restore", tmp_path, "local", 3, env={"JAXCKPT_TEST_HOSTS": "[0, 2]"}))
+    assert all(r["saved_process_count"] == 4 and r["process_count"] == 2 for r in reps)
+    assert {p[3] for r in reps for p in r["from_peers"] if p[0] == "w"} == {1, 3}
+    # hosts 0 and 1 hold p0, p3, p1 only: p2's rows are lost locally -> the remote step
+    reps = reports(run(2, "restore", tmp_path, "remote", 2, env={"JAXCKPT_TEST_HOSTS": "[0, 1]"}))
+    assert reps[0]["rejected"][0][0] == 3 and "held by none" in reps[0]["rejected"][0][1]
+
+
+@pytest.mark.slow
+def test_resilient_training_example(tmp_path):
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(HERE), "examples", "resilient_training.py")
+    res = subprocess.run(
+        [sys.executable, script, "--processes", "2", "--dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert '"resumed_step": 16, "tier": "local", "state_equal": true' in res.stdout
+    assert "[p1] resumed from the local tier at step 16" in res.stdout

@@ -1,0 +1,128 @@
+"""Worker: an EmergencyCheckpointManager in a multi-process job.
+
+usage: emergency_loop.py save ROOT N           saves steps 1..N, then closes
+       emergency_loop.py restore ROOT [TIER STEP]  restores (saved mesh by position, then a
+                                                target on another layout), checks the values
+                                                and, if given, the tier and step
+Each process's local directory is ROOT/host<h> with h = JAXCKPT_TEST_HOSTS[process id]
+(a JSON list; default: h = process id), the remote one ROOT/remote. Env: JAXCKPT_TEST_LOCAL,
+JAXCKPT_TEST_REMOTE (intervals), JAXCKPT_TEST_REPL (replication), JAXCKPT_TEST_KILL_PID and
+JAXCKPT_TEST_KILL_STEP (that process SIGKILLs itself after writing that local step's arrays,
+before its commit). Prints ``REPORT <json>`` after a restore.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+
+import multiproc
+
+multiproc.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxckpt  # noqa: E402
+from jaxckpt import arrays  # noqa: E402
+
+SPECS = {"w": P("data", "model"), "b": P("model")}
+
+
+def expected(step: int) -> dict:
+    return {
+        "w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step,
+        "b": np.arange(32, dtype=np.float32) * step,
+        "n": np.arange(5, dtype=np.int64) - step,
+        "step": step,
+    }
+
+
+def state(mesh, step: int) -> dict:
+    exp = expected(step)
+    out = {
+        k: jax.make_array_from_callback(
+            exp[k].shape, NamedSharding(mesh, spec), lambda i, v=exp[k]: v[i]
+        )
+        for k, spec in SPECS.items()
+    }
+    out["n"], out["step"] = exp["n"], step
+    out["key"] = jax.random.key(step)
+    return out
+
+
+def check(out: dict, step: int) -> None:
+    exp = expected(step)
+    assert out["step"] == step, out["step"]
+    np.testing.assert_array_equal(out["n"], exp["n"])
+    np.testing.assert_array_equal(
+        jax.random.key_data(out["key"]), jax.random.key_data(jax.random.key(step))
+    )
+    for k in SPECS:
+        for shard in out[k].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), exp[k][shard.index])
+
+
+def kill_after_local_write(step: int) -> None:
+    real = arrays.write
+
+    def write(db, writes) -> None:
+        real(db, writes)
+        if f"{step:08d}.tmp-" in db.url:
+            print("killing myself", jax.process_index(), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    arrays.write = write
+
+
+def main(mode: str, root: str, rest: list[str]) -> None:
+    pid = jax.process_index()
+    hosts = json.loads(os.environ.get("JAXCKPT_TEST_HOSTS", "null")) or list(range(64))
+    env = os.environ.get
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=int(env("JAXCKPT_TEST_LOCAL", 1)),
+        remote_interval_steps=int(env("JAXCKPT_TEST_REMOTE", 100)),
+        local_max_to_keep=2,
+        remote_max_to_keep=2,
+        replication=int(env("JAXCKPT_TEST_REPL", 0)),
+        timeout_s=float(env("JAXCKPT_TEST_TIMEOUT", 30)),
+    )
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    mgr = jaxckpt.EmergencyCheckpointManager(
+        os.path.join(root, f"host{hosts[pid]}"), os.path.join(root, "remote"), opts
+    )
+    if mode == "save":
+        if int(env("JAXCKPT_TEST_KILL_PID", -1)) == pid:
+            kill_after_local_write(int(env("JAXCKPT_TEST_KILL_STEP")))
+        for step in range(1, int(rest[0]) + 1):
+            mgr.save(step, state(mesh, step))
+        mgr.close()
+    else:
+        out = mgr.restore()
+        report = mgr.last_report
+        check(out, report.step)
+        # again, onto another layout given as a target
+        other = jax.make_mesh((2, 4), ("data", "model"))
+        target = jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, P()))
+                if isinstance(x, jax.Array) and x.ndim
+                else x
+            ),
+            out,
+        )
+        target["w"] = NamedSharding(other, P("model", "data"))
+        check(mgr.restore(target=target), report.step)
+        assert mgr.last_report.step == report.step
+        print("REPORT", json.dumps(dataclasses.asdict(report)), flush=True)
+        if rest:
+            assert (report.tier, report.step) == (rest[0], int(rest[1])), report
+        mgr.close()
+    print("ok", mode, pid, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
