@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import itertools
 import json
 import logging
@@ -36,16 +35,26 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from . import local, multihost
 from . import tree as tree_lib
-from .checkpoint import _Want, _want_saved, _want_target, place_key
+from .checkpoint import _want_saved, _want_target
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import BackgroundSaveError, CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError
+from .peers import exchange_rows
+from .recovery import (
+    SavedMeshes,
+    StepUnusable,
+    assemble,
+    needed_slices,
+    plan_sends,
+    read_held,
+    uncovered,
+    verified,
+)
 from .sharding import Index, normalize_index
 from .staging import describe
 from .storage import location
@@ -124,10 +133,6 @@ class RecoveryReport:
     from_peers: tuple[tuple[str, str, int, int], ...] = ()
     rejected: tuple[tuple[int, str], ...] = ()
     bad_copies: tuple[tuple[int, str, str, str], ...] = ()
-
-
-class _Failed(Exception):
-    """A local step cannot be assembled after verification; try the next one."""
 
 
 class EmergencyCheckpointManager:
@@ -407,7 +412,7 @@ class EmergencyCheckpointManager:
             if step is None and newest_remote is not None and newest_remote > s:
                 rejected.append((s, f"the remote tier has a newer step {newest_remote}"))
                 break
-            why = _uncovered(s, views)
+            why = uncovered(s, views)
             if why:
                 rejected.append((s, why))
                 continue
@@ -415,7 +420,7 @@ class EmergencyCheckpointManager:
                 return self._restore_local(
                     tag, s, views, mine.get(s), target, mesh, rejected, bad_all
                 )
-            except _Failed as e:
+            except StepUnusable as e:
                 rejected.append((s, str(e)))
         chosen = step if step is not None else newest_remote
         if chosen is None or chosen not in remote_steps:
@@ -448,14 +453,14 @@ class EmergencyCheckpointManager:
         doc = json.loads(docs[elected])
         records = [LeafRecord(**r) for r in doc["leaves"]]
         by_name = {r.name: r for r in records}
-        meshes = _Meshes(doc["meshes"])
+        meshes = SavedMeshes(doc["meshes"])
         if target is None:
             wants = [_want_saved(r, meshes, mesh) for r in records]
         else:
             flat = tree_lib.flatten(target)
             wants = [_want_target(p, t, by_name, self.local_directory) for p, t in flat]
         required = {n: [local.parse_index(k) for k in keys] for n, keys in doc["slices"].items()}
-        needs = {w.record.name: _needed(w, required.get(w.record.name, [])) for w in wants}
+        needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
         needs = {n: [local.index_key(i) for i in idx] for n, idx in needs.items() if idx}
         all_needs = [
             json.loads(v) for v in multihost.all_gather(f"{tag}/needs", json.dumps(needs), timeout)
@@ -465,21 +470,21 @@ class EmergencyCheckpointManager:
         # in another round; a copy failing there re-plans. Every process computes the same
         # plan from the same published facts, so all run the same number of rounds.
         read_by = [
-            {(n, k) for n, keys in need.items() for k in keys if _verified(views[p], s, n, k)}
+            {(n, k) for n, keys in need.items() for k in keys if verified(views[p], s, n, k)}
             for p, need in enumerate(all_needs)
         ]
         to_read = set(read_by[pid])
         data: local.Slices = {}
         bad_set: set[tuple[int, str, str]] = set()
         for round_ in range(len(views) + 2):
-            got, bad = ({}, []) if mine is None or not to_read else _read(mine, to_read)
+            got, bad = ({}, []) if mine is None or not to_read else read_held(mine, to_read)
             data.update(got)
             gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(bad), timeout)
             for p, text in enumerate(gathered):
                 for name, key, why in json.loads(text):
                     bad_set.add((p, name, key))
                     bad_all.append((p, name, key, why))
-            sends = _plan(s, views, holders, all_needs, bad_set, bad_all)
+            sends = plan_sends(s, views, holders, all_needs, bad_set, bad_all)
             unread = [sends.get(p, set()) - read_by[p] for p in range(len(views))]
             if not any(unread):
                 break
@@ -487,7 +492,7 @@ class EmergencyCheckpointManager:
             for p, more in enumerate(unread):
                 read_by[p] |= more
         else:
-            raise _Failed("copies kept failing verification")
+            raise StepUnusable("copies kept failing verification")
         origins_mine = {
             (name, local.parse_index(k)): w
             for name, h in (mine.held() if mine else {}).items()
@@ -518,7 +523,7 @@ class EmergencyCheckpointManager:
                 key = (name, local.parse_index(k))
                 if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
                     used_from[key] = (pid, origins_mine[key])
-        values = [_assemble(w, required.get(w.record.name, []), data) for w in wants]
+        values = [assemble(w, required.get(w.record.name, []), data) for w in wants]
         if target is None:
             result = tree_lib.unflatten_paths(
                 [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
@@ -566,191 +571,6 @@ class EmergencyCheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-# --- restore helpers ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Meshes:
-    meshes: list[dict]
-
-
-def _read(mine: local.LocalStep, keys: set[tuple[str, str]]):
-    wanted: dict[str, list[str]] = {}
-    for name, key in sorted(keys):
-        wanted.setdefault(name, []).append(key)
-    return local.read_slices(mine, wanted)
-
-
-def _plan(s, views, holders, all_needs, bad_set, bad_all) -> dict[int, set[tuple[str, str]]]:
-    """Who sends what: the lowest process holding a verified copy, to whoever lacks one."""
-    sends: dict[int, set[tuple[str, str]]] = {}
-    for q, need in enumerate(all_needs):
-        for name, keys in need.items():
-            for key in keys:
-                if _verified(views[q], s, name, key) and (q, name, key) not in bad_set:
-                    continue
-                ok = [
-                    p
-                    for p in holders
-                    if _verified(views[p], s, name, key) and (p, name, key) not in bad_set
-                ]
-                if not ok:
-                    raise _Failed(
-                        f"no verified copy of {name}[{key}] is left (bad copies: "
-                        f"{sorted(b[:3] for b in bad_all)})"
-                    )
-                sends.setdefault(ok[0], set()).add((name, key))
-    return sends
-
-
-def _verified(view: dict, s: int, name: str, key: str) -> bool:
-    entry = view["steps"].get(str(s))
-    return entry is not None and key in entry["held"].get(name, ())
-
-
-def _uncovered(s: int, views: list[dict]) -> str | None:
-    """Why step ``s`` cannot be assembled from what the processes say they hold (or None)."""
-    entries = [v["steps"][str(s)] for v in views if str(s) in v["steps"]]
-    if len({e["digest"] for e in entries}) > 1:
-        return "processes hold different trees under this step"
-    need = entries[0]["need"]
-    for name, count in need.items():
-        held = set().union(*(e["held"].get(name, ()) for e in entries))
-        if len(held) < count:
-            return (
-                f"{count - len(held)} of {count} slices of leaf {name!r} are held by none of "
-                f"the {len(views)} processes"
-            )
-    return None
-
-
-def _intersect(a: Index, b: Index) -> Index | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def _needed(w: _Want, required: list[Index]) -> list[Index]:
-    """The saved slices this process must have to build ``w``."""
-    rec = w.record
-    if not rec.has_array or not math.prod(rec.shape):
-        return []
-    if rec.kind == "prng_key" or w.sharding is None:
-        return list(required)
-    shape = tuple(rec.shape)
-    targets = {
-        normalize_index(i, shape)
-        for i in w.sharding.addressable_devices_indices_map(shape).values()
-    }
-    return [s for s in required if any(_intersect(s, t) for t in targets)]
-
-
-def _fill(index: Index, required: list[Index], data: dict, name: str, dtype) -> np.ndarray:
-    exact = data.get((name, index))
-    if exact is not None:
-        return exact if exact.dtype == dtype else exact.view(dtype)
-    out = np.empty(tuple(b - a for a, b in index), dtype)
-    for s in required:
-        part = _intersect(s, index)
-        if part is None:
-            continue
-        src = data[(name, s)]
-        if src.dtype != dtype:
-            src = src.view(dtype)
-        dst_sl = tuple(
-            slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(part, index, strict=True)
-        )
-        src_sl = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(part, s, strict=True))
-        out[dst_sl] = src[src_sl]
-    return out
-
-
-def _assemble(w: _Want, required: list[Index], data: dict) -> Any:
-    rec = w.record
-    if not rec.has_array:
-        return rec.value
-    shape = tuple(rec.shape)
-    saved = jax.numpy.dtype(rec.dtype) if rec.kind != "prng_key" else np.dtype(np.uint32)
-    want = w.dtype or saved
-    whole = tuple((0, d) for d in shape)
-    if rec.kind == "prng_key" or w.sharding is None:
-        full = _fill(whole, required, data, rec.name, saved).astype(want, copy=False)
-        if rec.kind == "prng_key":
-            key = jax.random.wrap_key_data(full, impl=rec.prng_impl)
-            return key if w.sharding is None else place_key(full, w, rec)
-        return full[()] if rec.kind == "numpy" and rec.scalar else full
-    singles = []
-    for device, index in w.sharding.addressable_devices_indices_map(shape).items():
-        piece = _fill(normalize_index(index, shape), required, data, rec.name, saved)
-        singles.append(jax.device_put(piece.astype(want, copy=False), device))
-    return jax.make_array_from_single_device_arrays(shape, w.sharding, singles)
-
-
-# --- moving byte rows between processes ------------------------------------------------------
-
-
-def _row_mesh() -> Mesh:
-    """One device per process, in process order."""
-    first: dict[int, Any] = {}
-    for d in sorted(jax.devices(), key=lambda d: d.id):
-        first.setdefault(d.process_index, d)
-    return Mesh(np.array([first[p] for p in range(jax.process_count())]), ("p",))
-
-
-def exchange_rows(
-    row: np.ndarray, *, name: str, timeout_s: float, shifts=(), gather: bool = False
-) -> list[np.ndarray]:
-    """Moves one uint8 row per process through a JAX collective (a collective call).
-
-    ``shifts=(j, ...)``: returns, per j, the row of process ``(me - j) % count``
-    (``ppermute``; each process holds 2 rows). ``gather=True``: returns every process's row
-    (``all_gather``; each process holds ``count`` rows of the longest row's size).
-    Rows are zero-padded to the longest one (lengths agreed through the key-value store).
-    """
-    count = jax.process_count()
-    lengths = multihost.all_gather(f"{name}/len", str(row.size), timeout_s)
-    width = max(int(n) for n in lengths)
-    if width == 0:
-        return [np.zeros(0, np.uint8)] * (count if gather else len(list(shifts)))
-    mesh = _row_mesh()
-    me = mesh.devices[jax.process_index()]
-    padded = np.zeros((1, width), np.uint8)
-    padded[0, : row.size] = row
-    x = jax.make_array_from_single_device_arrays(
-        (count, width), NamedSharding(mesh, P("p")), [jax.device_put(padded, me)]
-    )
-    if gather:
-        rows = np.asarray(_gather_fn(mesh)(x).addressable_shards[0].data)
-        return [rows[p] for p in range(count)]
-    return [np.asarray(_permute_fn(mesh, j)(x).addressable_shards[0].data)[0] for j in shifts]
-
-
-@functools.lru_cache(maxsize=16)
-def _gather_fn(mesh: Mesh):
-    return jax.jit(
-        jax.shard_map(
-            lambda b: jax.lax.all_gather(b, "p", tiled=True),
-            mesh=mesh,
-            in_specs=P("p"),
-            out_specs=P(),
-            check_vma=False,  # all_gather's result is the same on every process
-        )
-    )
-
-
-@functools.lru_cache(maxsize=16)
-def _permute_fn(mesh: Mesh, shift: int):
-    count = mesh.devices.size
-    perm = [(i, (i + shift) % count) for i in range(count)]
-    return jax.jit(
-        jax.shard_map(
-            lambda b: jax.lax.ppermute(b, "p", perm),
-            mesh=mesh,
-            in_specs=P("p"),
-            out_specs=P("p"),
-        )
-    )
 
 
 @atexit.register

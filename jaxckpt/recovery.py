@@ -1,0 +1,139 @@
+"""Restoring from copies held by several processes: who sends what, and assembling leaves.
+
+Slices are identified by their global index, never by device id: ``plan_sends`` picks, for
+every slice a process needs and lacks, the lowest process holding a verified copy;
+``fill``/``assemble`` cut any needed region out of whatever saved slices cover it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import local
+from .checkpoint import _Want, place_key
+from .sharding import Index, normalize_index
+
+
+class StepUnusable(Exception):
+    """A local step cannot be assembled after verification; try the next one."""
+
+
+@dataclass(frozen=True)
+class SavedMeshes:
+    meshes: list[dict]
+
+
+def read_held(mine: local.LocalStep, keys: set[tuple[str, str]]):
+    wanted: dict[str, list[str]] = {}
+    for name, key in sorted(keys):
+        wanted.setdefault(name, []).append(key)
+    return local.read_slices(mine, wanted)
+
+
+def plan_sends(s, views, holders, all_needs, bad_set, bad_all) -> dict[int, set[tuple[str, str]]]:
+    """Who sends what: the lowest process holding a verified copy, to whoever lacks one."""
+    sends: dict[int, set[tuple[str, str]]] = {}
+    for q, need in enumerate(all_needs):
+        for name, keys in need.items():
+            for key in keys:
+                if verified(views[q], s, name, key) and (q, name, key) not in bad_set:
+                    continue
+                ok = [
+                    p
+                    for p in holders
+                    if verified(views[p], s, name, key) and (p, name, key) not in bad_set
+                ]
+                if not ok:
+                    raise StepUnusable(
+                        f"no verified copy of {name}[{key}] is left (bad copies: "
+                        f"{sorted(b[:3] for b in bad_all)})"
+                    )
+                sends.setdefault(ok[0], set()).add((name, key))
+    return sends
+
+
+def verified(view: dict, s: int, name: str, key: str) -> bool:
+    entry = view["steps"].get(str(s))
+    return entry is not None and key in entry["held"].get(name, ())
+
+
+def uncovered(s: int, views: list[dict]) -> str | None:
+    """Why step ``s`` cannot be assembled from what the processes say they hold (or None)."""
+    entries = [v["steps"][str(s)] for v in views if str(s) in v["steps"]]
+    if len({e["digest"] for e in entries}) > 1:
+        return "processes hold different trees under this step"
+    need = entries[0]["need"]
+    for name, count in need.items():
+        held = set().union(*(e["held"].get(name, ()) for e in entries))
+        if len(held) < count:
+            return (
+                f"{count - len(held)} of {count} slices of leaf {name!r} are held by none of "
+                f"the {len(views)} processes"
+            )
+    return None
+
+
+def intersect(a: Index, b: Index) -> Index | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def needed_slices(w: _Want, required: list[Index]) -> list[Index]:
+    """The saved slices this process must have to build ``w``."""
+    rec = w.record
+    if not rec.has_array or not math.prod(rec.shape):
+        return []
+    if rec.kind == "prng_key" or w.sharding is None:
+        return list(required)
+    shape = tuple(rec.shape)
+    targets = {
+        normalize_index(i, shape)
+        for i in w.sharding.addressable_devices_indices_map(shape).values()
+    }
+    return [s for s in required if any(intersect(s, t) for t in targets)]
+
+
+def fill(index: Index, required: list[Index], data: dict, name: str, dtype) -> np.ndarray:
+    exact = data.get((name, index))
+    if exact is not None:
+        return exact if exact.dtype == dtype else exact.view(dtype)
+    out = np.empty(tuple(b - a for a, b in index), dtype)
+    for s in required:
+        part = intersect(s, index)
+        if part is None:
+            continue
+        src = data[(name, s)]
+        if src.dtype != dtype:
+            src = src.view(dtype)
+        dst_sl = tuple(
+            slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(part, index, strict=True)
+        )
+        src_sl = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(part, s, strict=True))
+        out[dst_sl] = src[src_sl]
+    return out
+
+
+def assemble(w: _Want, required: list[Index], data: dict) -> Any:
+    rec = w.record
+    if not rec.has_array:
+        return rec.value
+    shape = tuple(rec.shape)
+    saved = jax.numpy.dtype(rec.dtype) if rec.kind != "prng_key" else np.dtype(np.uint32)
+    want = w.dtype or saved
+    whole = tuple((0, d) for d in shape)
+    if rec.kind == "prng_key" or w.sharding is None:
+        full = fill(whole, required, data, rec.name, saved).astype(want, copy=False)
+        if rec.kind == "prng_key":
+            key = jax.random.wrap_key_data(full, impl=rec.prng_impl)
+            return key if w.sharding is None else place_key(full, w, rec)
+        return full[()] if rec.kind == "numpy" and rec.scalar else full
+    singles = []
+    for device, index in w.sharding.addressable_devices_indices_map(shape).items():
+        piece = fill(normalize_index(index, shape), required, data, rec.name, saved)
+        singles.append(jax.device_put(piece.astype(want, copy=False), device))
+    return jax.make_array_from_single_device_arrays(shape, w.sharding, singles)
