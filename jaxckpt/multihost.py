@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,8 +22,20 @@ from .errors import CoordinationError
 
 _counter = itertools.count()
 
-# Cheap counters: seconds and calls spent waiting in barriers and key-value traffic.
-STATS: dict[str, float] = {"barrier_s": 0.0, "kv_s": 0.0, "barriers": 0, "kv_calls": 0}
+# Cheap counters: seconds and calls spent in barriers and key-value traffic. ``protocol_s``
+# is the coordination's own latency: for each barrier, release minus the last process's
+# arrival; for each broadcast, receipt minus publication; plus the key-value calls. Unlike
+# ``barrier_s`` it leaves out time spent waiting for slower processes to finish their work.
+# Measuring it costs one extra key-value listing per barrier, so it is off unless
+# ``JAXCKPT_PROTOCOL_TIMING=1`` (bench/scale.py sets it).
+STATS: dict[str, float] = {
+    "barrier_s": 0.0,
+    "kv_s": 0.0,
+    "protocol_s": 0.0,
+    "barriers": 0,
+    "kv_calls": 0,
+}
+_PROTOCOL_TIMING = os.environ.get("JAXCKPT_PROTOCOL_TIMING") == "1"
 
 
 def coordination_stats(reset: bool = False) -> dict[str, float]:
@@ -40,8 +53,11 @@ def _timed(kind: str) -> Iterator[None]:
     try:
         yield
     finally:
-        STATS[f"{kind}_s"] += time.perf_counter() - t
+        spent = time.perf_counter() - t
+        STATS[f"{kind}_s"] += spent
         STATS["barriers" if kind == "barrier" else "kv_calls"] += 1
+        if kind == "kv":
+            STATS["protocol_s"] += spent
 
 
 def process_index() -> int:
@@ -90,9 +106,13 @@ def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
     client = _client()
     try:
         with _timed("kv"):
-            client.key_value_set(f"{name}/arrived/{process_index()}", "1")
+            client.key_value_set(f"{name}/arrived/{process_index()}", repr(time.time()))
         with _timed("barrier"):
             client.wait_at_barrier(name, int(timeout_s * 1000))
+        if _PROTOCOL_TIMING:
+            released = time.time()
+            arrivals = client.key_value_dir_get(f"{name}/arrived/")
+            STATS["protocol_s"] += max(0.0, released - max(float(v) for _, v in arrivals))
     except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
         missing = _missing(name)
         who = (
@@ -118,11 +138,16 @@ def broadcast(name: str, value: str | None, timeout_s: float) -> str:
     if process_index() == 0:
         assert value is not None
         with _timed("kv"):
-            client.key_value_set(name, value)
+            client.key_value_set(name, f"{time.time()!r}|{value}")
         return value
     try:
-        with _timed("kv"):
-            return client.blocking_key_value_get(name, int(timeout_s * 1000))
+        asked = time.time()
+        with _timed("barrier"):  # a wait for process 0, like a barrier
+            published, _, got = client.blocking_key_value_get(
+                name, int(timeout_s * 1000)
+            ).partition("|")
+        STATS["protocol_s"] += max(0.0, time.time() - max(asked, float(published)))
+        return got
     except Exception as e:
         raise CoordinationError(
             f"waiting for process 0 to publish {name!r} timed out after {timeout_s:g}s "
