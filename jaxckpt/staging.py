@@ -3,7 +3,9 @@
 ``describe`` decides, for every leaf, what goes into the manifest and which shards this
 process writes (one replica of each). ``stage`` does the same and also copies those shards
 into host memory now (``copy_to_host_async`` on all of them before any is awaited), so an
-asynchronous save only needs the host copy; host buffers are reused across saves.
+asynchronous save only needs the host copy; host buffers are reused across saves. On CPU
+devices the "copy" of a jax.Array is a zero-copy view (see ``_shard_getter``); NumPy
+leaves, which can be mutated, are always copied.
 """
 
 from __future__ import annotations
@@ -155,8 +157,13 @@ def _shard_getter(
     if host is None:
         return lambda: np.asarray(shard.data)
     data = shard.data
-    if data.platform() != "cpu":
-        data.copy_to_host_async()
+    if data.platform() == "cpu":
+        # The device buffer is host memory already. A NumPy view of it is a snapshot: jax
+        # arrays are immutable, and while the view lives XLA will not donate the buffer to a
+        # later computation (it allocates a new output instead), so nothing overwrites it.
+        view = np.asarray(data)
+        return lambda: view
+    data.copy_to_host_async()
     buf = host.buffer((name, index), tuple(data.shape), np.dtype(data.dtype))
     host.copies.append((buf, data))
     return lambda: buf

@@ -51,9 +51,9 @@ def test_snapshot_is_taken_when_save_returns(mesh42, tmp_path):
 
 
 def test_stage_handle(mesh42, tmp_path):
-    state = _state(mesh42, 5)
+    state = _state(mesh42, 5) | {"host": np.arange(16.0)}
     staged = jaxckpt.stage(state)
-    assert staged.host_bytes == 64 * 32 * 4 + 32 * 4
+    assert staged.host_bytes == 16 * 8  # NumPy leaves are copied; CPU device buffers are not
     with jaxckpt.CheckpointManager(tmp_path) as mgr:
         mgr.save(5, staged)
         mgr.wait_until_finished()
@@ -63,14 +63,33 @@ def test_stage_handle(mesh42, tmp_path):
 
 
 def test_host_buffers_are_reused_across_saves(mesh42, tmp_path):
+    def state(step):
+        return {"a": np.full((64, 32), step, np.float32), "b": np.arange(8) * step}
+
     with jaxckpt.CheckpointManager(tmp_path) as mgr:
-        mgr.save(0, _state(mesh42, 0))
+        mgr.save(0, state(0))
         mgr.wait_until_finished()
         before = {k: id(v) for k, v in mgr._host.buffers.items()}
-        mgr.save(1, _state(mesh42, 1))
+        assert len(before) == 2
+        mgr.save(1, state(1))
         mgr.wait_until_finished()
         assert {k: id(v) for k, v in mgr._host.buffers.items()} == before
-        assert_tree_equal(mgr.restore(0), _state(mesh42, 0))
+        assert_tree_equal(mgr.restore(0), state(0))
+        assert_tree_equal(mgr.restore(1), state(1))
+
+
+def test_donating_the_state_right_after_save_does_not_change_the_snapshot(mesh42, tmp_path):
+    """The train step donates the state while the background save still writes it."""
+    state = _state(mesh42, 3)
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, state)
+        arrays_only = {k: v for k, v in state.items() if k != "step"}
+        new = step(arrays_only)  # runs while the save may be in flight
+        jax.block_until_ready(new)
+        mgr.wait_until_finished()
+        assert_tree_equal(mgr.restore(3), _state(mesh42, 3))
+        assert float(np.asarray(new["w"])[0, 0]) == -1.0
 
 
 def test_sync_mode(mesh42, tmp_path):
