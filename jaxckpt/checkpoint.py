@@ -12,6 +12,7 @@ import datetime
 import difflib
 import math
 import os
+import socket
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -76,8 +77,14 @@ def save(
     save_id = multihost.broadcast(
         multihost.unique_name("save-id"), uuid.uuid4().hex[:12] if pid == 0 else None, timeout_s
     )
-    if count > 1:  # before anything is written: same path, tree, shapes and dtypes?
-        multihost.agree(f"jaxckpt/{save_id}/agree", _summary(loc, leaves), timeout_s, what=loc.url)
+    # Before anything is written: same path, tree, shapes and dtypes? (and who runs where)
+    hosts = multihost.agree(
+        f"jaxckpt/{save_id}/agree",
+        _summary(loc, leaves),
+        timeout_s,
+        what=loc.url,
+        extra=socket.gethostname(),
+    )
     work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
     try:
@@ -94,7 +101,7 @@ def save(
         if pid == 0:
             if count > 1:
                 arrays.merge(work, count)
-            manifest = _manifest(leaves, meshes, count, metadata, metrics)
+            manifest = _manifest(leaves, meshes, hosts, metadata, metrics)
             work.write_bytes(MANIFEST_FILE, manifest.to_json().encode())
             if work != loc:
                 if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
@@ -131,8 +138,13 @@ def _check_unique_names(leaves: list[StagedLeaf], loc: Location) -> None:
 
 
 def _manifest(
-    leaves: list[StagedLeaf], meshes: list[dict], count: int, metadata: Any, metrics: dict | None
+    leaves: list[StagedLeaf],
+    meshes: list[dict],
+    hosts: list[str],
+    metadata: Any,
+    metrics: dict | None,
 ) -> Manifest:
+    count = len(hosts)
     per_process = [0] * count
     for rec in (leaf.record for leaf in leaves):
         if not rec.chunk_writers:
@@ -148,6 +160,7 @@ def _manifest(
         leaves=tuple(leaf.record for leaf in leaves),
         meshes=meshes,
         process_count=count,
+        process_hosts=hosts,
         bytes_per_process=per_process,
         metadata=metadata,
         metrics=metrics,

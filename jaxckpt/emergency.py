@@ -445,6 +445,7 @@ class EmergencyCheckpointManager:
         timeout = self.options.timeout_s
         pid = multihost.process_index()
         tag = f"{tag}/{s}"
+        t0 = time.perf_counter()
         holders = [p for p, v in enumerate(views) if str(s) in v["steps"]]
         elected = holders[0]
         docs = multihost.all_gather(
@@ -476,8 +477,18 @@ class EmergencyCheckpointManager:
         to_read = set(read_by[pid])
         data: local.Slices = {}
         bad_set: set[tuple[int, str, str]] = set()
+        self.timings["restore_plan_s"] = time.perf_counter() - t0
         for round_ in range(len(views) + 2):
+            import resource
+
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            tr = time.perf_counter()
             got, bad = ({}, []) if mine is None or not to_read else read_held(mine, to_read)
+            ru2 = resource.getrusage(resource.RUSAGE_SELF)
+            self.timings[f"read_held{round_}"] = time.perf_counter() - tr
+            self.timings[f"read_held{round_}_sys"] = ru2.ru_stime - ru.ru_stime
+            self.timings[f"read_held{round_}_user"] = ru2.ru_utime - ru.ru_utime
+            self.timings[f"read_held{round_}_minflt"] = ru2.ru_minflt - ru.ru_minflt
             data.update(got)
             gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(bad), timeout)
             for p, text in enumerate(gathered):
@@ -493,6 +504,7 @@ class EmergencyCheckpointManager:
                 read_by[p] |= more
         else:
             raise StepUnusable("copies kept failing verification")
+        self.timings["restore_read_s"] = time.perf_counter() - t0
         origins_mine = {
             (name, local.parse_index(k)): w
             for name, h in (mine.held() if mine else {}).items()
@@ -523,6 +535,7 @@ class EmergencyCheckpointManager:
                 key = (name, local.parse_index(k))
                 if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
                     used_from[key] = (pid, origins_mine[key])
+        self.timings["restore_move_s"] = time.perf_counter() - t0
         values = [assemble(w, required.get(w.record.name, []), data) for w in wants]
         if target is None:
             result = tree_lib.unflatten_paths(
@@ -530,6 +543,7 @@ class EmergencyCheckpointManager:
             )
         else:
             result = tree_lib.unflatten_like(target, values)
+        self.timings["restore_place_s"] = time.perf_counter() - t0
         self.last_report = RecoveryReport(
             "local",
             s,

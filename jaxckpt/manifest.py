@@ -57,6 +57,7 @@ class Manifest:
     bytes_per_process: list[int]
     metadata: Any = None
     metrics: dict | None = None
+    process_hosts: list[str] | None = None  # hostname of each process (index = process)
     created: str = ""
     writer: dict = field(default_factory=dict)
     format_version: tuple[int, int] = FORMAT_VERSION
@@ -68,6 +69,7 @@ class Manifest:
             "created": self.created,
             "writer": self.writer,
             "process_count": self.process_count,
+            "process_hosts": self.process_hosts,
             "bytes_per_process": self.bytes_per_process,
             "arrays": ARRAYS_DIR,
             "metadata": self.metadata,
@@ -106,6 +108,7 @@ class Manifest:
                 leaves=leaves,
                 meshes=doc["meshes"],
                 process_count=doc["process_count"],
+                process_hosts=doc.get("process_hosts"),
                 bytes_per_process=doc["bytes_per_process"],
                 metadata=doc.get("metadata"),
                 metrics=doc.get("metrics"),

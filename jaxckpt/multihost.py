@@ -170,20 +170,23 @@ def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> li
     return [by_pid[p] for p in range(process_count())]
 
 
-def agree(name: str, description: dict, timeout_s: float, *, what: str = "") -> None:
+def agree(
+    name: str, description: dict, timeout_s: float, *, what: str = "", extra: str = ""
+) -> list[str]:
     """Raises CoordinationError on every process unless all give the same ``description``.
 
-    Only a short hash and a summary travel through the key-value store.
+    Only a short hash and a summary travel through the key-value store, with ``extra`` (a
+    per-process string that is not compared); returns every process's ``extra``.
     """
     if process_count() == 1:
-        return
+        return [extra]
     full = json.dumps(description, sort_keys=True, default=str)
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
     summary = {k: v for k, v in description.items() if k in ("path", "leaves")}
-    values = all_gather(name, json.dumps({"h": digest, **summary}), timeout_s, what=what)
-    got = [json.loads(v) for v in values]
+    message = json.dumps({"h": digest, "x": extra, **summary})
+    got = [json.loads(v) for v in all_gather(name, message, timeout_s, what=what)]
     if len({g["h"] for g in got}) == 1:
-        return
+        return [g["x"] for g in got]
     groups: dict[str, list[int]] = {}
     for pid, g in enumerate(got):
         groups.setdefault(g["h"], []).append(pid)

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import time
 
 import multiproc
@@ -20,6 +21,7 @@ def test_two_processes_save_one_process_restores(tmp_path):
     multiproc.run(WORKER, 2, devices_per_process=4, args=["save", path]).check()
     manifest = json.loads(pathlib.Path(path, "manifest.json").read_text())
     assert manifest["process_count"] == 2
+    assert manifest["process_hosts"] == [socket.gethostname()] * 2
     # each process wrote its own shards once: bytes per process sum to the logical bytes
     logical = 64 * 32 * 4 + 32 * 4 + 16 * 16 * 4
     assert sum(manifest["bytes_per_process"]) == logical
