@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import datetime
 import difflib
+import json
 import math
 import os
 import socket
@@ -28,6 +29,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     LeafNotFoundError,
+    ManifestError,
     ShapeMismatchError,
     UnsupportedLeafError,
 )
@@ -38,7 +40,14 @@ from .sharding import (
     normalize_index,
 )
 from .staging import StagedLeaf, describe
-from .storage import Location, location, rename_dir
+from .storage import (
+    OWNER_FILE,
+    Location,
+    hold_owner_lock,
+    location,
+    release_owner_lock,
+    rename_dir,
+)
 
 DEFAULT_TIMEOUT_S = 600.0
 READ_BUDGET_BYTES = 128 << 20  # host memory for slices read but not yet on device
@@ -66,6 +75,8 @@ def save(
     >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
     """
     loc = location(path)
+    check_json(metadata, "metadata", loc)
+    check_json(metrics, "metrics", loc)
     if loc.exists(COMMIT_FILE):
         raise CheckpointExistsError(
             f"{loc.url} already holds a committed checkpoint; choose a new path or delete it first"
@@ -87,6 +98,7 @@ def save(
     )
     work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
+    owner = None
     try:
         if work == loc:
             # Object stores have no rename, so the arrays go straight to ``loc``: first clear
@@ -96,23 +108,39 @@ def save(
             multihost.barrier(f"jaxckpt/{save_id}/cleared", timeout_s, what=loc.url)
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
+        if pid == 0:
+            owner = hold_owner_lock(work)
         arrays.write(db, writes)
         multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url)
         if pid == 0:
             if count > 1:
                 arrays.merge(work, count)
             manifest = _manifest(leaves, meshes, hosts, metadata, metrics)
-            work.write_bytes(MANIFEST_FILE, manifest.to_json().encode())
+            work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
             if work != loc:
                 if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
                     loc.remove()
                 rename_dir(work, loc)
-            loc.write_bytes(COMMIT_FILE, b"")
+            loc.write_bytes(COMMIT_FILE, b"", create_dir=False)
+            loc.delete_file(OWNER_FILE)
         multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
     except BaseException:
         if pid == 0 and work != loc:
             work.remove()
         raise
+    finally:
+        release_owner_lock(owner)
+
+
+def check_json(value: Any, what: str, loc: Location) -> None:
+    """Fails before anything is written if ``value`` cannot go into the manifest."""
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise ManifestError(
+            f"{loc.url}: {what} must be JSON-serializable (dicts, lists, str, int, float, bool, "
+            f"None): {e}. Convert arrays with float()/int()/.tolist() first"
+        ) from e
 
 
 def _summary(loc: Location, leaves: list[StagedLeaf]) -> dict:
@@ -322,13 +350,16 @@ def _read_all(loc: Location, wants: list[_Want]) -> list[Any]:
     }
     reader = _BoundedReader(db, READ_BUDGET_BYTES)
     finishers: list[Callable[[], Any]] = []
-    for w in wants:
-        rec = w.record
-        if not rec.has_array:
-            finishers.append(lambda rec=rec: rec.value)
-            continue
-        finishers.append(_plan_leaf(w, stores.get(rec.name), reader))
-    reader.drain()
+    try:
+        for w in wants:
+            rec = w.record
+            if not rec.has_array:
+                finishers.append(lambda rec=rec: rec.value)
+                continue
+            finishers.append(_plan_leaf(w, stores.get(rec.name), reader))
+        reader.drain()
+    finally:
+        reader.close()  # also on errors: no placing thread outlives the call
     return [f() for f in finishers]
 
 
@@ -444,12 +475,12 @@ class _BoundedReader:
             self.bytes -= nbytes
 
     def drain(self) -> None:
-        try:
-            while self.reads or self.placing:
-                self._advance()
-        finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            arrays.release_free_memory()
+        while self.reads or self.placing:
+            self._advance()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        arrays.release_free_memory()
 
     def _error(self, e: Exception, rec: LeafRecord) -> Exception:
         def writers(key: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import queue
 import threading
@@ -24,7 +25,7 @@ from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundEr
 from .manifest import COMMIT_FILE
 from .options import Options
 from .staging import Staged, _HostCopies, describe
-from .storage import Location, location
+from .storage import Location, being_written, location
 
 log = logging.getLogger("jaxckpt")
 
@@ -98,9 +99,7 @@ class CheckpointManager:
     def best_step(self) -> int | None:
         """The step whose metrics rank best by ``Options.best_fn`` (newest without one)."""
         ranked = self._ranked()
-        if ranked is None:
-            return self.latest_step()
-        return ranked[0] if ranked else None
+        return ranked[0] if ranked else self.latest_step()
 
     def metadata(self, step: int | None = None) -> Any:
         """The tree of leaf info of ``step`` (default: newest); see ``jaxckpt.metadata``."""
@@ -139,6 +138,8 @@ class CheckpointManager:
         self._raise_background_error()
         if not force and not self.should_save(step):
             return False
+        checkpoint.check_json(metrics, "metrics", self.step_path(step))
+        checkpoint.check_json(metadata, "metadata", self.step_path(step))
         if step in self._metrics:
             raise CheckpointExistsError(
                 f"step {step} is already committed at {self.step_path(step).url}; delete it "
@@ -230,15 +231,24 @@ class CheckpointManager:
         scored = []
         for step in self._metrics:
             m = self.metrics(step)
-            if m is not None:
-                scored.append((fn(m), step))
+            if m is None:
+                continue
+            try:
+                value = float(fn(m))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("jaxckpt: step %d not ranked: best_fn failed on %s (%r)", step, m, e)
+                continue
+            if not math.isnan(value):  # NaN ranks nowhere: it is not better than anything
+                scored.append((value, step))
         reverse = self.options.best_mode == "max"
-        scored.sort(key=lambda t: t[0], reverse=reverse)
+        # Ties: the newer step ranks first.
+        scored.sort(key=lambda t: (t[0], t[1]) if reverse else (t[0], -t[1]), reverse=reverse)
         return [s for _, s in scored]
 
     def _apply_retention(self) -> None:
+        """Every process decides the same deletions (same steps and metrics); process 0 deletes."""
         opts = self.options
-        if opts.max_to_keep is None or multihost.process_index() != 0:
+        if opts.max_to_keep is None:
             return
         steps = self.all_steps()
         newest = steps[-1] if steps else None
@@ -251,7 +261,9 @@ class CheckpointManager:
         keep = set(candidates[: opts.max_to_keep]) | forever | {newest}
         for step in steps:
             if step not in keep:
-                self._delete(step)
+                if multihost.process_index() == 0:
+                    self._delete(step)
+                self._metrics.pop(step, None)
 
     def delete(self, step: int) -> None:
         """Deletes a committed step (its marker first, so a half-deleted step is invisible)."""
@@ -269,10 +281,17 @@ class CheckpointManager:
         self._metrics.pop(step, None)
 
     def _cleanup(self) -> None:
-        """Deletes temporary and uncommitted step directories left by interrupted saves."""
+        """Deletes temporary and uncommitted step directories left by interrupted saves.
+
+        A save still in progress (another manager on this directory) is left alone: its
+        writer holds the lock on its owner file (see ``storage.being_written``).
+        """
         for name in self.directory.list_children():
             child = self.directory.join(name)
             if ".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE)):
+                if being_written(child, self.options.timeout_s):
+                    log.info("jaxckpt: leaving %s alone: a save is writing it", child.url)
+                    continue
                 log.info("jaxckpt: removing leftover %s", child.url)
                 child.remove()
 
@@ -317,7 +336,13 @@ class CheckpointManager:
             return
         self._closed = True
         try:
-            self._idle.wait(self.options.timeout_s)
+            finished = self._idle.wait(self.options.timeout_s)
+            if not finished and self._error is None:
+                self._error = BackgroundSaveError(
+                    f"{self.directory.url}: close() gave up after {self.options.timeout_s:g}s "
+                    "(Options.timeout_s) with a save still writing; that step may not be "
+                    "committed. Raise timeout_s or check the storage"
+                )
         finally:
             if self._thread is not None:
                 self._queue.put(None)

@@ -97,6 +97,14 @@ def _describe(
         return StagedLeaf(record, write)
     if isinstance(leaf, (np.ndarray, np.generic)):
         arr = np.asarray(leaf)
+        if arr.dtype.kind in "OUSMm" or arr.dtype.fields or arr.dtype.name.startswith("void"):
+            raise UnsupportedLeafError(
+                f"leaf {name!r} is a NumPy array of dtype {arr.dtype}, which jaxckpt cannot "
+                "store (strings, bytes, structured, object and datetime arrays are not "
+                "supported); convert it to numbers, or keep it in the metadata= JSON"
+            )
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         stored = arrays.stored_dtype(arr.dtype)
         chunks = [max(1, d) for d in arr.shape]
         whole = tuple((0, d) for d in arr.shape)

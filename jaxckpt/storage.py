@@ -8,8 +8,11 @@ have no rename, so there the commit marker written last is the truth.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -67,10 +70,15 @@ class Location:
 
     # --- small files -----------------------------------------------------------------
 
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """Writes a small file durably (fsync of file and directory on local disks)."""
+    def write_bytes(self, name: str, data: bytes, *, create_dir: bool = True) -> None:
+        """Writes a small file durably (fsync of file and directory on local disks).
+
+        ``create_dir=False`` fails if the directory is gone (a commit must not recreate a
+        directory that somebody deleted under it).
+        """
         if self.is_local:
-            os.makedirs(self.url, exist_ok=True)
+            if create_dir:
+                os.makedirs(self.url, exist_ok=True)
             target = os.path.join(self.url, name)
             with open(target, "wb") as f:
                 f.write(data)
@@ -146,6 +154,52 @@ def location(path: str | os.PathLike | Location) -> Location:
             )
         return Location(text.rstrip("/"))
     return Location(os.path.abspath(text).rstrip("/") or "/")
+
+
+OWNER_FILE = ".owner"  # in a save in progress: "<host> <pid>", flocked by that process
+
+
+def hold_owner_lock(loc: Location) -> int | None:
+    """Marks a local directory as being written by this process (an flock that the kernel
+    releases when the process dies, even by SIGKILL). Returns the descriptor to release."""
+    if not loc.is_local:
+        return None
+    fd = os.open(os.path.join(loc.url, OWNER_FILE), os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+    return fd
+
+
+def release_owner_lock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def being_written(loc: Location, other_host_grace_s: float) -> bool:
+    """Whether a process still writes this directory (holds its owner lock).
+
+    flock does not reach across hosts on every shared filesystem, so a directory whose owner
+    is another host also counts as being written while younger than ``other_host_grace_s``.
+    """
+    path = os.path.join(loc.url, OWNER_FILE)
+    if not loc.is_local or not os.path.exists(path):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        host = os.read(fd, 256).decode(errors="replace").partition(" ")[0]
+        if host and host != socket.gethostname():
+            return time.time() - os.path.getmtime(path) < other_host_grace_s
+        return False
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:

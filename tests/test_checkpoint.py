@@ -402,3 +402,15 @@ def test_restored_replicas_do_not_share_memory(mesh42, tmp_path):
     other = jaxckpt.restore(tmp_path / "c", target={"x": x})["x"]
     jax.jit(lambda a: a * 2, donate_argnums=0)(out).block_until_ready()
     np.testing.assert_array_equal(np.asarray(other), np.asarray(x))
+
+
+def test_numpy_byte_order_and_unsupported_dtypes(tmp_path):
+    big_endian = np.arange(5, dtype=">f4")
+    jaxckpt.save(tmp_path / "c", {"x": big_endian, "i": np.arange(3, dtype=">i8")})
+    out = jaxckpt.restore(tmp_path / "c")
+    np.testing.assert_array_equal(out["x"], np.arange(5, dtype=np.float32))
+    np.testing.assert_array_equal(out["i"], np.arange(3))
+    for bad in (np.array(["a", "b"]), np.array([b"x"]), np.array([object()]), np.zeros(2, "i4,f4")):
+        with pytest.raises(errors.UnsupportedLeafError, match=r"'bad'.*dtype"):
+            jaxckpt.save(tmp_path / "d", {"bad": bad})
+        assert not (tmp_path / "d").exists()

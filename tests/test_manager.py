@@ -388,3 +388,60 @@ def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
     np.testing.assert_array_equal(
         jaxckpt.restore(tmp_path / "00000004")["w"], np.ones((1024, 1024), np.float32)
     )
+
+
+def test_second_manager_leaves_a_save_in_progress_alone(mesh42, tmp_path):
+    """Opening another manager (an evaluator) while a save writes must not delete it."""
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": sharded(np.ones((2048, 1024), np.float32), mesh42, ("data",))})
+        with jaxckpt.CheckpointManager(tmp_path) as evaluator:
+            assert evaluator.all_steps() in ([], [1])
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        np.testing.assert_array_equal(np.asarray(mgr.restore(1)["w"]), np.ones((2048, 1024)))
+        assert sorted(os.listdir(tmp_path / "00000001")) == ["COMMITTED", "arrays", "manifest.json"]
+
+
+def test_best_n_ignores_nan_and_missing_metrics(tmp_path):
+    opts = jaxckpt.Options(max_to_keep=2, best_fn=lambda m: m["loss"])
+    metrics = [
+        {"loss": 3.0},
+        {"loss": float("nan")},
+        {"loss": 1.0},
+        {"acc": 1},
+        {"loss": 0.5},
+        None,
+    ]
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        for step, m in enumerate(metrics):
+            mgr.save(step, {"s": step}, metrics=m)
+        mgr.wait_until_finished()
+        assert mgr.best_step() == 4
+        assert mgr.all_steps() == [2, 4, 5]  # best two, plus the newest
+    with jaxckpt.CheckpointManager(tmp_path / "b", opts) as mgr:
+        mgr.save(0, {"s": 0})
+        mgr.wait_until_finished()
+        assert mgr.best_step() == 0  # no metrics anywhere: the newest
+
+
+def test_metrics_and_metadata_must_be_json(tmp_path):
+    import jax.numpy as jnp
+
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(errors.ManifestError, match="metrics must be JSON"):
+            mgr.save(0, {"s": 0}, metrics={"loss": jnp.float32(0.5)})
+        with pytest.raises(errors.ManifestError, match="metadata must be JSON"):
+            mgr.save(0, {"s": 0}, metadata={"cfg": object()})
+        assert mgr.save(0, {"s": 0}, metrics={"loss": 0.5})
+    with pytest.raises(errors.ManifestError, match="metadata"):
+        jaxckpt.save(tmp_path / "x", {"s": 0}, metadata={"cfg": object()})
+    assert not (tmp_path / "x").exists()
+
+
+def test_close_reports_a_save_it_could_not_finish(mesh42, tmp_path):
+    big = {"w": sharded(np.ones((4096, 4096), np.float32), mesh42, ("data",))}
+    mgr = jaxckpt.CheckpointManager(tmp_path, jaxckpt.Options(timeout_s=0.001))
+    mgr.save(1, big)
+    with pytest.raises(BackgroundSaveError, match="still writing"):
+        mgr.close()
