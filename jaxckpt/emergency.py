@@ -350,6 +350,7 @@ class EmergencyCheckpointManager:
             try:
                 self._write(*job)
             finally:
+                job = None  # don't hold the host copies and peer rows until the next save
                 self._idle.set()
 
     def wait_until_finished(self) -> None:
@@ -379,6 +380,10 @@ class EmergencyCheckpointManager:
         self.wait_until_finished()
         self._remote.wait_until_finished()
         self._remote.reload()
+        # The host copies of the state being replaced are of no further use; freeing them
+        # before reading lets the restore's buffers reuse that memory (the next save stages
+        # into fresh buffers).
+        self._host.clear()
         timeout = self.options.timeout_s
         tag = self._tag("restore")
         mine = {

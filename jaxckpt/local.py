@@ -39,6 +39,10 @@ LOCAL_FILE = "local.json"
 LOCAL_FORMAT = "jaxckpt-local"
 LOCAL_VERSION = 1
 _ALIGN = 64
+# Local chunks are at most this big: TensorStore reads and CRC-checks a chunk into a
+# temporary buffer of its size before copying it out, so shard-sized chunks (hundreds of MiB)
+# double the fresh host memory a restore touches and serialize the checks of a shard.
+LOCAL_CHUNK_BYTES = 16 << 20
 
 # A held slice: (leaf name, global index) -> host data in the stored dtype.
 Slices = dict[tuple[str, Index], np.ndarray]
@@ -140,7 +144,8 @@ def write_step(
         if not rec.has_array or not math.prod(rec.shape):
             continue
         stored = rec.stored_dtype or (rec.dtype if rec.kind != "prng_key" else "uint32")
-        meta = arrays.zarr_metadata(rec.shape, stored, rec.chunk_shape, None)
+        chunks = local_chunks(rec.chunk_shape, jnp.dtype(stored).itemsize)
+        meta = arrays.zarr_metadata(rec.shape, stored, chunks, None)
         pieces = by_leaf.get(rec.name, [])
         nbytes = sum(get().nbytes for _, get in pieces)
         writes.append(arrays.ArrayWrite(rec.name, meta, pieces, True, nbytes))
@@ -169,6 +174,20 @@ def write_step(
         work.remove()
         raise
     return final
+
+
+def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
+    """``chunk_shape`` halved until <= LOCAL_CHUNK_BYTES, leading dimensions first (chunks
+    stay contiguous row blocks) and only where it stays a divisor: shards remain whole
+    numbers of chunks, so writing or reading a shard touches no partial chunk.
+    """
+    chunks = list(chunk_shape)
+    while math.prod(chunks) * itemsize > LOCAL_CHUNK_BYTES:
+        d = next((d for d, n in enumerate(chunks) if n % 2 == 0), None)
+        if d is None:
+            break
+        chunks[d] //= 2
+    return chunks
 
 
 def delete_step(directory: Location, step: int) -> None:
@@ -237,12 +256,17 @@ def pack(slices: Slices, origins: dict[tuple[str, Index], int]) -> np.ndarray:
         offset += -(-data.nbytes // _ALIGN) * _ALIGN
     header = json.dumps(entries).encode()
     start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
-    buf = np.zeros(start + offset, np.uint8)
+    # aligned, so the peer exchange hands it to the device without another copy; only the
+    # header and the padding are zeroed (the slices overwrite the rest)
+    buf = arrays.aligned_empty((start + offset,), np.dtype(np.uint8))
+    buf[:start] = 0
     buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
     buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
     for (_, _, _, off, _, _), data in zip(entries, slices.values(), strict=True):
-        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        buf[start + off : start + off + flat.size] = flat
+        dst = buf[start + off : start + off + data.nbytes]
+        if data.nbytes:
+            np.copyto(dst.view(data.dtype).reshape(data.shape), data, casting="no")
+        buf[start + off + data.nbytes : start + off + (-(-data.nbytes // _ALIGN) * _ALIGN)] = 0
     return buf
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import multihost
+from . import arrays, multihost
 
 
 def _row_mesh() -> Mesh:
@@ -42,10 +42,16 @@ def exchange_rows(
         return [np.zeros(0, np.uint8)] * (count if gather else len(list(shifts)))
     mesh = _row_mesh()
     me = mesh.devices[jax.process_index()]
-    padded = np.zeros((1, width), np.uint8)
-    padded[0, : row.size] = row
+    if row.size == width and row.ctypes.data % 64 == 0:
+        padded = row.reshape(1, width)  # the row itself: no copy
+    else:
+        padded = arrays.aligned_empty((1, width), np.dtype(np.uint8))
+        padded[0, : row.size] = row
+        padded[0, row.size :] = 0
+    # may_alias: the device adopts the row instead of copying it (the caller drops the row;
+    # collectives write their results into fresh buffers)
     x = jax.make_array_from_single_device_arrays(
-        (count, width), NamedSharding(mesh, P("p")), [jax.device_put(padded, me)]
+        (count, width), NamedSharding(mesh, P("p")), [jax.device_put(padded, me, may_alias=True)]
     )
     if gather:
         rows = np.asarray(_gather_fn(mesh)(x).addressable_shards[0].data)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import local
+from . import arrays, local
 from .checkpoint import _Want, place_key
 from .sharding import Index, normalize_index
 
@@ -100,9 +100,9 @@ def needed_slices(w: _Want, required: list[Index]) -> list[Index]:
 
 def fill(index: Index, required: list[Index], data: dict, name: str, dtype) -> np.ndarray:
     exact = data.get((name, index))
-    if exact is not None:
+    if exact is not None:  # the held buffer itself, no copy
         return exact if exact.dtype == dtype else exact.view(dtype)
-    out = np.empty(tuple(b - a for a, b in index), dtype)
+    out = arrays.aligned_empty(tuple(b - a for a, b in index), np.dtype(dtype))
     for s in required:
         part = intersect(s, index)
         if part is None:
@@ -132,8 +132,18 @@ def assemble(w: _Want, required: list[Index], data: dict) -> Any:
             key = jax.random.wrap_key_data(full, impl=rec.prng_impl)
             return key if w.sharding is None else place_key(full, w, rec)
         return full[()] if rec.kind == "numpy" and rec.scalar else full
-    singles = []
-    for device, index in w.sharding.addressable_devices_indices_map(shape).items():
-        piece = fill(normalize_index(index, shape), required, data, rec.name, saved)
-        singles.append(jax.device_put(piece.astype(want, copy=False), device))
+    index_map = w.sharding.addressable_devices_indices_map(shape)
+    by_index: dict[Index, list] = {}
+    for device, index in index_map.items():
+        by_index.setdefault(normalize_index(index, shape), []).append(device)
+    placed = {}
+    for index, (first, *rest) in by_index.items():
+        piece = fill(index, required, data, rec.name, saved).astype(want, copy=False)
+        # The first device may adopt the host buffer (zero-copy on CPU when it is aligned and
+        # nothing else uses it: ``data`` is dropped after the restore); replicas are
+        # device-to-device copies of it, so no two devices share memory.
+        placed[first] = jax.device_put(piece, first, may_alias=True)
+        for device in rest:
+            placed[device] = jax.device_put(placed[first], device)
+    singles = [placed[d] for d in index_map]
     return jax.make_array_from_single_device_arrays(shape, w.sharding, singles)
