@@ -281,7 +281,11 @@ class EmergencyCheckpointManager:
         self._queue.put(job)
 
     def _stage(self, state: Any, records: list[LeafRecord]):
-        """Host copies of every distinct shard this process holds, and each leaf's slices."""
+        """Host snapshots of every distinct shard this process holds, and each leaf's slices.
+
+        NumPy leaves and accelerator shards are copied into reused buffers; CPU device
+        buffers are taken as zero-copy views.
+        """
         slices: local.Slices = {}
         required: dict[str, list[str]] = {}
         pending = []
@@ -310,6 +314,10 @@ class EmergencyCheckpointManager:
                     shard.data.copy_to_host_async()
                 pending.append(((rec.name, index), shard.data))
         for key, src in pending:  # all D2H copies were started above
+            if isinstance(src, jax.Array) and src.platform() == "cpu":
+                # Host memory already: a view is a snapshot (see staging._shard_getter).
+                slices[key] = np.asarray(src)
+                continue
             buf = self._host.get(key)
             if buf is None or buf.shape != tuple(src.shape) or buf.dtype != src.dtype:
                 buf = self._host[key] = np.empty(tuple(src.shape), src.dtype)
