@@ -241,7 +241,7 @@ class EmergencyCheckpointManager:
         return f"jaxckpt/emergency/{what}/{next(_seq)}"
 
     def _save_local(self, step: int, state: Any) -> None:
-        self.wait_until_finished()  # host buffers are reused
+        self._wait_local()  # host buffers are reused
         staged = describe(state)  # records only; nothing copied
         records = [leaf.record for leaf in staged.leaves]
         slices, required = self._stage(state, records)
@@ -362,7 +362,11 @@ class EmergencyCheckpointManager:
                 self._idle.set()
 
     def wait_until_finished(self) -> None:
-        """Blocks until the local write in flight is committed; raises a background error."""
+        """Blocks until both tiers' writes in flight are committed; raises their errors."""
+        self._wait_local()
+        self.remote.wait_until_finished()
+
+    def _wait_local(self) -> None:
         if not self._idle.wait(self.options.timeout_s):
             raise BackgroundSaveError(
                 f"{self.local_directory.url}: the local save did not finish within "

@@ -135,7 +135,7 @@ def test_remote_tier_when_newer_or_local_gone(tmp_path, mesh42):
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
         for step in range(1, 4):
             mgr.save(step, make_state(mesh42, step))
-        mgr.remote.wait_until_finished()
+        mgr.wait_until_finished()  # both tiers' writers
         assert mgr.local_steps() == [2] and mgr.remote.all_steps() == [3]
         assert_tree_equal(mgr.restore(), make_state(mesh42, 3))
         assert mgr.last_report.tier == "remote" and mgr.last_report.step == 3
