@@ -5,7 +5,7 @@ Each process writes the shards it owns into its own OCDBT database under
 root database ``<step>/arrays/`` (by reference, no data copied). A single process writes the
 root database directly. A process writes everything in one non-atomic transaction that
 references the source buffers instead of copying them: a step is a few large data files
-(about four per process, written in parallel), and a save adds almost no host memory.
+(about six per process, written in parallel), and a save adds almost no host memory.
 The sources must stay unchanged until ``write`` returns (device buffers are immutable;
 staged host copies are not reused before the save is done).
 """
@@ -26,7 +26,7 @@ from .sharding import Index
 from .storage import Location
 
 MIN_DATA_FILE_BYTES = 64 << 20
-DATA_FILES_PER_PROCESS = 4  # written in parallel
+DATA_FILES_PER_PROCESS = 6  # written in parallel (measured: 6 beat 1, 4 and 8 here)
 _OCDBT_CONFIG = {
     "max_inline_value_bytes": 1024,
     "max_decoded_node_bytes": 100_000_000,
