@@ -119,6 +119,11 @@ def save(
             work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
             if work != loc:
                 if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
+                    if loc.exists(COMMIT_FILE):  # ...or another save committed meanwhile
+                        raise CheckpointExistsError(
+                            f"{loc.url} was committed by another save while this one was "
+                            "writing; nothing was overwritten. Save each checkpoint once"
+                        )
                     loc.remove()
                 rename_dir(work, loc)
             loc.write_bytes(COMMIT_FILE, b"", create_dir=False)
@@ -275,7 +280,8 @@ def restore(
     ``jax.Array`` (its sharding, dtype and shape), ``jax.sharding.Sharding`` or NumPy arrays;
     the result has its structure, may name fewer leaves than were saved, and casts to its
     dtypes. With ``mesh`` and no target, each leaf's saved PartitionSpec is bound to
-    ``mesh``. With neither, leaves come back on their saved mesh rebuilt over the current
+    ``mesh`` (with a target, so is each ``ShapeDtypeStruct`` leaf without a sharding; a
+    NumPy target leaf means a NumPy result). With neither, leaves come back on their saved mesh rebuilt over the current
     devices when the device count allows, else as NumPy arrays.
 
     >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
@@ -288,6 +294,13 @@ def restore(
     else:
         flat = tree_lib.flatten(target)
         wants = [_want_target(p, t, by_name, loc) for p, t in flat]
+        if mesh is not None:  # ShapeDtypeStructs without a sharding: saved spec on ``mesh``
+            wants = [
+                _want_saved(w.record, manifest, mesh, dtype=w.dtype)
+                if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None
+                else w
+                for (_, t), w in zip(flat, wants, strict=True)
+            ]
     values = _read_all(loc, wants)
     if target is None:
         return tree_lib.unflatten_paths(
@@ -296,7 +309,7 @@ def restore(
     return tree_lib.unflatten_like(target, values)
 
 
-def _want_saved(rec: LeafRecord, manifest: Manifest, mesh) -> _Want:
+def _want_saved(rec: LeafRecord, manifest: Manifest, mesh, dtype=None) -> _Want:
     if not rec.has_array:
         return _Want(rec, None, None)
     sharding = None
@@ -308,7 +321,7 @@ def _want_saved(rec: LeafRecord, manifest: Manifest, mesh) -> _Want:
             sharding = bind_spec(sj["spec"], bound, leaf=rec.name, shape=tuple(rec.shape))
     elif sj.get("type") == "single_device":
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return _Want(rec, None, sharding)
+    return _Want(rec, dtype, sharding)
 
 
 def _want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Location) -> _Want:

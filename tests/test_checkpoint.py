@@ -414,3 +414,14 @@ def test_numpy_byte_order_and_unsupported_dtypes(tmp_path):
         with pytest.raises(errors.UnsupportedLeafError, match=r"'bad'.*dtype"):
             jaxckpt.save(tmp_path / "d", {"bad": bad})
         assert not (tmp_path / "d").exists()
+
+
+def test_mesh_fills_in_target_leaves_without_sharding(mesh42, tmp_path):
+    x = sharded(np.arange(64.0, dtype=np.float32).reshape(8, 8), mesh42, ("data", "model"))
+    jaxckpt.save(tmp_path / "c", {"x": x, "y": np.ones(3)})
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    target = {"x": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), "y": np.zeros(3)}
+    out = jaxckpt.restore(tmp_path / "c", target=target, mesh=mesh)
+    assert out["x"].sharding == NamedSharding(mesh, P("data", "model"))
+    assert out["x"].dtype == jnp.bfloat16 and isinstance(out["y"], np.ndarray)
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x).astype(jnp.bfloat16))
