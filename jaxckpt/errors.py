@@ -50,6 +50,10 @@ class StorageError(CheckpointError, OSError):
     """Reading or writing the underlying storage failed."""
 
 
+class BackgroundSaveError(CheckpointError):
+    """A save that ran in the background failed; raised at the next call."""
+
+
 class CoordinationError(CheckpointError):
     """Processes failed to agree (timeout, mismatch) during a multi-process save."""
 

@@ -13,27 +13,29 @@ import atexit
 import logging
 import math
 import os
-import queue
-import threading
 import weakref
 from typing import Any
 
 import jax
 
 from . import checkpoint, multihost
-from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from .errors import (
+    BackgroundSaveError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+)
 from .manifest import COMMIT_FILE
 from .options import Options
 from .staging import Staged, _HostCopies, describe
 from .storage import Location, being_written, location
+from .writer import Writer
+
+__all__ = ["BackgroundSaveError", "CheckpointManager"]
 
 log = logging.getLogger("jaxckpt")
 
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-
-
-class BackgroundSaveError(CheckpointError):
-    """A save that ran in the background failed; raised at the next call."""
 
 
 class CheckpointManager:
@@ -56,11 +58,7 @@ class CheckpointManager:
                 f"{self.directory.url} does not exist; create it or pass Options(create=True)"
             )
         self._host = _HostCopies()
-        self._error: BaseException | None = None
-        self._idle = threading.Event()
-        self._idle.set()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._writer = Writer("jaxckpt-writer", self.options.timeout_s)
         self._closed = False
         self._metrics: dict[int, dict | None] = {}
         if self.options.cleanup_tmp and multihost.process_index() == 0:
@@ -135,7 +133,7 @@ class CheckpointManager:
         owned shards are on the host; the write and commit run in the background.
         """
         self._check_open()
-        self._raise_background_error()
+        self._writer.raise_error()
         if not force and not self.should_save(step):
             return False
         checkpoint.check_json(metrics, "metrics", self.step_path(step))
@@ -151,13 +149,11 @@ class CheckpointManager:
         if staged is None and opts.async_save and not self._over_budget(state):
             staged = describe(state, compression=opts.compression, host=self._host)
         job = (step, staged if staged is not None else state, metrics, metadata)
+        what = f"saving step {step} to {self.directory.url}"
         if staged is None or not opts.async_save:
-            self._write(*job)
-            self._raise_background_error()
-            return True
-        self._idle.clear()
-        self._ensure_thread()
-        self._queue.put(job)
+            self._writer.run_now(what, self._write, *job)
+        else:
+            self._writer.submit(what, self._write, *job)
         return True
 
     def _over_budget(self, state: Any) -> bool:
@@ -176,51 +172,20 @@ class CheckpointManager:
         return False
 
     def _write(self, step: int, state: Any, metrics: dict | None, metadata: Any) -> None:
-        try:
-            checkpoint.save(
-                self.step_path(step).url,
-                state,
-                metadata=metadata,
-                metrics=metrics,
-                compression=self.options.compression,
-                timeout_s=self.options.timeout_s,
-            )
-            self._metrics[step] = metrics
-            self._apply_retention()
-        except BaseException as e:  # kept and re-raised in the caller's thread
-            self._error = BackgroundSaveError(
-                f"saving step {step} to {self.directory.url} failed: {e}"
-            )
-            self._error.__cause__ = e
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="jaxckpt-writer", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._write(*job)
-            finally:
-                self._idle.set()
+        checkpoint.save(
+            self.step_path(step).url,
+            state,
+            metadata=metadata,
+            metrics=metrics,
+            compression=self.options.compression,
+            timeout_s=self.options.timeout_s,
+        )
+        self._metrics[step] = metrics
+        self._apply_retention()
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight is committed; raises its error if it failed."""
-        if not self._idle.wait(self.options.timeout_s):
-            raise BackgroundSaveError(
-                f"{self.directory.url}: the background save did not finish within "
-                f"{self.options.timeout_s:.0f}s (Options.timeout_s)"
-            )
-        self._raise_background_error()
-
-    def _raise_background_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self._writer.wait(self.directory.url)
 
     # --- retention -----------------------------------------------------------------------
 
@@ -336,20 +301,9 @@ class CheckpointManager:
             return
         self._closed = True
         try:
-            finished = self._idle.wait(self.options.timeout_s)
-            if not finished and self._error is None:
-                self._error = BackgroundSaveError(
-                    f"{self.directory.url}: close() gave up after {self.options.timeout_s:g}s "
-                    "(Options.timeout_s) with a save still writing; that step may not be "
-                    "committed. Raise timeout_s or check the storage"
-                )
+            self._writer.close(self.directory.url)
         finally:
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join(self.options.timeout_s)
-                self._thread = None
             _live.discard(self)
-        self._raise_background_error()
 
     def __enter__(self) -> CheckpointManager:
         return self

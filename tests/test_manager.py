@@ -11,7 +11,7 @@ from conftest import assert_tree_equal, sharded
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt.manager import BackgroundSaveError
+from jaxckpt.errors import BackgroundSaveError
 from jaxckpt.options import OptionsError
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -96,7 +96,7 @@ def test_sync_mode(mesh42, tmp_path):
     opts = jaxckpt.Options(async_save=False)
     with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
         mgr.save(3, _state(mesh42, 3))
-        assert mgr._thread is None and mgr.all_steps() == [3]
+        assert mgr._writer.thread is None and mgr.all_steps() == [3]
 
 
 def test_intervals_and_force(mesh42, tmp_path):
@@ -177,7 +177,7 @@ def test_background_failure_raised_at_next_save_and_close(tmp_path):
     shutil.rmtree(directory)
     directory.write_text("x")
     mgr.save(1, {"x": np.ones(4)})
-    mgr._idle.wait()
+    mgr._writer.idle()
     with pytest.raises(BackgroundSaveError, match="step 1"):
         mgr.save(2, {"x": np.ones(4)})
     mgr2 = jaxckpt.CheckpointManager(tmp_path / "run2")
