@@ -12,9 +12,11 @@ Remote tier (every ``remote_interval_steps``): a normal checkpoint through an in
 Restore: processes publish what they hold through the ``jax.distributed`` key-value store and
 take the newest step whose every slice is held by somebody, unless the remote tier has a newer
 one. Each process reads (and CRC-checks) the held slices anybody needs; a failed copy counts
-as missing and the step is re-planned without it. Slices nobody needing them holds move
-through an all-gather of packed rows. Slices are placed by global index, never by device id,
-so renumbered processes or a different process count work when the copies cover every slice.
+as missing and the step is re-planned without it. Slices a process needs and lacks are sent
+to it alone by the lowest verified holder: one ``ppermute`` of packed rows per shift
+``(receiver - sender) % count`` the plan uses, each sender packing only its receiver's slices.
+Slices are placed by global index, never by device id, so renumbered processes or a
+different process count work when the copies cover every slice.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import BackgroundSaveError, CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError
-from .peers import exchange_rows
+from .peers import exchange_rows, send_rows
 from .recovery import (
     SavedMeshes,
     StepUnusable,
@@ -52,6 +54,8 @@ from .recovery import (
     needed_slices,
     plan_sends,
     read_held,
+    sent_by,
+    shift_rounds,
     uncovered,
     verified,
 )
@@ -63,6 +67,7 @@ log = logging.getLogger("jaxckpt")
 
 _live: weakref.WeakSet[EmergencyCheckpointManager] = weakref.WeakSet()
 _seq = itertools.count()  # names of key-value exchanges (main thread only)
+_EMPTY = np.zeros(0, np.uint8)
 
 
 @dataclass(frozen=True)
@@ -458,6 +463,76 @@ class EmergencyCheckpointManager:
         log.info("jaxckpt: restored %s", self.last_report)
         return out
 
+    def _rows_to_read_into(self, first, my_needs, mine, by_name) -> dict:
+        """{receiver: packed row, its slices' views} for the receivers that this process,
+        under the first plan, sends only slices it sends to nobody else and does not need:
+        those are read straight into the row, which then moves without another copy.
+        """
+        pid = multihost.process_index()
+        mine_first = {r: keys for (a, r), keys in first.items() if a == pid}
+        times: dict[tuple[str, str], int] = {}
+        for keys in mine_first.values():
+            for key in keys:
+                times[key] = times.get(key, 0) + 1
+        rows = {}
+        for r, keys in sorted(mine_first.items()):
+            parsed = sorted((n, local.parse_index(k)) for n, k in keys)
+            if mine is None or any(times[k] > 1 for k in keys) or my_needs.intersection(parsed):
+                continue
+            held = mine.held()
+            rows[r] = local.pack_layout(
+                {
+                    (n, i): (
+                        local.stored_dtype(by_name[n]),
+                        tuple(b - a for a, b in i),
+                        held[n][local.index_key(i)],
+                    )
+                    for n, i in parsed
+                }
+            )
+        return rows
+
+    def _move(self, tag, sends, data, origins_mine, my_needs, first, rows) -> dict:
+        """Sends each receiver only the slices the plan gives it, one ``ppermute`` round per
+        shift ``(receiver - sender) % count`` in use (the same rounds on every process), so a
+        process holds at most the row it sends and the row it receives of one round (and the
+        slices it read to send). ``rows``: rows already read into, used when the plan for
+        their receiver is still the first one. Received slices go into ``data``; returns
+        {slice: (holder, writer)} for them.
+        """
+        pid, count = multihost.process_index(), multihost.process_count()
+        rounds = shift_rounds(sends, count)
+        # slices read only to send: dropped after the last round that sends them
+        last: dict[tuple[str, Index], int] = {}
+        for r, (j, _) in enumerate(rounds):
+            for n, k in sends.get((pid, (pid + j) % count), ()):
+                last[(n, local.parse_index(k))] = r
+        used_from: dict[tuple[str, Index], tuple[int, int]] = {}
+        for r, (j, pairs) in enumerate(rounds):
+            dst = (pid + j) % count
+            keys = sorted((n, local.parse_index(k)) for n, k in sends.get((pid, dst), ()))
+            if keys and dst in rows and sends[(pid, dst)] == first.get((pid, dst)):
+                row = rows.pop(dst)[0]  # read into already
+            else:
+                out = {key: data[key] for key in keys}
+                row = local.pack(out, {key: origins_mine[key] for key in out}) if out else _EMPTY
+                del out
+            got = send_rows(row, pairs, name=f"{tag}/move{j}", timeout_s=self.options.timeout_s)
+            del row
+            for key, at in last.items():
+                if at == r and key not in my_needs:
+                    del data[key]
+            if got is None:
+                continue
+            sender = (pid - j) % count
+            got_slices, got_origins = local.unpack(got)
+            for key, value in got_slices.items():
+                if key in my_needs:
+                    data[key] = value
+                    used_from[key] = (sender, got_origins[key])
+        rows.clear()  # rows of a plan that a failed copy changed
+        return used_from
+
     def _restore_local(self, tag, s, views, mine, target, mesh, rejected, bad_all) -> Any:
         timeout = self.options.timeout_s
         pid = multihost.process_index()
@@ -483,29 +558,28 @@ class EmergencyCheckpointManager:
         all_needs = [
             json.loads(v) for v in multihost.all_gather(f"{tag}/needs", json.dumps(needs), timeout)
         ]
-        # Each process reads (and CRC-checks) the held slices it needs; then the lowest
-        # process with a verified copy sends each slice somebody lacks. A sender reads those
-        # in another round; a copy failing there re-plans. Every process computes the same
+        # Each process reads (and CRC-checks) the held slices it needs and those it sends; the
+        # lowest process with a verified copy sends each slice somebody lacks. A copy failing
+        # re-plans, and a new sender reads in another round. Every process computes the same
         # plan from the same published facts, so all run the same number of rounds.
         read_by = [
             {(n, k) for n, keys in need.items() for k in keys if verified(views[p], s, n, k)}
             for p, need in enumerate(all_needs)
         ]
+        # The plan with no failed copies (the usual case) is known now: senders read what
+        # they send in the same round as what they need.
+        first = plan_sends(s, views, holders, all_needs, set(), [])
+        for p in range(len(views)):
+            read_by[p] |= sent_by(first, p)
         to_read = set(read_by[pid])
+        my_needs = {(n, local.parse_index(k)) for n, keys in needs.items() for k in keys}
+        rows = self._rows_to_read_into(first, my_needs, mine, by_name)
+        into = {key: v for _, views in rows.values() for key, v in views.items()}
         data: local.Slices = {}
         bad_set: set[tuple[int, str, str]] = set()
         self.timings["restore_plan_s"] = time.perf_counter() - t0
         for round_ in range(len(views) + 2):
-            import resource
-
-            ru = resource.getrusage(resource.RUSAGE_SELF)
-            tr = time.perf_counter()
-            got, bad = ({}, []) if mine is None or not to_read else read_held(mine, to_read)
-            ru2 = resource.getrusage(resource.RUSAGE_SELF)
-            self.timings[f"read_held{round_}"] = time.perf_counter() - tr
-            self.timings[f"read_held{round_}_sys"] = ru2.ru_stime - ru.ru_stime
-            self.timings[f"read_held{round_}_user"] = ru2.ru_utime - ru.ru_utime
-            self.timings[f"read_held{round_}_minflt"] = ru2.ru_minflt - ru.ru_minflt
+            got, bad = ({}, []) if mine is None or not to_read else read_held(mine, to_read, into)
             data.update(got)
             gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(bad), timeout)
             for p, text in enumerate(gathered):
@@ -513,7 +587,7 @@ class EmergencyCheckpointManager:
                     bad_set.add((p, name, key))
                     bad_all.append((p, name, key, why))
             sends = plan_sends(s, views, holders, all_needs, bad_set, bad_all)
-            unread = [sends.get(p, set()) - read_by[p] for p in range(len(views))]
+            unread = [sent_by(sends, p) - read_by[p] for p in range(len(views))]
             if not any(unread):
                 break
             to_read = unread[pid]
@@ -527,25 +601,11 @@ class EmergencyCheckpointManager:
             for name, h in (mine.held() if mine else {}).items()
             for k, w in h.items()
         }
-        used_from: dict[tuple[str, Index], tuple[int, int]] = {}
-        if sends:
-            out = {
-                (n, local.parse_index(k)): data[(n, local.parse_index(k))]
-                for n, k in sends.get(pid, ())
-            }
-            row = local.pack(out, {key: origins_mine[key] for key in out})
-            rows = exchange_rows(row, gather=True, name=f"{tag}/move", timeout_s=timeout)
-            my_needs = {(n, local.parse_index(k)) for n, keys in needs.items() for k in keys}
-            for sender, got in enumerate(rows):
-                if sender == pid:
-                    continue
-                got_slices, got_origins = local.unpack(got)
-                for key, value in got_slices.items():
-                    if key in my_needs and (
-                        key not in data or (pid, key[0], local.index_key(key[1])) in bad_set
-                    ):
-                        data[key] = value
-                        used_from[key] = (sender, got_origins[key])
+        del into
+        sending = {(n, local.parse_index(k)) for n, k in sent_by(sends, pid)}
+        for key in [k for k in data if k not in my_needs and k not in sending]:
+            del data[key]  # read for a plan that a failed copy changed
+        used_from = self._move(tag, sends, data, origins_mine, my_needs, first, rows)
         own_pid = mine.doc["process_index"] if mine else None
         for name, keys in needs.items():
             for k in keys:

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 
 from . import arrays
 from .manifest import COMMIT_FILE, LeafRecord
@@ -209,13 +210,15 @@ def cleanup(directory: Location) -> list[str]:
 
 
 def read_slices(
-    step: LocalStep, wanted: dict[str, list[str]]
+    step: LocalStep, wanted: dict[str, list[str]], into: Slices | None = None
 ) -> tuple[Slices, list[tuple[str, str, str]]]:
     """Reads the held slices in ``wanted`` ({leaf: [index key]}), verifying checksums.
 
     Returns (slices read, [(leaf, index key, why)] for copies that failed to read: those
-    count as missing, their data is never used).
+    count as missing, their data is never used). A slice with a buffer in ``into`` (same
+    shape and item size, e.g. a view into a ``pack_layout`` buffer) is read into it.
     """
+    into = into or {}
     db = step.path.join("arrays")
     ctx = arrays.new_context()
     held = step.held()
@@ -231,7 +234,17 @@ def read_slices(
             bad.extend((name, k, f"cannot open: {e}") for k in keys)
             continue
         for k in keys:
-            futures.append((name, k, arrays.read_slice(store, parse_index(k))))
+            index = parse_index(k)
+            dst = into.get((name, index))
+            dtype = store.dtype.numpy_dtype
+            if (
+                dst is not None
+                and dst.shape == tuple(b - a for a, b in index)
+                and dst.dtype.itemsize == dtype.itemsize
+            ):
+                futures.append((name, k, _read_into(store, index, dst.view(dtype))))
+            else:
+                futures.append((name, k, arrays.read_slice(store, index)))
     out: Slices = {}
     for name, k, fut in futures:
         try:
@@ -243,17 +256,40 @@ def read_slices(
     return out, bad
 
 
+class _read_into:
+    """Reads ``store[index]`` into ``dst``; ``result()`` waits and returns ``dst``."""
+
+    def __init__(self, store: ts.TensorStore, index: Index, dst: np.ndarray):
+        target = ts.array(dst, copy=False, write=True)
+        self.fut, self.dst = target.write(store[tuple(slice(a, b) for a, b in index)]), dst
+
+    def result(self) -> np.ndarray:
+        self.fut.result()
+        return self.dst
+
+
 # --- packing slices into one byte buffer -----------------------------------------------------
 
 
 def pack(slices: Slices, origins: dict[tuple[str, Index], int]) -> np.ndarray:
     """One uint8 buffer: header length (8 bytes), JSON header, then each slice 64-aligned."""
+    buf, views = pack_layout({k: (d.dtype, d.shape, origins[k]) for k, d in slices.items()})
+    for key, data in slices.items():
+        if data.nbytes:
+            np.copyto(views[key], data, casting="no")
+    return buf
+
+
+def pack_layout(
+    specs: dict[tuple[str, Index], tuple[np.dtype, tuple[int, ...], int]],
+) -> tuple[np.ndarray, Slices]:
+    """A packed buffer for slices of the given (dtype, shape, original writer), and the
+    views its slices go into (uninitialized: the caller fills them, e.g. reads into them).
+    """
     entries, offset = [], 0
-    for (name, index), data in slices.items():
-        entries.append(
-            [name, index_key(index), origins[(name, index)], offset, str(data.dtype), data.shape]
-        )
-        offset += -(-data.nbytes // _ALIGN) * _ALIGN
+    for (name, index), (dtype, shape, origin) in specs.items():
+        entries.append([name, index_key(index), origin, offset, str(dtype), list(shape)])
+        offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
     header = json.dumps(entries).encode()
     start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
     # aligned, so the peer exchange hands it to the device without another copy; only the
@@ -262,12 +298,17 @@ def pack(slices: Slices, origins: dict[tuple[str, Index], int]) -> np.ndarray:
     buf[:start] = 0
     buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
     buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
-    for (_, _, _, off, _, _), data in zip(entries, slices.values(), strict=True):
-        dst = buf[start + off : start + off + data.nbytes]
-        if data.nbytes:
-            np.copyto(dst.view(data.dtype).reshape(data.shape), data, casting="no")
-        buf[start + off + data.nbytes : start + off + (-(-data.nbytes // _ALIGN) * _ALIGN)] = 0
-    return buf
+    views: Slices = {}
+    for (_, _, _, off, _, _), (key, (dtype, shape, _)) in zip(entries, specs.items(), strict=True):
+        n = math.prod(shape) * dtype.itemsize
+        views[key] = buf[start + off : start + off + n].view(dtype).reshape(shape)
+        buf[start + off + n : start + off + (-(-n // _ALIGN) * _ALIGN)] = 0
+    return buf, views
+
+
+def stored_dtype(rec: LeafRecord) -> np.dtype:
+    """The dtype a leaf's slices are stored (and held) in."""
+    return jnp.dtype(rec.stored_dtype or (rec.dtype if rec.kind != "prng_key" else "uint32"))
 
 
 def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:

@@ -1,7 +1,8 @@
 """Restoring from copies held by several processes: who sends what, and assembling leaves.
 
 Slices are identified by their global index, never by device id: ``plan_sends`` picks, for
-every slice a process needs and lacks, the lowest process holding a verified copy;
+every slice a process needs and lacks, the lowest process holding a verified copy (sent to
+that process alone, in ``shift_rounds`` of ``ppermute``);
 ``fill``/``assemble`` cut any needed region out of whatever saved slices cover it.
 """
 
@@ -28,16 +29,23 @@ class SavedMeshes:
     meshes: list[dict]
 
 
-def read_held(mine: local.LocalStep, keys: set[tuple[str, str]]):
+def read_held(mine: local.LocalStep, keys: set[tuple[str, str]], into: local.Slices | None = None):
     wanted: dict[str, list[str]] = {}
     for name, key in sorted(keys):
         wanted.setdefault(name, []).append(key)
-    return local.read_slices(mine, wanted)
+    return local.read_slices(mine, wanted, into)
 
 
-def plan_sends(s, views, holders, all_needs, bad_set, bad_all) -> dict[int, set[tuple[str, str]]]:
-    """Who sends what: the lowest process holding a verified copy, to whoever lacks one."""
-    sends: dict[int, set[tuple[str, str]]] = {}
+Moves = dict[tuple[int, int], set[tuple[str, str]]]
+
+
+def plan_sends(s, views, holders, all_needs, bad_set, bad_all) -> Moves:
+    """Who sends what to whom: {(sender, receiver): {(leaf, index key)}}.
+
+    For every slice a process needs and has no verified copy of, the lowest process holding
+    a verified copy sends it. Every process computes the same plan from the same facts.
+    """
+    sends: Moves = {}
     for q, need in enumerate(all_needs):
         for name, keys in need.items():
             for key in keys:
@@ -53,8 +61,25 @@ def plan_sends(s, views, holders, all_needs, bad_set, bad_all) -> dict[int, set[
                         f"no verified copy of {name}[{key}] is left (bad copies: "
                         f"{sorted(b[:3] for b in bad_all)})"
                     )
-                sends.setdefault(ok[0], set()).add((name, key))
+                sends.setdefault((ok[0], q), set()).add((name, key))
     return sends
+
+
+def sent_by(sends: Moves, p: int) -> set[tuple[str, str]]:
+    """Every slice process ``p`` sends, to anybody."""
+    return set().union(*(keys for (a, _), keys in sends.items() if a == p))
+
+
+def shift_rounds(sends: Moves, count: int) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    """The plan as ``ppermute`` rounds: [(shift, ((sender, receiver), ...))], one per distinct
+    ``(receiver - sender) % count`` used, in order; in a round each process sends at most one
+    row and receives at most one (a partial permutation). The same list on every process.
+    """
+    rounds: dict[int, list[tuple[int, int]]] = {}
+    for a, b in sends:
+        if sends[(a, b)]:
+            rounds.setdefault((b - a) % count, []).append((a, b))
+    return [(j, tuple(sorted(pairs))) for j, pairs in sorted(rounds.items())]
 
 
 def verified(view: dict, s: int, name: str, key: str) -> bool:
