@@ -28,8 +28,6 @@ import json
 import logging
 import math
 import os
-import queue
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -43,7 +41,7 @@ from . import local, multihost
 from . import tree as tree_lib
 from .checkpoint import _want_saved, _want_target
 from .errors import CheckpointError, CheckpointNotFoundError
-from .manager import BackgroundSaveError, CheckpointManager
+from .manager import CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError
 from .peers import exchange_rows, send_rows
@@ -62,6 +60,7 @@ from .recovery import (
 from .sharding import Index, normalize_index
 from .staging import describe
 from .storage import location
+from .writer import Writer
 
 log = logging.getLogger("jaxckpt")
 
@@ -183,11 +182,7 @@ class EmergencyCheckpointManager:
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(local.committed_steps(self.local_directory))
         self._host: dict[tuple, np.ndarray] = {}
-        self._error: BaseException | None = None
-        self._idle = threading.Event()
-        self._idle.set()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._closed = False
         self.timings: dict[str, float] = {}
         _live.add(self)
@@ -228,7 +223,7 @@ class EmergencyCheckpointManager:
         Every process must call it with the same steps (the peer exchange is a collective).
         """
         self._check_open()
-        self._raise_background_error()
+        self._writer.raise_error()
         do_local, do_remote = self.should_save(step)
         do_local, do_remote = do_local or force, do_remote or force
         if do_remote and step not in self._remote.all_steps():
@@ -277,13 +272,11 @@ class EmergencyCheckpointManager:
                         slices[key], origins[key] = data, peer_origins[key]
             self.timings["peer_exchange_s"] = time.perf_counter() - t
         job = (step, records, staged.meshes, slices, origins, extra)
-        if not self.options.async_save:
-            self._write(*job)
-            self._raise_background_error()
-            return
-        self._idle.clear()
-        self._ensure_thread()
-        self._queue.put(job)
+        what = f"saving local step {step} to {self.local_directory.url}"
+        if self.options.async_save:
+            self._writer.submit(what, self._write, *job)
+        else:
+            self._writer.run_now(what, self._write, *job)
 
     def _stage(self, state: Any, records: list[LeafRecord]):
         """Host snapshots of every distinct shard this process holds, and each leaf's slices.
@@ -331,40 +324,16 @@ class EmergencyCheckpointManager:
         return slices, required
 
     def _write(self, step, records, meshes, slices, origins, extra) -> None:
-        try:
-            if step not in self._local_steps:
-                t = time.perf_counter()
-                local.write_step(
-                    self.local_directory, step, records, meshes, slices, origins, extra
-                )
-                self.timings["local_write_s"] = time.perf_counter() - t
-                self._local_steps.add(step)
-            keep = self.options.local_max_to_keep
-            if keep is not None:
-                for old in sorted(self._local_steps)[:-keep]:
-                    local.delete_step(self.local_directory, old)
-                    self._local_steps.discard(old)
-        except BaseException as e:
-            self._error = BackgroundSaveError(
-                f"saving local step {step} to {self.local_directory.url} failed: {e}"
-            )
-            self._error.__cause__ = e
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="jaxckpt-local", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._write(*job)
-            finally:
-                job = None  # don't hold the host copies and peer rows until the next save
-                self._idle.set()
+        if step not in self._local_steps:
+            t = time.perf_counter()
+            local.write_step(self.local_directory, step, records, meshes, slices, origins, extra)
+            self.timings["local_write_s"] = time.perf_counter() - t
+            self._local_steps.add(step)
+        keep = self.options.local_max_to_keep
+        if keep is not None:
+            for old in sorted(self._local_steps)[:-keep]:
+                local.delete_step(self.local_directory, old)
+                self._local_steps.discard(old)
 
     def wait_until_finished(self) -> None:
         """Blocks until both tiers' writes in flight are committed; raises their errors."""
@@ -372,17 +341,7 @@ class EmergencyCheckpointManager:
         self.remote.wait_until_finished()
 
     def _wait_local(self) -> None:
-        if not self._idle.wait(self.options.timeout_s):
-            raise BackgroundSaveError(
-                f"{self.local_directory.url}: the local save did not finish within "
-                f"{self.options.timeout_s:.0f}s"
-            )
-        self._raise_background_error()
-
-    def _raise_background_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self._writer.wait(self.local_directory.url)
 
     # --- restore -------------------------------------------------------------------------
 
@@ -647,15 +606,10 @@ class EmergencyCheckpointManager:
             return
         self._closed = True
         try:
-            self._idle.wait(self.options.timeout_s)
+            self._writer.close(self.local_directory.url)
         finally:
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join(self.options.timeout_s)
-                self._thread = None
             _live.discard(self)
             self._remote.close()
-        self._raise_background_error()
 
     def __enter__(self) -> EmergencyCheckpointManager:
         return self
