@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,27 +86,33 @@ def unique_name(prefix: str) -> str:
     return f"jaxckpt/{prefix}/{next(_counter)}"
 
 
-def _missing(name: str) -> list[int]:
-    """Processes that did not mark their arrival at barrier ``name`` (best effort)."""
-    try:
-        with _timed("kv"):
-            entries = _client().key_value_dir_get(f"{name}/arrived/")
-        arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in entries}
-    except Exception:  # the service itself may be gone; then we cannot tell
+_TIMED_OUT = re.compile(r"timed out task names:\s*((?:\S+\s*)+)", re.IGNORECASE)
+
+
+def _missing(error: Exception) -> list[int]:
+    """Processes the coordination service says never reached a barrier (may be a subset)."""
+    match = _TIMED_OUT.search(str(error))
+    if not match:
         return []
-    return [p for p in range(process_count()) if p not in arrived]
+    ids = []
+    for token in re.split(r"[\s,]+", match.group(1)):
+        if not token.isdigit():
+            break
+        ids.append(int(token))
+    return sorted(set(ids))
 
 
 def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
     """Waits until every process reaches ``name``; raises CoordinationError on timeout.
 
-    ``what`` (e.g. the checkpoint path) is named in the error.
+    ``what`` (e.g. the checkpoint path) is named in the error, with the processes that never
+    arrived (as the coordination service reports them).
     """
     if process_count() == 1:
         return
     client = _client()
     try:
-        with _timed("kv"):
+        if _PROTOCOL_TIMING:  # instrumentation only: arrival times, not counted as protocol
             client.key_value_set(f"{name}/arrived/{process_index()}", repr(time.time()))
         with _timed("barrier"):
             client.wait_at_barrier(name, int(timeout_s * 1000))
@@ -114,7 +121,7 @@ def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
             arrivals = client.key_value_dir_get(f"{name}/arrived/")
             STATS["protocol_s"] += max(0.0, released - max(float(v) for _, v in arrivals))
     except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
-        missing = _missing(name)
+        missing = _missing(e)
         who = (
             f"process(es) {missing} of {process_count()} never arrived"
             if missing
