@@ -265,7 +265,6 @@ class _Want:
     record: LeafRecord
     dtype: np.dtype | None  # None: the saved dtype
     sharding: jax.sharding.Sharding | None  # None: a NumPy array
-    keep: Any = None  # a non-array target leaf returned as is
 
 
 def restore(
@@ -335,7 +334,7 @@ def _want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Locati
             "target or restore it from another checkpoint"
         )
     if not rec.has_array:
-        return _Want(rec, None, None, keep=None)
+        return _Want(rec, None, None)
     if isinstance(t, jax.sharding.Sharding):
         return _Want(rec, None, t)
     if isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):

@@ -23,7 +23,6 @@ import struct
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -329,7 +328,3 @@ def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:
         slices[(name, parse_index(key))] = data
         origins[(name, parse_index(key))] = origin
     return slices, origins
-
-
-def describe_slices(slices: Any) -> list[str]:
-    return [f"{n}[{index_key(i)}]" for n, i in slices]

@@ -11,7 +11,6 @@ leaves, which can be mutated, are always copied.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -139,7 +138,6 @@ class _HostCopies:
     def __init__(self) -> None:
         self.buffers: dict[tuple, np.ndarray] = {}
         self.copies: list[tuple[np.ndarray, Any]] = []  # (destination, source) pending
-        self.lock = threading.Lock()
 
     def buffer(self, key: tuple, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         buf = self.buffers.get(key)
