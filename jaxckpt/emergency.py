@@ -183,6 +183,7 @@ class EmergencyCheckpointManager:
         self._local_steps = set(local.committed_steps(self.local_directory))
         self._host: dict[tuple, np.ndarray] = {}
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
+        self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
         self._closed = False
         self.timings: dict[str, float] = {}
         _live.add(self)
@@ -258,7 +259,9 @@ class EmergencyCheckpointManager:
         }
         if k:
             t = time.perf_counter()
-            row = local.pack(slices, origins)
+            row = local.pack(slices, origins, reuse=self._pack_buffer)
+            if self._pack_buffer is None or row.size > self._pack_buffer.size:
+                self._pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
             rows = exchange_rows(
                 row,
                 shifts=range(1, k + 1),
@@ -360,6 +363,7 @@ class EmergencyCheckpointManager:
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
         self._host.clear()
+        self._pack_buffer = None
         timeout = self.options.timeout_s
         tag = self._tag("restore")
         mine = {

@@ -270,9 +270,16 @@ class _read_into:
 # --- packing slices into one byte buffer -----------------------------------------------------
 
 
-def pack(slices: Slices, origins: dict[tuple[str, Index], int]) -> np.ndarray:
-    """One uint8 buffer: header length (8 bytes), JSON header, then each slice 64-aligned."""
-    buf, views = pack_layout({k: (d.dtype, d.shape, origins[k]) for k, d in slices.items()})
+def pack(
+    slices: Slices, origins: dict[tuple[str, Index], int], reuse: np.ndarray | None = None
+) -> np.ndarray:
+    """One uint8 buffer: header length (8 bytes), JSON header, then each slice 64-aligned.
+
+    ``reuse``: an earlier packed buffer to fill again when it is big enough (writing into
+    fresh memory is far slower than into memory already touched).
+    """
+    specs = {k: (d.dtype, d.shape, origins[k]) for k, d in slices.items()}
+    buf, views = pack_layout(specs, reuse)
     for key, data in slices.items():
         if data.nbytes:
             np.copyto(views[key], data, casting="no")
@@ -281,6 +288,7 @@ def pack(slices: Slices, origins: dict[tuple[str, Index], int]) -> np.ndarray:
 
 def pack_layout(
     specs: dict[tuple[str, Index], tuple[np.dtype, tuple[int, ...], int]],
+    reuse: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Slices]:
     """A packed buffer for slices of the given (dtype, shape, original writer), and the
     views its slices go into (uninitialized: the caller fills them, e.g. reads into them).
@@ -293,7 +301,10 @@ def pack_layout(
     start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
     # aligned, so the peer exchange hands it to the device without another copy; only the
     # header and the padding are zeroed (the slices overwrite the rest)
-    buf = arrays.aligned_empty((start + offset,), np.dtype(np.uint8))
+    if reuse is not None and reuse.size >= start + offset:
+        buf = reuse[: start + offset]  # same start address: still aligned
+    else:
+        buf = arrays.aligned_empty((start + offset,), np.dtype(np.uint8))
     buf[:start] = 0
     buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
     buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
