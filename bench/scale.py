@@ -122,7 +122,7 @@ def main() -> None:
         "save/restore: best of repeats (process 0). wait: median time per save process 0 spent "
         "in coordination calls, including waiting for slower writers and for process 0's own "
         "merge/commit. protocol: the coordination's own latency per save (barrier release minus "
-        "the last arrival, broadcast receipt minus publication, key-value calls), median over "
+        "the last arrival, plus key-value calls), median over "
         "repeats, worst process. calls: coordination calls per save per process"
     )
     last = rows[-1]

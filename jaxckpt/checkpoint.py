@@ -85,17 +85,18 @@ def save(
     leaves, meshes = list(staged.leaves), staged.meshes
     _check_unique_names(leaves, loc)
     pid, count = multihost.process_index(), multihost.process_count()
-    save_id = multihost.broadcast(
-        multihost.unique_name("save-id"), uuid.uuid4().hex[:12] if pid == 0 else None, timeout_s
-    )
-    # Before anything is written: same path, tree, shapes and dtypes? (and who runs where)
-    hosts = multihost.agree(
-        f"jaxckpt/{save_id}/agree",
+    # One round before anything is written: the same path, tree, shapes and dtypes on every
+    # process? Who runs where, and process 0's id for this save (temporary directory and
+    # barrier names, so a restarted job never meets a stale one).
+    extras = multihost.agree(
+        multihost.unique_name("save"),
         _summary(loc, leaves),
         timeout_s,
         what=loc.url,
-        extra=socket.gethostname(),
+        extra=f"{socket.gethostname()} {uuid.uuid4().hex[:12]}",
     )
+    hosts = [e.rsplit(" ", 1)[0] for e in extras]
+    save_id = extras[0].rsplit(" ", 1)[1]
     work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
     owner = None

@@ -25,8 +25,8 @@ _counter = itertools.count()
 
 # Cheap counters: seconds and calls spent in barriers and key-value traffic. ``protocol_s``
 # is the coordination's own latency: for each barrier, release minus the last process's
-# arrival; for each broadcast, receipt minus publication; plus the key-value calls. Unlike
-# ``barrier_s`` it leaves out time spent waiting for slower processes to finish their work.
+# arrival; plus the key-value calls. Unlike ``barrier_s`` it leaves out time spent waiting
+# for slower processes to finish their work.
 # Measuring it costs one extra key-value listing per barrier, so it is off unless
 # ``JAXCKPT_PROTOCOL_TIMING=1`` (bench/scale.py sets it).
 STATS: dict[str, float] = {
@@ -133,33 +133,6 @@ def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
             f"(this is process {process_index()}): {first}. Those processes died, hang or "
             "are saving something else; check their logs. Nothing was committed; restart "
             "the job to restore the previous checkpoint"
-        ) from e
-
-
-def broadcast(name: str, value: str | None, timeout_s: float) -> str:
-    """Process 0's ``value`` on every process (through the key-value store)."""
-    if process_count() == 1:
-        assert value is not None
-        return value
-    client = _client()
-    if process_index() == 0:
-        assert value is not None
-        with _timed("kv"):
-            client.key_value_set(name, f"{time.time()!r}|{value}")
-        return value
-    try:
-        asked = time.time()
-        with _timed("barrier"):  # a wait for process 0, like a barrier
-            published, _, got = client.blocking_key_value_get(
-                name, int(timeout_s * 1000)
-            ).partition("|")
-        STATS["protocol_s"] += max(0.0, time.time() - max(asked, float(published)))
-        return got
-    except Exception as e:
-        raise CoordinationError(
-            f"waiting for process 0 to publish {name!r} timed out after {timeout_s:g}s "
-            f"(this is process {process_index()}): {e}. Process 0 may have died or not "
-            "called save/restore; check its log"
         ) from e
 
 
