@@ -21,7 +21,6 @@ different process count work when the copies cover every slice.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
 import json
@@ -29,7 +28,6 @@ import logging
 import math
 import os
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +62,6 @@ from .writer import Writer
 
 log = logging.getLogger("jaxckpt")
 
-_live: weakref.WeakSet[EmergencyCheckpointManager] = weakref.WeakSet()
 _seq = itertools.count()  # names of key-value exchanges (main thread only)
 _EMPTY = np.zeros(0, np.uint8)
 
@@ -186,7 +183,6 @@ class EmergencyCheckpointManager:
         self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
         self._closed = False
         self.timings: dict[str, float] = {}
-        _live.add(self)
 
     @property
     def remote(self) -> CheckpointManager:
@@ -612,7 +608,6 @@ class EmergencyCheckpointManager:
         try:
             self._writer.close(self.local_directory.url)
         finally:
-            _live.discard(self)
             self._remote.close()
 
     def __enter__(self) -> EmergencyCheckpointManager:
@@ -620,12 +615,3 @@ class EmergencyCheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-@atexit.register
-def _close_all() -> None:
-    for mgr in list(_live):
-        try:
-            mgr.close()
-        except Exception as e:
-            log.error("jaxckpt: %s", e)

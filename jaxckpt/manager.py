@@ -9,11 +9,9 @@ deleted when a manager starts.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
-import weakref
 from typing import Any
 
 import jax
@@ -34,8 +32,6 @@ from .writer import Writer
 __all__ = ["BackgroundSaveError", "CheckpointManager"]
 
 log = logging.getLogger("jaxckpt")
-
-_live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
 class CheckpointManager:
@@ -64,7 +60,6 @@ class CheckpointManager:
         if self.options.cleanup_tmp and multihost.process_index() == 0:
             self._cleanup()
         self.reload()
-        _live.add(self)
 
     # --- listing -------------------------------------------------------------------------
 
@@ -300,10 +295,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._writer.close(self.directory.url)
-        finally:
-            _live.discard(self)
+        self._writer.close(self.directory.url)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -318,13 +310,3 @@ class _NotRead:
 
 
 _NOT_READ: Any = _NotRead()
-
-
-@atexit.register
-def _close_all() -> None:
-    """At interpreter exit, finish what is in flight: no half-visible step, no thread."""
-    for mgr in list(_live):
-        try:
-            mgr.close()
-        except Exception as e:  # nobody is left to raise it to
-            log.error("jaxckpt: %s", e)

@@ -2,17 +2,24 @@
 
 A job's failure is kept and raised in the caller's thread at the next ``raise_error``,
 ``wait`` or ``close`` (never lost, never raised twice). ``close`` waits for the job in
-flight, stops the thread, and reports a job it could not wait for.
+flight, stops the thread, and reports a job it could not wait for; at interpreter exit
+every live writer is closed that way.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .errors import BackgroundSaveError
+
+log = logging.getLogger("jaxckpt")
+_live: weakref.WeakSet[Writer] = weakref.WeakSet()
 
 
 class Writer:
@@ -25,6 +32,7 @@ class Writer:
         self._idle.set()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        _live.add(self)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -92,4 +100,15 @@ class Writer:
                 self._queue.put(None)
                 self._thread.join(self.timeout_s)
                 self._thread = None
+            _live.discard(self)
         self.raise_error()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit, finish the saves in flight: no half-visible step, no thread."""
+    for writer in list(_live):
+        try:
+            writer.close(writer.name)
+        except Exception as e:  # nobody is left to raise it to
+            log.error("jaxckpt: %s", e)
