@@ -3,8 +3,9 @@
 Local tier (every ``local_interval_steps``): each process writes every distinct shard it
 holds to its own ``local_directory`` (see :mod:`jaxckpt.local`); with ``replication=k`` it
 also sends them to processes ``p+1 .. p+k`` (mod the process count) through a JAX
-collective (``ppermute`` of one packed byte row per process), which store them too. No
-cross-host filesystem traffic, no barrier: each process commits its own copy.
+collective (``ppermute``, device to device, see :mod:`jaxckpt.peers`), which store them too.
+``save`` only starts the transfer; the writer thread waits for it. No cross-host filesystem
+traffic, no barrier: each process commits its own copy.
 
 Remote tier (every ``remote_interval_steps``): a normal checkpoint through an inner
 :class:`CheckpointManager`.
@@ -42,7 +43,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError
-from .peers import exchange_rows, send_rows
+from .peers import exchange_rows, send_rows, send_shards
 from .recovery import (
     SavedMeshes,
     StepUnusable,
@@ -74,7 +75,7 @@ class EmergencyOptions:
         multiple (``force=True`` saves both tiers).
     local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
     replication: how many other processes keep a copy of each process's local shards.
-    async_save: ``save`` returns after the device->host copy (and the peer exchange).
+    async_save: ``save`` returns after the device->host copy, with the peer copies in flight.
     timeout_s: bound on every cross-process wait. compression: remote tier only.
     """
 
@@ -241,7 +242,7 @@ class EmergencyCheckpointManager:
         self._wait_local()  # host buffers are reused
         staged = describe(state)  # records only; nothing copied
         records = [leaf.record for leaf in staged.leaves]
-        slices, required = self._stage(state, records)
+        slices, required, on_devices = self._stage(state, records)
         pid, count = multihost.process_index(), multihost.process_count()
         origins = dict.fromkeys(slices, pid)
         k = min(self.options.replication, count - 1)
@@ -253,38 +254,47 @@ class EmergencyCheckpointManager:
             "receives_from": [(pid - j) % count for j in range(1, k + 1)],
             "slices": required,
         }
+        peers = None
         if k:
             t = time.perf_counter()
-            row = local.pack(slices, origins, reuse=self._pack_buffer)
-            if self._pack_buffer is None or row.size > self._pack_buffer.size:
-                self._pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
-            rows = exchange_rows(
-                row,
-                shifts=range(1, k + 1),
-                name=self._tag("peers"),
-                timeout_s=self.options.timeout_s,
-            )
-            for got in rows:
-                peer_slices, peer_origins = local.unpack(got)
-                for key, data in peer_slices.items():
-                    if key not in slices:
-                        slices[key], origins[key] = data, peer_origins[key]
+            peers, as_rows = send_shards(on_devices, tuple(range(1, k + 1)))
+            if as_rows:  # the same leaves on every process
+                self._exchange_rows(set(as_rows), slices, origins, k)
             self.timings["peer_exchange_s"] = time.perf_counter() - t
-        job = (step, records, staged.meshes, slices, origins, extra)
+        job = (step, records, staged.meshes, slices, origins, extra, peers)
         what = f"saving local step {step} to {self.local_directory.url}"
         if self.options.async_save:
             self._writer.submit(what, self._write, *job)
         else:
             self._writer.run_now(what, self._write, *job)
 
+    def _exchange_rows(self, names: set[str], slices, origins, k: int) -> None:
+        """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
+        per process, exchanged and unpacked here (blocking)."""
+        pid = multihost.process_index()
+        mine = {key: v for key, v in slices.items() if key[0] in names}
+        row = local.pack(mine, dict.fromkeys(mine, pid), reuse=self._pack_buffer)
+        if self._pack_buffer is None or row.size > self._pack_buffer.size:
+            self._pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
+        rows = exchange_rows(
+            row, shifts=range(1, k + 1), name=self._tag("peers"), timeout_s=self.options.timeout_s
+        )
+        for got in rows:
+            peer_slices, peer_origins = local.unpack(got)
+            for key, data in peer_slices.items():
+                if key not in slices:
+                    slices[key], origins[key] = data, peer_origins[key]
+
     def _stage(self, state: Any, records: list[LeafRecord]):
-        """Host snapshots of every distinct shard this process holds, and each leaf's slices.
+        """Host snapshots of every distinct shard this process holds, each leaf's slices, and
+        the device arrays (by leaf name) for the peer copies.
 
         NumPy leaves and accelerator shards are copied into reused buffers; CPU device
         buffers are taken as zero-copy views.
         """
         slices: local.Slices = {}
         required: dict[str, list[str]] = {}
+        on_devices: dict[str, jax.Array] = {}
         pending = []
         for (_, leaf), rec in zip(tree_lib.flatten(state), records, strict=True):
             if not rec.has_array or not math.prod(rec.shape):
@@ -301,6 +311,7 @@ class EmergencyCheckpointManager:
                 normalize_index(i, shape) for i in arr.sharding.devices_indices_map(shape).values()
             }
             required[rec.name] = [local.index_key(i) for i in sorted(every)]
+            on_devices[rec.name] = arr
             seen: set[Index] = set()
             for shard in arr.addressable_shards:
                 index = normalize_index(shard.index, shape)
@@ -320,9 +331,16 @@ class EmergencyCheckpointManager:
                 buf = self._host[key] = np.empty(tuple(src.shape), src.dtype)
             np.copyto(buf, np.asarray(src), casting="no")
             slices[key] = buf
-        return slices, required
+        return slices, required, on_devices
 
-    def _write(self, step, records, meshes, slices, origins, extra) -> None:
+    def _write(self, step, records, meshes, slices, origins, extra, peers) -> None:
+        if peers is not None:
+            t = time.perf_counter()
+            got, got_origins = peers.collect()  # waits for the transfers
+            for key, data in got.items():
+                if key not in slices:
+                    slices[key], origins[key] = data, got_origins[key]
+            self.timings["peer_wait_s"] = time.perf_counter() - t
         if step not in self._local_steps:
             t = time.perf_counter()
             local.write_step(self.local_directory, step, records, meshes, slices, origins, extra)

@@ -1,13 +1,20 @@
-"""Moving byte rows between processes through JAX collectives (one device per process).
+"""Moving checkpoint data between processes through JAX collectives.
 
-Used for peer copies of local checkpoints (``exchange_rows``: a ``ppermute`` per shift) and
-for handing missing slices to the processes that need them on restore (``send_rows``: a
-``ppermute`` of a partial permutation, so a process receives only the row meant for it).
+* ``send_shards``: peer copies of local checkpoints, device to device. Each array's owned
+  shards go, as they are, to the device at the same place on process ``p + j``: one
+  ``ppermute`` per shift inside a single jitted program, *dispatched* on the calling thread
+  (so every process issues its collectives in the same order as its training steps) and
+  waited for by the writer thread. ``save`` therefore does not wait for the transfer.
+* ``exchange_rows``: the same for leaves that cannot go device to device (arrays on a subset
+  of the processes, or uneven shards): one packed byte row per process, one device each.
+* ``send_rows``: on restore, missing slices go only to the process that needs them (a
+  ``ppermute`` of a partial permutation of packed rows).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -16,6 +23,143 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import arrays, multihost
+from .sharding import Index, normalize_index
+
+Slices = dict[tuple[str, Index], np.ndarray]
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where one array's owned shards go, for an array laid out on ``devices``."""
+
+    devices: tuple[Any, ...]  # every device holding the array, in the sharding's order
+    perms: tuple[tuple[tuple[int, int], ...], ...]  # per shift: (source, dest) positions
+    receives: tuple[tuple[tuple[Any, Index, int], ...], ...]  # per shift: (my device, index,
+    # sending process)
+
+
+@functools.lru_cache(maxsize=1024)
+def _route(sharding, shape: tuple[int, ...], shifts: tuple[int, ...], me: int, count: int):
+    """The ``_Route`` of an array, or None when it cannot go device to device: its devices
+    leave out a process or differ in number between processes, or its shards differ in shape.
+
+    Each process sends every distinct index it holds, once (from its first device holding
+    it), to the device at the same place on process ``(p + j) % count``, unless that process
+    already holds the index. Every process computes the same routes from the same sharding.
+    """
+    imap = sharding.devices_indices_map(shape)
+    devices = tuple(imap)
+    by_proc: dict[int, list[Any]] = {}
+    for d in devices:
+        by_proc.setdefault(d.process_index, []).append(d)
+    if sorted(by_proc) != list(range(count)) or len({len(v) for v in by_proc.values()}) != 1:
+        return None
+    index = {d: normalize_index(imap[d], shape) for d in devices}
+    if len({tuple(b - a for a, b in i) for i in index.values()}) != 1:
+        return None
+    pos = {d: i for i, d in enumerate(devices)}
+    perms, receives = [], []
+    for j in shifts:
+        pairs, mine = [], []
+        for p in range(count):
+            q = (p + j) % count
+            held = {index[d] for d in by_proc[q]}
+            seen: set[Index] = set()
+            for k, d in enumerate(by_proc[p]):
+                if index[d] in seen or index[d] in held:
+                    continue
+                seen.add(index[d])
+                pairs.append((pos[d], pos[by_proc[q][k]]))
+                if q == me:
+                    mine.append((by_proc[q][k], index[d], p))
+        perms.append(tuple(pairs))
+        receives.append(tuple(mine))
+    return _Route(devices, tuple(perms), tuple(receives))
+
+
+class PeerCopies:
+    """Shards in flight from other processes (``send_shards``); ``collect`` waits for them."""
+
+    def __init__(self, moving: list[tuple[str, _Route, list[jax.Array | None]]]):
+        self._moving = moving
+
+    def collect(self) -> tuple[Slices, dict[tuple[str, Index], int]]:
+        """{(leaf, index): host array} of the shards received, and each one's sender."""
+        slices: Slices = {}
+        origins: dict[tuple[str, Index], int] = {}
+        for name, route, outs in self._moving:
+            for received, out in zip(route.receives, outs, strict=True):
+                if out is None:
+                    continue
+                on = {s.device: s.data for s in out.addressable_shards}
+                for device, index, sender in received:
+                    if (name, index) not in slices:
+                        slices[(name, index)] = np.asarray(on[device])
+                        origins[(name, index)] = sender
+        self._moving = []
+        return slices, origins
+
+
+def send_shards(
+    arrays_by_name: dict[str, jax.Array], shifts: tuple[int, ...]
+) -> tuple[PeerCopies, list[str]]:
+    """Starts sending each array's owned shards to processes ``p + j`` for ``j`` in ``shifts``
+    (a collective call: every process passes the same names, shardings and shifts).
+
+    Returns at once, with the transfers in flight, and the names of the arrays that must go
+    as packed rows instead (see ``_route``).
+    """
+    me, count = jax.process_index(), jax.process_count()
+    by_devices: dict[tuple[Any, ...], list[tuple[str, jax.Array, _Route]]] = {}
+    rows_instead = []
+    for name, arr in arrays_by_name.items():
+        route = _route(arr.sharding, tuple(arr.shape), shifts, me, count)
+        if route is None:
+            rows_instead.append(name)
+        elif any(route.perms):
+            by_devices.setdefault(route.devices, []).append((name, arr, route))
+    moving = []
+    for devices, members in by_devices.items():
+        mesh = Mesh(np.array(devices), ("d",))
+        flat = [_flat(arr, mesh) for _, arr, _ in members]
+        outs = iter(_shift_fn(mesh, tuple(r.perms for _, _, r in members))(*flat))
+        del flat  # the program holds the inputs; a donating train step may now take them
+        for name, _, route in members:
+            moving.append((name, route, [next(outs) if p else None for p in route.perms]))
+    return PeerCopies(moving), rows_instead
+
+
+def _flat(arr: jax.Array, mesh: Mesh) -> jax.Array:
+    """``arr``'s shards, unchanged and uncopied, stacked along axis 0 in ``mesh`` order."""
+    shards = {s.device: s.data for s in arr.addressable_shards}
+    mine = [shards[d] for d in mesh.devices.flat if d in shards]
+    shape = tuple(mine[0].shape)  # >= 1-d: a 0-d array is held whole by every process
+    return jax.make_array_from_single_device_arrays(
+        (mesh.devices.size * shape[0], *shape[1:]), NamedSharding(mesh, P("d")), mine
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_fn(mesh: Mesh, perms: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]):
+    """One program moving every array: ``perms[i][j]`` for array ``i`` and shift ``j``."""
+
+    def body(*xs):
+        return tuple(
+            jax.lax.ppermute(x, "d", list(p))
+            for x, ps in zip(xs, perms, strict=True)
+            for p in ps
+            if p
+        )
+
+    n_out = sum(1 for ps in perms for p in ps if p)
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("d"),) * len(perms),
+            out_specs=(P("d"),) * n_out,
+        )
+    )
 
 
 def _row_mesh() -> Mesh:
