@@ -1,11 +1,11 @@
 """Export a sharded function for serving without its model code: :func:`save` and :func:`load`.
 
-An export is one directory::
-
-    path/
-      signature.json                  inputs, outputs, mesh axes, variants, versions, checksums
-      params/                         the parameters: one jaxckpt checkpoint, stored once
-      artifacts/devices_<n>.jaxexport a serialized ``jax.export.Exported`` per device count
+``save`` writes one directory: the parameters once as a jaxckpt checkpoint (``params/``), one
+serialized ``jax.export.Exported`` per serving device count (``artifacts/``) and, last,
+``signature.json`` (layout and checks: :mod:`jaxckpt.export_format`). ``load`` and the
+callable it returns live in :mod:`jaxckpt.serving`; ``signature`` reads ``signature.json``.
+This module holds the writing side: checking the specs, placing the parameters and lowering
+each variant.
 
 Each artifact is lowered over a :class:`jax.sharding.AbstractMesh` with the export mesh's axis
 names, so exporting needs no serving devices. The axis sizes for ``n`` devices, unless given
@@ -22,44 +22,49 @@ gives 8 -> (4, 2), 4 -> (2, 2), 2 -> (1, 2), 1 -> (1, 1), 16 -> (8, 2).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import inspect
-import json
 import math
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as dist_version
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import checkpoint, multihost
 from . import tree as tree_lib
-from .errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    ExportArgumentError,
-    ExportChecksumError,
-    ExportError,
-    ExportVersionError,
+from .errors import ExportError
+from .export_format import (
+    ARTIFACTS_DIR,
+    EXPORT_FORMAT,
+    EXPORT_FORMAT_VERSION,
+    PARAMS_DIR,
+    PLAIN_SYMBOL,
+    SIGNATURE_FILE,
+    package_version,
+    prepare_target,
+    require_flatbuffers,
+    shape_json,
+    signature,
+    variant_record,
+    write,
 )
-from .sharding import spec_from_json, spec_to_json
+from .serving import Served, load
+from .sharding import spec_to_json
 from .storage import Location, location
 
-EXPORT_FORMAT = "jaxckpt.export"
-EXPORT_FORMAT_VERSION = 1
-SIGNATURE_FILE = "signature.json"
-PARAMS_DIR = "params"
-ARTIFACTS_DIR = "artifacts"
-
-_PLAIN_SYMBOL = re.compile(r"[A-Za-z_]\w*")
-_BARRIER_TIMEOUT_S = 600.0
-
+__all__ = [
+    "ARTIFACTS_DIR",
+    "EXPORT_FORMAT",
+    "EXPORT_FORMAT_VERSION",
+    "PARAMS_DIR",
+    "SIGNATURE_FILE",
+    "Served",
+    "axis_sizes_for",
+    "load",
+    "save",
+    "signature",
+]
 
 # --- axis sizes and small helpers ---------------------------------------------------------
 
@@ -76,40 +81,6 @@ def axis_sizes_for(sizes: Sequence[int], count: int) -> tuple[int, ...]:
         rest //= out[i]
     out[0] = rest
     return tuple(out)
-
-
-def _version(name: str) -> str:
-    try:
-        return dist_version(name)
-    except PackageNotFoundError:
-        return "?"
-
-
-def _schema_version() -> int | None:
-    """The installed jax.export flatbuffer schema version (None when jax hides it)."""
-    try:
-        from jax._src.export import serialization
-    except ImportError:
-        return None
-    return getattr(serialization, "_SERIALIZATION_VERSION", None)
-
-
-def _require_flatbuffers(loc: Location) -> None:
-    try:
-        import flatbuffers  # noqa: F401
-    except ImportError as e:
-        raise ExportError(
-            f"{loc.url}: jax.export needs the 'flatbuffers' package to (de)serialize "
-            "artifacts; install it (pip install flatbuffers)"
-        ) from e
-
-
-def _shape_json(shape: Sequence[Any]) -> list[int | str]:
-    return [str(d) if jax.export.is_symbolic_dim(d) else int(d) for d in shape]
-
-
-def _fmt_shape(shape: Sequence[Any]) -> str:
-    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
 def _spec_axes(spec: PartitionSpec) -> list[str]:
@@ -167,8 +138,8 @@ def save(
     axis sizes. ``platforms`` defaults to the current backend's.
     """
     loc = location(path)
-    _prepare_target(loc)
-    _require_flatbuffers(loc)
+    prepare_target(loc)
+    require_flatbuffers(loc)
     if not isinstance(mesh, Mesh):
         raise ExportError(f"{loc.url}: mesh= must be a jax.sharding.Mesh, got {type(mesh)}")
     names = tuple(str(n) for n in mesh.axis_names)
@@ -218,21 +189,9 @@ def save(
             loc,
         )
         blob = bytes(exp.serialize())
-        file = f"{ARTIFACTS_DIR}/devices_{count}.jaxexport"
-        blobs[file] = blob
-        variants.append(
-            {
-                "device_count": count,
-                "axis_sizes": list(sizes),
-                "file": file,
-                "sha256": hashlib.sha256(blob).hexdigest(),
-                "bytes": len(blob),
-                "calling_convention_version": exp.calling_convention_version,
-                "serialization_version": _schema_version(),
-                "platforms": list(exp.platforms),
-                "input_divisors": divisors,
-            }
-        )
+        record = variant_record(count, sizes, exp, blob, divisors)
+        blobs[record["file"]] = blob
+        variants.append(record)
 
     out_flat = jax.tree_util.tree_flatten_with_path(out_shape)[0]
     signature = {
@@ -242,8 +201,8 @@ def save(
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": {
             "jax": jax.__version__,
-            "jaxlib": _version("jaxlib"),
-            "jaxckpt": _version("jaxckpt"),
+            "jaxlib": package_version("jaxlib"),
+            "jaxckpt": package_version("jaxckpt"),
         },
         "mesh": {
             "axis_names": list(names),
@@ -254,7 +213,7 @@ def save(
             {
                 "index": i,
                 "name": arg_names[i],
-                "shape": _shape_json(s.shape),
+                "shape": shape_json(s.shape),
                 "dtype": str(np.dtype(s.dtype)),
                 "spec": spec_to_json(in_specs[i]),
             }
@@ -263,7 +222,7 @@ def save(
         "outputs": [
             {
                 "name": tree_lib.path_name(tree_lib.path_to_json(p)),
-                "shape": _shape_json(s.shape),
+                "shape": shape_json(s.shape),
                 "dtype": str(np.dtype(s.dtype)),
                 "spec": spec_to_json(spec),
             }
@@ -277,36 +236,8 @@ def save(
         "variants": variants,
     }
 
-    checkpoint.save(
-        loc.join(PARAMS_DIR),
-        jax.tree_util.tree_unflatten(treedef, leaves),
-        metadata={"jaxckpt.export": fn_name},
-    )
-    if multihost.process_index() == 0:
-        for file, blob in blobs.items():
-            folder, _, name = file.rpartition("/")
-            loc.join(folder).write_bytes(name, blob)
-        loc.write_bytes(SIGNATURE_FILE, json.dumps(signature, indent=1).encode())  # commit
-    multihost.barrier(multihost.unique_name("export-committed"), _BARRIER_TIMEOUT_S)
+    write(loc, jax.tree_util.tree_unflatten(treedef, leaves), blobs, signature)
     return signature
-
-
-def _prepare_target(loc: Location) -> None:
-    """Refuses a finished export; clears what an unfinished one left."""
-    if loc.exists(SIGNATURE_FILE):
-        raise CheckpointExistsError(
-            f"{loc.url} already holds an export ({SIGNATURE_FILE}); choose a new path or delete it"
-        )
-    children = loc.list_children()
-    others = sorted(set(children) - {PARAMS_DIR, ARTIFACTS_DIR})
-    if others:
-        raise ExportError(
-            f"{loc.url} is not empty ({others[:5]}); export into a new or empty directory"
-        )
-    if children and multihost.process_index() == 0:  # an export that never finished
-        loc.join(PARAMS_DIR).remove()
-        loc.join(ARTIFACTS_DIR).remove()
-    multihost.barrier(multihost.unique_name("export-prepared"), _BARRIER_TIMEOUT_S)
 
 
 def _arg_names(fn: Callable, n: int) -> list[str]:
@@ -406,7 +337,7 @@ def _export_variant(
         for d, (dim, k) in enumerate(zip(spec.shape, ways, strict=True)):
             if k == 1 or not jax.export.is_symbolic_dim(dim):
                 continue
-            if not _PLAIN_SYMBOL.fullmatch(str(dim)):
+            if not PLAIN_SYMBOL.fullmatch(str(dim)):
                 raise ExportError(
                     f"{loc.url}: argument {i} dimension {d} is the symbolic expression "
                     f"{str(dim)!r} and is split {k} ways for {count} device(s); only a plain "
@@ -463,202 +394,3 @@ def _with_constraints(arg_specs, constraints: list[str], loc: Location) -> list:
             spec = jax.ShapeDtypeStruct(shape, spec.dtype)
         out.append(spec)
     return out
-
-
-# --- load ----------------------------------------------------------------------------------
-
-
-def signature(path: str | os.PathLike) -> dict:
-    """The ``signature.json`` of the export at ``path``, checked for format and version."""
-    loc = location(path)
-    text = loc.read_bytes(SIGNATURE_FILE)
-    if text is None:
-        raise CheckpointNotFoundError(
-            f"{loc.url} holds no {SIGNATURE_FILE}: it is not a jaxckpt export, or its export "
-            "never finished; pass the directory jaxckpt.export.save wrote"
-        )
-    try:
-        sig = json.loads(text)
-    except ValueError as e:
-        raise ExportError(f"{loc.url}/{SIGNATURE_FILE} is not valid JSON: {e}; re-export") from e
-    if not isinstance(sig, dict) or sig.get("format") != EXPORT_FORMAT:
-        raise ExportError(f"{loc.url}/{SIGNATURE_FILE} is not a {EXPORT_FORMAT} signature")
-    if sig.get("format_version", 0) > EXPORT_FORMAT_VERSION:
-        raise ExportVersionError(
-            f"{loc.url}: export format version {sig.get('format_version')} is newer than this "
-            f"jaxckpt reads ({EXPORT_FORMAT_VERSION}); upgrade jaxckpt"
-        )
-    return sig
-
-
-@dataclass(frozen=True, eq=False)
-class Served:
-    """A loaded export; call it with the arguments of the exported function after ``params``.
-
-    Inputs are checked against ``signature["inputs"]`` and placed per their PartitionSpecs on
-    ``mesh``; outputs come back sharded per ``signature["outputs"]``.
-    """
-
-    path: str
-    signature: dict = field(repr=False)
-    mesh: Mesh
-    variant: dict = field(repr=False)
-    in_shardings: tuple[NamedSharding, ...] = field(repr=False)
-    params: list = field(repr=False)
-    exported: jax.export.Exported = field(repr=False)
-    _call: Callable = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_call", jax.jit(self.exported.call))
-
-    def __call__(self, *args: Any) -> Any:
-        self._check(args)
-        placed = [jax.device_put(a, s) for a, s in zip(args, self.in_shardings, strict=True)]
-        return self._call(self.params, *placed)
-
-    def _check(self, args: tuple) -> None:
-        inputs = self.signature["inputs"]
-        if len(args) != len(inputs):
-            raise ExportArgumentError(
-                f"{self.path}: the served function takes {len(inputs)} argument(s) "
-                f"{[i['name'] for i in inputs]}, got {len(args)}"
-            )
-        bound: dict[str, tuple[int, int]] = {}
-        for i, (arg, want, divs) in enumerate(
-            zip(args, inputs, self.variant["input_divisors"], strict=True)
-        ):
-            shape = tuple(np.shape(arg))
-            dtype = np.dtype(arg.dtype) if hasattr(arg, "dtype") else np.asarray(arg).dtype
-            if dtype != jax.numpy.dtype(want["dtype"]):
-                raise self._arg_error(i, shape, dtype, "has the wrong dtype (cast it with .astype)")
-            if len(shape) != len(want["shape"]):
-                raise self._arg_error(i, shape, dtype, "has the wrong number of dimensions")
-            for d, (got, dim, k) in enumerate(zip(shape, want["shape"], divs, strict=True)):
-                why = None
-                if isinstance(dim, int) and got != dim:
-                    why = f"has the wrong size in dimension {d}"
-                elif isinstance(dim, str) and _PLAIN_SYMBOL.fullmatch(dim):
-                    first = bound.setdefault(dim, (got, i))
-                    if got < 1:
-                        why = f"has {dim}={got} in dimension {d}; symbolic sizes must be >= 1"
-                    elif first[0] != got:
-                        why = (
-                            f"has {dim}={got} in dimension {d}, but argument {first[1]} has "
-                            f"{dim}={first[0]}"
-                        )
-                if why is None and got % k:
-                    why = (
-                        f"has size {got} in dimension {d}, which is split {k} ways on the "
-                        f"{self.variant['device_count']}-device mesh {self._axes()}; pass a "
-                        f"multiple of {k}"
-                    )
-                if why is not None:
-                    raise self._arg_error(i, shape, dtype, why)
-
-    def _arg_error(self, i: int, shape: tuple, dtype: np.dtype, why: str) -> ExportArgumentError:
-        want = self.signature["inputs"][i]
-        return ExportArgumentError(
-            f"{self.path}: argument {i} ({want['name']!r}) {why}: expected "
-            f"{_fmt_shape(want['shape'])} {want['dtype']}, got {_fmt_shape(shape)} {dtype}"
-        )
-
-    def _axes(self) -> dict[str, int]:
-        return dict(zip(self.mesh.axis_names, self.mesh.devices.shape, strict=True))
-
-
-def load(path: str | os.PathLike, mesh: Mesh | None = None) -> Served:
-    """Loads the export at ``path`` for serving on ``mesh`` (default: all current devices).
-
-    Picks the variant exported for the mesh's device count, restores the parameters onto the
-    mesh with their recorded PartitionSpecs and returns a :class:`Served` callable. The mesh
-    must have the recorded axis names and the variant's axis sizes, in any device order.
-    """
-    loc = location(path)
-    sig = signature(loc)
-    count = int(mesh.size) if mesh is not None else jax.device_count()
-    by_count = {v["device_count"]: v for v in sig["variants"]}
-    variant = by_count.get(count)
-    if variant is None:
-        raise ExportError(
-            f"{loc.url} was exported for {sorted(by_count)} device(s), not {count}; serve on "
-            f"one of those counts (mesh= over that many devices), or re-export with "
-            f"device_counts including {count}"
-        )
-    exported = _read_artifact(loc, sig, variant)
-    mesh = _serving_mesh(mesh, sig, variant, loc)
-    params = _restore_params(loc, sig, mesh)
-    in_shardings = tuple(NamedSharding(mesh, spec_from_json(i["spec"])) for i in sig["inputs"])
-    return Served(loc.url, sig, mesh, variant, in_shardings, params, exported)
-
-
-def _read_artifact(loc: Location, sig: dict, variant: dict) -> jax.export.Exported:
-    where = f"{loc.url}/{variant['file']}"
-    writer = sig.get("versions", {}).get("jax", "?")
-    lo = jax.export.minimum_supported_calling_convention_version
-    hi = jax.export.maximum_supported_calling_convention_version
-    ccv = variant["calling_convention_version"]
-    if not lo <= ccv <= hi:
-        raise ExportVersionError(
-            f"{where}: written by jax {writer} with calling convention version {ccv}; the "
-            f"installed jax {jax.__version__} supports versions {lo}..{hi}. Serve with a jax "
-            "that supports it, or re-export with the installed jax"
-        )
-    schema, mine = variant.get("serialization_version"), _schema_version()
-    if schema is not None and mine is not None and schema > mine:
-        raise ExportVersionError(
-            f"{where}: written by jax {writer} with serialization version {schema}; the "
-            f"installed jax {jax.__version__} reads up to version {mine}. Upgrade jax to at "
-            f"least {writer}, or re-export with the installed jax"
-        )
-    _require_flatbuffers(loc)
-    folder, _, name = variant["file"].rpartition("/")
-    blob = loc.join(folder).read_bytes(name) if folder else loc.read_bytes(name)
-    if blob is None:
-        raise ExportError(f"{where} is missing; the export is incomplete, re-export it")
-    digest = hashlib.sha256(blob).hexdigest()
-    if digest != variant["sha256"]:
-        raise ExportChecksumError(
-            f"{where} is corrupt: its SHA-256 is {digest}, {SIGNATURE_FILE} records "
-            f"{variant['sha256']}; copy the export again or re-export it"
-        )
-    try:
-        exported = jax.export.deserialize(bytearray(blob))
-    except Exception as e:
-        raise ExportError(f"{where}: jax.export cannot deserialize it: {e}") from e
-    platform = jax.export.default_export_platform()
-    if platform not in exported.platforms:
-        raise ExportError(
-            f"{where} was exported for platforms {list(exported.platforms)}, but this process "
-            f"serves on {platform!r}; re-export with platforms=[..., {platform!r}]"
-        )
-    return exported
-
-
-def _serving_mesh(mesh: Mesh | None, sig: dict, variant: dict, loc: Location) -> Mesh:
-    names = tuple(sig["mesh"]["axis_names"])
-    sizes = tuple(variant["axis_sizes"])
-    types = tuple(AxisType[t] for t in sig["mesh"]["axis_types"])
-    if mesh is None:
-        return jax.make_mesh(sizes, names, axis_types=types)
-    got = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    if tuple(mesh.axis_names) != names or tuple(mesh.devices.shape) != sizes:
-        raise ExportError(
-            f"{loc.url}: the serving mesh has axes {got}, but the {variant['device_count']}-"
-            f"device variant was exported for {dict(zip(names, sizes, strict=True))}; build "
-            "the mesh with those axis names and sizes (any device order), or pass mesh=None"
-        )
-    if tuple(mesh.axis_types) != types:  # same devices and layout, the exported axis types
-        mesh = Mesh(mesh.devices, names, axis_types=types)
-    return mesh
-
-
-def _restore_params(loc: Location, sig: dict, mesh: Mesh) -> list:
-    records = sig["params"]["leaves"]
-    if not records:
-        return []
-    target = tree_lib.unflatten_paths(
-        [(r["path"], NamedSharding(mesh, spec_from_json(r["spec"]))) for r in records]
-    )
-    restored = checkpoint.restore(loc.join(sig["params"]["dir"]), target=target)
-    by_name = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(restored)}
-    return [by_name[r["name"]] for r in records]
