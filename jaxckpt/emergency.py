@@ -43,7 +43,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError
-from .peers import exchange_rows, send_rows, send_shards
+from .peers import PeerCopies, exchange_rows, send_rows, send_shards
 from .recovery import (
     SavedMeshes,
     StepUnusable,
@@ -182,6 +182,8 @@ class EmergencyCheckpointManager:
         self._host: dict[tuple, np.ndarray] = {}
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
+        self._received: PeerCopies | None = None  # the last peer copies: their CPU buffers
+        # receive the next ones
         self._closed = False
         self.timings: dict[str, float] = {}
 
@@ -257,7 +259,8 @@ class EmergencyCheckpointManager:
         peers = None
         if k:
             t = time.perf_counter()
-            peers, as_rows = send_shards(on_devices, tuple(range(1, k + 1)))
+            peers, as_rows = send_shards(on_devices, tuple(range(1, k + 1)), reuse=self._received)
+            self._received = peers
             if as_rows:  # the same leaves on every process
                 self._exchange_rows(set(as_rows), slices, origins, k)
             self.timings["peer_exchange_s"] = time.perf_counter() - t
@@ -377,7 +380,7 @@ class EmergencyCheckpointManager:
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
         self._host.clear()
-        self._pack_buffer = None
+        self._pack_buffer = self._received = None
         timeout = self.options.timeout_s
         tag = self._tag("restore")
         mine = {

@@ -35,33 +35,46 @@ values = {
     "t": (np.arange(3 * 2 * 8, dtype=np.float16).reshape(3, 2, 8), NamedSharding(mesh, P(None, "model", "data"))),
     "sub": (np.arange(12, dtype=np.float32), NamedSharding(sub, P("x"))),
 }  # fmt: skip
-arrays = {
-    k: jax.make_array_from_callback(v.shape, s, lambda i, v=v: v[i], dtype=v.dtype)
-    for k, (v, s) in values.items()
-}
-moving, as_rows = peers.send_shards(arrays, shifts)
-got, origins = moving.collect()
-assert as_rows == ["sub"], as_rows
 
-counts = {}
-for name, (value, sharding) in values.items():
-    if name == "sub":
-        continue
-    imap = sharding.devices_indices_map(value.shape)
-    held = {}
-    for d, idx in imap.items():
-        held.setdefault(d.process_index, set()).add(normalize_index(idx, value.shape))
-    expect = {}
-    for j in shifts:
-        sender = (me - j) % count
-        for idx in sorted(held[sender] - held[me]):
-            expect.setdefault(idx, sender)
-    mine = {i: a for (nm, i), a in got.items() if nm == name}
-    assert set(mine) == set(expect), (name, sorted(mine), sorted(expect))
-    for idx, sender in expect.items():
-        assert origins[(name, idx)] == sender, (name, idx, origins[(name, idx)], sender)
-        want = value[tuple(slice(a, b) for a, b in idx)]
-        assert mine[idx].dtype == want.dtype, (name, mine[idx].dtype, want.dtype)
-        np.testing.assert_array_equal(mine[idx], want)
-    counts[name] = len(mine)
-print("OK", json.dumps({"received": counts, "as_rows": as_rows}), flush=True)
+
+def check(values: dict, reuse=None):
+    arrays = {
+        k: jax.make_array_from_callback(v.shape, s, lambda i, v=v: v[i], dtype=v.dtype)
+        for k, (v, s) in values.items()
+    }
+    moving, as_rows = peers.send_shards(arrays, shifts, reuse=reuse)
+    got, origins = moving.collect()
+    assert as_rows == ["sub"], as_rows
+    counts = {}
+    for name, (value, sharding) in values.items():
+        if name == "sub":
+            continue
+        imap = sharding.devices_indices_map(value.shape)
+        held = {}
+        for d, idx in imap.items():
+            held.setdefault(d.process_index, set()).add(normalize_index(idx, value.shape))
+        expect = {}
+        for j in shifts:
+            sender = (me - j) % count
+            for idx in sorted(held[sender] - held[me]):
+                expect.setdefault(idx, sender)
+        mine = {i: a for (nm, i), a in got.items() if nm == name}
+        assert set(mine) == set(expect), (name, sorted(mine), sorted(expect))
+        for idx, sender in expect.items():
+            assert origins[(name, idx)] == sender, (name, idx, origins[(name, idx)], sender)
+            want = value[tuple(slice(a, b) for a, b in idx)]
+            assert mine[idx].dtype == want.dtype, (name, mine[idx].dtype, want.dtype)
+            np.testing.assert_array_equal(mine[idx], want)
+        counts[name] = len(mine)
+    return moving, counts
+
+
+moving, counts = check(values)
+# Again with other values, into the first transfer's buffers (donated: no allocation)
+first = [b for bufs in moving._buffers.values() for b in bufs]
+assert first
+flipped = {k: (np.ascontiguousarray(v[::-1]), s) for k, (v, s) in values.items()}
+_, again = check(flipped, reuse=moving)
+assert again == counts, (again, counts)
+assert all(b.is_deleted() for b in first), "the reused buffers were not donated"
+print("OK", json.dumps({"received": counts, "as_rows": ["sub"]}), flush=True)
