@@ -9,7 +9,8 @@ its own part). Measures, per process (median over --repeats; the slowest process
     CheckpointManager to a second directory and to S3 (moto server on 127.0.0.1);
   * restore time from local copies, from peer copies (process 1's local directory deleted),
     and from the remote directory and S3;
-  * the overhead per training step of ``local_interval_steps=1`` on a small model.
+  * the overhead per training step of ``local_interval_steps=1`` on the example model (the
+    Flax MLP + Optax AdamW of examples/train_flax.py, as in examples/resilient_training.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
     import time
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -135,31 +135,37 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
         mgr = jaxckpt.CheckpointManager(where)
         timed_restore(f"restore: remote ({name})", lambda m=mgr: m.restore(target=state), repeats)
 
-    # overhead per step of local_interval_steps=1 on a small model (~8 MiB of parameters)
-    small = {"w": jax.device_put(np.zeros((2048, 1024), np.float32), sh)}
-    x = jax.device_put(np.ones((64, 2048), np.float32), NamedSharding(mesh, P()))
+    # overhead per step of local_interval_steps=1 on the example model: the Flax MLP with
+    # Optax AdamW of examples/train_flax.py (as in examples/resilient_training.py)
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from jax.sharding import AxisType
+    from train_flax import batch, create_state, train_step
 
-    @jax.jit
-    def step_fn(s):
-        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(s["w"])
-        return {"w": s["w"] - 1e-3 * g}
-
+    mesh2 = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    batches = [batch(i, mesh2) for i in range(20)]
     em2 = jaxckpt.EmergencyCheckpointManager(
         os.path.join(root, f"small{pid}"), os.path.join(root, "small_remote"), opts
     )
-    for rep, with_save in enumerate((False, True, False, True)):
-        s = step_fn(small)
+    per_step: dict[bool, list[float]] = {False: [], True: []}
+    for rep, with_save in enumerate((False, True) * (repeats + 1)):
+        s, _ = train_step(create_state(mesh2), *batches[0])
+        if with_save:
+            em2.save(10**6 * (rep + 1), s)  # compiles the exchange before timing
+            em2.wait_until_finished()
         jax.block_until_ready(s)
         barrier(f"steps{rep}")
         t = time.perf_counter()
         for i in range(20):
-            s = step_fn(s)
+            s, loss = train_step(s, *batches[i])
             if with_save:
-                em2.save(10_000 + i + 100 * len(out), s)
+                em2.save(10**6 * (rep + 1) + i + 1, s)
         jax.block_until_ready(s)
         em2.wait_until_finished()
-        out[f"step {'with' if with_save else 'without'} save"] = (time.perf_counter() - t) / 20
+        if rep >= 2:  # the first pair warms up
+            per_step[with_save].append((time.perf_counter() - t) / 20)
     em2.close()
+    out["step without save"] = float(np.median(per_step[False]))
+    out["step with save"] = float(np.median(per_step[True]))
     out["overhead per step, local_interval_steps=1"] = (
         out["step with save"] - out["step without save"]
     )

@@ -2,8 +2,8 @@
 
     python examples/resilient_training.py --processes 2 --dir /tmp/resilient --steps 30
 
-1. N processes of one jax.distributed job (8/N CPU devices each) train a small sharded
-   regression; local saves every 4 steps (replication=1: each process's shards also live
+1. N processes of one jax.distributed job (8/N CPU devices each) train the Flax MLP with
+   Optax AdamW of examples/train_flax.py on a (4, 2) mesh; local saves every 4 steps (replication=1: each process's shards also live
    on the next process's disk), remote saves every 10 steps.
 2. At step --kill-at the last process SIGKILLs itself (a host failure); the launcher then
    stops the others, as a cluster scheduler would.
@@ -30,35 +30,31 @@ ROOT = os.path.dirname(HERE)
 LOCAL_EVERY, REMOTE_EVERY = 4, 10
 
 
+def checksum(state) -> str:
+    """A global checksum of the parameters and optimizer state (every process gets it)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if x.ndim]
+    total = jax.jit(lambda xs: sum(jnp.sum(x.astype(jnp.float32) * 1.0001**i) for i, x in
+                                   enumerate(xs)))(leaves)  # fmt: skip
+    return f"{float(total):.6f}"
+
+
 def worker(directory: str, steps: int, kill_at: int) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, HERE)
     import multiproc
 
     multiproc.init()
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType
+    from train_flax import batch, create_state, train_step  # the Flax MLP + Optax AdamW
 
     import jaxckpt
 
     pid, count = jax.process_index(), jax.process_count()
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
-    rng = np.random.default_rng(0)
-    x = jax.device_put(rng.normal(size=(256, 64)).astype(np.float32), NamedSharding(mesh, P()))
-    y = jax.device_put(rng.normal(size=(256, 32)).astype(np.float32), NamedSharding(mesh, P()))
-    w_sharding = NamedSharding(mesh, P("data", "model"))
-
-    @jax.jit
-    def train_step(state):
-        def loss_fn(w):
-            return jnp.mean((x @ w + state["b"] - y) ** 2)
-
-        loss, g = jax.value_and_grad(loss_fn)(state["w"])
-        new = dict(state, w=state["w"] - 0.05 * g, b=state["b"] * 0.99)
-        return new, loss
-
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=LOCAL_EVERY,
         remote_interval_steps=REMOTE_EVERY,
@@ -69,11 +65,7 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
     with jaxckpt.EmergencyCheckpointManager(
         local_dir, os.path.join(directory, "remote"), opts
     ) as mgr:
-        state = {
-            "w": jax.device_put(np.zeros((64, 32), np.float32), w_sharding),
-            "b": jax.device_put(np.ones(32, np.float32), NamedSharding(mesh, P("model"))),
-            "key": jax.jit(lambda: jax.random.key(0), out_shardings=NamedSharding(mesh, P()))(),
-        }
+        state = create_state(mesh)  # also the restore target: shapes and shardings
         start = 0
         if True:  # every process calls restore (a collective), even with an empty disk
             try:
@@ -83,7 +75,7 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
                 print(
                     f"[p{pid}] resumed from the {rep.tier} tier at step {rep.step}; "
                     f"{len(rep.from_peers)} slices from peers; rejected: {list(rep.rejected)}; "
-                    f"checksum {float(jnp.sum(state['w'])):.6f}",
+                    f"checksum {checksum(state)}",
                     flush=True,
                 )
             except jaxckpt.errors.CheckpointNotFoundError:
@@ -92,12 +84,11 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
             if step == kill_at and pid == count - 1:
                 print(f"[p{pid}] host failure at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            state, loss = train_step(state)
-            state["key"] = jax.random.split(state["key"])[0]
+            state, loss = train_step(state, *batch(step - 1, mesh))  # state.step becomes step
             if mgr.save(step, state) and step % LOCAL_EVERY == 0:
                 print(
                     f"[p{pid}] step {step} loss {float(loss):.5f} saved, checksum "
-                    f"{float(jnp.sum(state['w'])):.6f}; local save blocked "
+                    f"{checksum(state)}; local save blocked "
                     f"{mgr.timings['local_blocking_s'] * 1e3:.1f} ms",
                     flush=True,
                 )

@@ -120,7 +120,7 @@ def needed_slices(w: _Want, required: list[Index]) -> list[Index]:
         normalize_index(i, shape)
         for i in w.sharding.addressable_devices_indices_map(shape).values()
     }
-    return [s for s in required if any(intersect(s, t) for t in targets)]
+    return [s for s in required if any(intersect(s, t) is not None for t in targets)]
 
 
 def fill(index: Index, required: list[Index], data: dict, name: str, dtype) -> np.ndarray:

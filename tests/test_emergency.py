@@ -31,6 +31,7 @@ def make_state(mesh, step):
         ),
         "b": sharded(np.arange(32, dtype=np.float32) * step, mesh, ("model",)),
         "h": sharded(np.ones((8, 4), jax.numpy.bfloat16) * step, mesh, (None, "model")),
+        "count": sharded(np.asarray(step, np.int32), mesh, ()),  # 0-d, like TrainState.step
         "n": np.arange(3) + step,
         "key": jax.random.key(step),
         "step": step,
@@ -82,7 +83,7 @@ def test_local_step_format_and_exact_restore(tmp_path, mesh42):
     assert set(doc["held"]["w"]) == set(doc["slices"]["w"])  # every distinct shard, once
     assert doc["held"]["b"] == {"0:16": 0, "16:32": 0}
     kinds = {leaf["name"]: leaf["kind"] for leaf in doc["leaves"]}
-    assert kinds == {"w": "array", "b": "array", "h": "array", "n": "numpy", "key": "prng_key",
+    assert kinds == {"w": "array", "b": "array", "h": "array", "count": "array", "n": "numpy", "key": "prng_key",
                      "step": "python", "none": "python"}  # fmt: skip
 
 

@@ -29,13 +29,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxckpt  # noqa: E402
 from jaxckpt import arrays  # noqa: E402
 
-SPECS = {"w": P("data", "model"), "b": P("model")}
+SPECS = {"w": P("data", "model"), "b": P("model"), "c": P()}  # c: 0-d
 
 
 def expected(step: int) -> dict:
     return {
         "w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step,
         "b": np.arange(32, dtype=np.float32) * step,
+        "c": np.asarray(3 * step, np.int32),
         "n": np.arange(5, dtype=np.int64) - step,
         "step": step,
     }
