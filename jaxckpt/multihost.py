@@ -112,14 +112,17 @@ def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
         return
     client = _client()
     try:
-        if _PROTOCOL_TIMING:  # instrumentation only: arrival times, not counted as protocol
-            client.key_value_set(f"{name}/arrived/{process_index()}", repr(time.time()))
+        arrived = time.time()
         with _timed("barrier"):
             client.wait_at_barrier(name, int(timeout_s * 1000))
-        if _PROTOCOL_TIMING:
+        if _PROTOCOL_TIMING:  # instrumentation only, after the barrier: off the clock
             released = time.time()
-            arrivals = client.key_value_dir_get(f"{name}/arrived/")
-            STATS["protocol_s"] += max(0.0, released - max(float(v) for _, v in arrivals))
+            client.key_value_set(f"{name}/arrived/{process_index()}", repr(arrived))
+            last = max(
+                float(client.blocking_key_value_get(f"{name}/arrived/{p}", 60_000))
+                for p in range(process_count())
+            )
+            STATS["protocol_s"] += max(0.0, released - last)
     except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
         missing = _missing(e)
         who = (
