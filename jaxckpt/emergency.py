@@ -12,19 +12,14 @@ Remote tier (every ``remote_interval_steps``): a normal checkpoint through an in
 
 Restore: processes publish what they hold through the ``jax.distributed`` key-value store and
 take the newest step whose every slice is held by somebody, unless the remote tier has a newer
-one. Each process reads (and CRC-checks) the held slices anybody needs; a failed copy counts
-as missing and the step is re-planned without it. Slices a process needs and lacks are sent
-to it alone by the lowest verified holder: one ``ppermute`` of packed rows per shift
-``(receiver - sender) % count`` the plan uses, each sender packing only its receiver's slices.
-Slices are placed by global index, never by device id, so renumbered processes or a
-different process count work when the copies cover every slice.
+one; they assemble it from their local copies (see :mod:`jaxckpt.local_restore`), or try the
+next older step when it proves unusable, and fall back to the remote tier.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import math
 import os
@@ -36,26 +31,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from . import local, multihost
+from . import local, local_restore, multihost
 from . import tree as tree_lib
-from .checkpoint import _want_saved, _want_target
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError
-from .peers import PeerCopies, exchange_rows, send_rows, send_shards
-from .recovery import (
-    SavedMeshes,
-    StepUnusable,
-    assemble,
-    needed_slices,
-    plan_sends,
-    read_held,
-    sent_by,
-    shift_rounds,
-    uncovered,
-    verified,
-)
+from .peers import PeerCopies, exchange_rows, send_shards
+from .recovery import RecoveryReport, StepUnusable, uncovered
 from .sharding import Index, normalize_index
 from .staging import describe
 from .storage import location
@@ -64,7 +47,6 @@ from .writer import Writer
 log = logging.getLogger("jaxckpt")
 
 _seq = itertools.count()  # names of key-value exchanges (main thread only)
-_EMPTY = np.zeros(0, np.uint8)
 
 
 @dataclass(frozen=True)
@@ -114,27 +96,6 @@ class EmergencyOptions:
         if unknown:
             raise OptionsError(f"{os.fspath(path)}: unknown option(s) {unknown}")
         return cls(**{**doc, **overrides})
-
-
-@dataclass(frozen=True)
-class RecoveryReport:
-    """What the last ``restore`` used (this process's view; tier and step agree everywhere).
-
-    from_peers: (leaf, index, holder, writer) for each slice this process used that it did not
-        read from a copy it wrote itself: ``holder`` is the process that read it from its
-        local directory (this one, for a peer copy on its own disk), ``writer`` the process
-        that held it at save time.
-    rejected: (step, why) for each newer step that was not used.
-    bad_copies: (process, leaf, index, why) for local copies that failed to read / verify.
-    """
-
-    tier: str
-    step: int
-    process_count: int
-    saved_process_count: int | None = None
-    from_peers: tuple[tuple[str, str, int, int], ...] = ()
-    rejected: tuple[tuple[int, str], ...] = ()
-    bad_copies: tuple[tuple[int, str, str, str], ...] = ()
 
 
 class EmergencyCheckpointManager:
@@ -383,26 +344,9 @@ class EmergencyCheckpointManager:
         self._pack_buffer = self._received = None
         timeout = self.options.timeout_s
         tag = self._tag("restore")
-        mine = {
-            s: ls
-            for s in local.committed_steps(self.local_directory)
-            if (ls := local.read_step(self.local_directory, s)) is not None
-        }
-        published = {
-            "remote": self._remote.all_steps(),
-            "steps": {
-                str(s): {
-                    "digest": ls.digest,
-                    "need": {n: len(keys) for n, keys in ls.doc["slices"].items()},
-                    "held": {n: sorted(h) for n, h in ls.held().items()},
-                }
-                for s, ls in mine.items()
-            },
-        }
-        views = [
-            json.loads(v)
-            for v in multihost.all_gather(f"{tag}/held", json.dumps(published), timeout)
-        ]
+        mine, views = local_restore.publish_holdings(
+            self.local_directory, self._remote.all_steps(), tag=tag, timeout_s=timeout
+        )
         remote_steps = views[0]["remote"]
         newest_remote = max(remote_steps, default=None)
         steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
@@ -419,11 +363,32 @@ class EmergencyCheckpointManager:
                 rejected.append((s, why))
                 continue
             try:
-                return self._restore_local(
-                    tag, s, views, mine.get(s), target, mesh, rejected, bad_all
+                got = local_restore.restore_step(
+                    self.local_directory,
+                    s,
+                    views,
+                    mine.get(s),
+                    target,
+                    mesh,
+                    tag=tag,
+                    timeout_s=timeout,
+                    timings=self.timings,
+                    bad_copies=bad_all,
                 )
             except StepUnusable as e:
                 rejected.append((s, str(e)))
+                continue
+            self.last_report = RecoveryReport(
+                "local",
+                s,
+                multihost.process_count(),
+                got.saved_process_count,
+                from_peers=got.from_peers,
+                rejected=tuple(rejected),
+                bad_copies=tuple(bad_all),
+            )
+            log.info("jaxckpt: restored %s", self.last_report)
+            return got.state
         chosen = step if step is not None else newest_remote
         if chosen is None or chosen not in remote_steps:
             raise CheckpointNotFoundError(
@@ -442,178 +407,6 @@ class EmergencyCheckpointManager:
         )
         log.info("jaxckpt: restored %s", self.last_report)
         return out
-
-    def _rows_to_read_into(self, first, my_needs, mine, by_name) -> dict:
-        """{receiver: packed row, its slices' views} for the receivers that this process,
-        under the first plan, sends only slices it sends to nobody else and does not need:
-        those are read straight into the row, which then moves without another copy.
-        """
-        pid = multihost.process_index()
-        mine_first = {r: keys for (a, r), keys in first.items() if a == pid}
-        times: dict[tuple[str, str], int] = {}
-        for keys in mine_first.values():
-            for key in keys:
-                times[key] = times.get(key, 0) + 1
-        rows = {}
-        for r, keys in sorted(mine_first.items()):
-            parsed = sorted((n, local.parse_index(k)) for n, k in keys)
-            if mine is None or any(times[k] > 1 for k in keys) or my_needs.intersection(parsed):
-                continue
-            held = mine.held()
-            rows[r] = local.pack_layout(
-                {
-                    (n, i): (
-                        local.stored_dtype(by_name[n]),
-                        tuple(b - a for a, b in i),
-                        held[n][local.index_key(i)],
-                    )
-                    for n, i in parsed
-                }
-            )
-        return rows
-
-    def _move(self, tag, sends, data, origins_mine, my_needs, first, rows) -> dict:
-        """Sends each receiver only the slices the plan gives it, one ``ppermute`` round per
-        shift ``(receiver - sender) % count`` in use (the same rounds on every process), so a
-        process holds at most the row it sends and the row it receives of one round (and the
-        slices it read to send). ``rows``: rows already read into, used when the plan for
-        their receiver is still the first one. Received slices go into ``data``; returns
-        {slice: (holder, writer)} for them.
-        """
-        pid, count = multihost.process_index(), multihost.process_count()
-        rounds = shift_rounds(sends, count)
-        # slices read only to send: dropped after the last round that sends them
-        last: dict[tuple[str, Index], int] = {}
-        for r, (j, _) in enumerate(rounds):
-            for n, k in sends.get((pid, (pid + j) % count), ()):
-                last[(n, local.parse_index(k))] = r
-        used_from: dict[tuple[str, Index], tuple[int, int]] = {}
-        for r, (j, pairs) in enumerate(rounds):
-            dst = (pid + j) % count
-            keys = sorted((n, local.parse_index(k)) for n, k in sends.get((pid, dst), ()))
-            if keys and dst in rows and sends[(pid, dst)] == first.get((pid, dst)):
-                row = rows.pop(dst)[0]  # read into already
-            else:
-                out = {key: data[key] for key in keys}
-                row = local.pack(out, {key: origins_mine[key] for key in out}) if out else _EMPTY
-                del out
-            got = send_rows(row, pairs, name=f"{tag}/move{j}", timeout_s=self.options.timeout_s)
-            del row
-            for key, at in last.items():
-                if at == r and key not in my_needs:
-                    del data[key]
-            if got is None:
-                continue
-            sender = (pid - j) % count
-            got_slices, got_origins = local.unpack(got)
-            for key, value in got_slices.items():
-                if key in my_needs:
-                    data[key] = value
-                    used_from[key] = (sender, got_origins[key])
-        rows.clear()  # rows of a plan that a failed copy changed
-        return used_from
-
-    def _restore_local(self, tag, s, views, mine, target, mesh, rejected, bad_all) -> Any:
-        timeout = self.options.timeout_s
-        pid = multihost.process_index()
-        tag = f"{tag}/{s}"
-        t0 = time.perf_counter()
-        holders = [p for p, v in enumerate(views) if str(s) in v["steps"]]
-        elected = holders[0]
-        docs = multihost.all_gather(
-            f"{tag}/doc", json.dumps(mine.doc) if pid == elected else "", timeout
-        )
-        doc = json.loads(docs[elected])
-        records = [LeafRecord(**r) for r in doc["leaves"]]
-        by_name = {r.name: r for r in records}
-        meshes = SavedMeshes(doc["meshes"])
-        if target is None:
-            wants = [_want_saved(r, meshes, mesh) for r in records]
-        else:
-            flat = tree_lib.flatten(target)
-            wants = [_want_target(p, t, by_name, self.local_directory) for p, t in flat]
-        required = {n: [local.parse_index(k) for k in keys] for n, keys in doc["slices"].items()}
-        needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
-        needs = {n: [local.index_key(i) for i in idx] for n, idx in needs.items() if idx}
-        all_needs = [
-            json.loads(v) for v in multihost.all_gather(f"{tag}/needs", json.dumps(needs), timeout)
-        ]
-        # Each process reads (and CRC-checks) the held slices it needs and those it sends; the
-        # lowest process with a verified copy sends each slice somebody lacks. A copy failing
-        # re-plans, and a new sender reads in another round. Every process computes the same
-        # plan from the same published facts, so all run the same number of rounds.
-        read_by = [
-            {(n, k) for n, keys in need.items() for k in keys if verified(views[p], s, n, k)}
-            for p, need in enumerate(all_needs)
-        ]
-        # The plan with no failed copies (the usual case) is known now: senders read what
-        # they send in the same round as what they need.
-        first = plan_sends(s, views, holders, all_needs, set(), [])
-        for p in range(len(views)):
-            read_by[p] |= sent_by(first, p)
-        to_read = set(read_by[pid])
-        my_needs = {(n, local.parse_index(k)) for n, keys in needs.items() for k in keys}
-        rows = self._rows_to_read_into(first, my_needs, mine, by_name)
-        into = {key: v for _, views in rows.values() for key, v in views.items()}
-        data: local.Slices = {}
-        bad_set: set[tuple[int, str, str]] = set()
-        self.timings["restore_plan_s"] = time.perf_counter() - t0
-        for round_ in range(len(views) + 2):
-            got, bad = ({}, []) if mine is None or not to_read else read_held(mine, to_read, into)
-            data.update(got)
-            gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(bad), timeout)
-            for p, text in enumerate(gathered):
-                for name, key, why in json.loads(text):
-                    bad_set.add((p, name, key))
-                    bad_all.append((p, name, key, why))
-            sends = plan_sends(s, views, holders, all_needs, bad_set, bad_all)
-            unread = [sent_by(sends, p) - read_by[p] for p in range(len(views))]
-            if not any(unread):
-                break
-            to_read = unread[pid]
-            for p, more in enumerate(unread):
-                read_by[p] |= more
-        else:
-            raise StepUnusable("copies kept failing verification")
-        self.timings["restore_read_s"] = time.perf_counter() - t0
-        origins_mine = {
-            (name, local.parse_index(k)): w
-            for name, h in (mine.held() if mine else {}).items()
-            for k, w in h.items()
-        }
-        del into
-        sending = {(n, local.parse_index(k)) for n, k in sent_by(sends, pid)}
-        for key in [k for k in data if k not in my_needs and k not in sending]:
-            del data[key]  # read for a plan that a failed copy changed
-        used_from = self._move(tag, sends, data, origins_mine, my_needs, first, rows)
-        own_pid = mine.doc["process_index"] if mine else None
-        for name, keys in needs.items():
-            for k in keys:
-                key = (name, local.parse_index(k))
-                if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
-                    used_from[key] = (pid, origins_mine[key])
-        self.timings["restore_move_s"] = time.perf_counter() - t0
-        values = [assemble(w, required.get(w.record.name, []), data) for w in wants]
-        if target is None:
-            result = tree_lib.unflatten_paths(
-                [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
-            )
-        else:
-            result = tree_lib.unflatten_like(target, values)
-        self.timings["restore_place_s"] = time.perf_counter() - t0
-        self.last_report = RecoveryReport(
-            "local",
-            s,
-            multihost.process_count(),
-            doc.get("process_count"),
-            from_peers=tuple(
-                sorted((n, local.index_key(i), h, w) for (n, i), (h, w) in used_from.items())
-            ),
-            rejected=tuple(rejected),
-            bad_copies=tuple(bad_all),
-        )
-        log.info("jaxckpt: restored %s", self.last_report)
-        return result
 
     # --- lifetime ------------------------------------------------------------------------
 

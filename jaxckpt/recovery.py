@@ -25,6 +25,28 @@ class StepUnusable(Exception):
 
 
 @dataclass(frozen=True)
+class RecoveryReport:
+    """What the last :meth:`EmergencyCheckpointManager.restore` used (this process's view;
+    tier and step agree everywhere).
+
+    from_peers: (leaf, index, holder, writer) for each slice this process used that it did not
+        read from a copy it wrote itself: ``holder`` is the process that read it from its
+        local directory (this one, for a peer copy on its own disk), ``writer`` the process
+        that held it at save time.
+    rejected: (step, why) for each newer step that was not used.
+    bad_copies: (process, leaf, index, why) for local copies that failed to read / verify.
+    """
+
+    tier: str
+    step: int
+    process_count: int
+    saved_process_count: int | None = None
+    from_peers: tuple[tuple[str, str, int, int], ...] = ()
+    rejected: tuple[tuple[int, str], ...] = ()
+    bad_copies: tuple[tuple[int, str, str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class SavedMeshes:
     meshes: list[dict]
 
