@@ -13,7 +13,6 @@ import difflib
 import json
 import math
 import os
-import socket
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -93,7 +92,7 @@ def save(
         _summary(loc, leaves),
         timeout_s,
         what=loc.url,
-        extra=f"{socket.gethostname()} {uuid.uuid4().hex[:12]}",
+        extra=f"{multihost.host_name()} {uuid.uuid4().hex[:12]}",
     )
     hosts = [e.rsplit(" ", 1)[0] for e in extras]
     save_id = extras[0].rsplit(" ", 1)[1]

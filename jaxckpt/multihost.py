@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,6 +68,12 @@ def process_index() -> int:
 
 def process_count() -> int:
     return jax.process_count()
+
+
+def host_name() -> str:
+    """This process's machine: ``$JAXCKPT_HOST`` if set (containers whose hostnames do not
+    identify the machine), else the hostname."""
+    return os.environ.get("JAXCKPT_HOST") or socket.gethostname()
 
 
 def _client():

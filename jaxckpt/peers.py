@@ -28,6 +28,24 @@ from .sharding import Index, normalize_index
 Slices = dict[tuple[str, Index], np.ndarray]
 
 
+def peer_shifts(hosts: list[str], k: int) -> tuple[tuple[int, ...], list[int]]:
+    """The ``k`` shifts ``j`` (process ``p`` copies to ``(p + j) % count``) for peer copies,
+    given each process's host: the shifts that put the fewest copies on their own host (none,
+    when processes are spread evenly), smallest first. Returns (shifts, processes whose copies share their
+    host under them) — all processes on one host leave no choice.
+    """
+    count = len(hosts)
+    if count < 2 or k < 1:
+        return (), []
+
+    def shared(j: int) -> int:
+        return sum(hosts[(p + j) % count] == hosts[p] for p in range(count))
+
+    shifts = tuple(sorted(range(1, count), key=lambda j: (shared(j), j))[:k])
+    same = sorted({p for j in shifts for p in range(count) if hosts[(p + j) % count] == hosts[p]})
+    return shifts, same
+
+
 @dataclass(frozen=True)
 class _Route:
     """Where one array's owned shards go, for an array laid out on ``devices``."""

@@ -6,7 +6,20 @@ import os
 import multiproc
 import pytest
 
+from jaxckpt import peers
+
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "peers_send.py")
+
+
+def test_peer_shifts_put_copies_on_other_hosts():
+    # two processes per host, numbered host by host: shift 1 would keep p0's copy on host a
+    assert peers.peer_shifts(["a", "a", "b", "b"], 1) == ((2,), [])
+    assert peers.peer_shifts(["a", "b", "a", "b"], 1) == ((1,), [])
+    assert peers.peer_shifts(["a", "a", "b", "b", "c", "c"], 2) == ((2, 3), [])
+    # more copies than other hosts allow: the rest go where they must, and say so
+    assert peers.peer_shifts(["a", "a", "b", "b"], 3) == ((2, 1, 3), [0, 1, 2, 3])
+    assert peers.peer_shifts(["h"] * 3, 1) == ((1,), [0, 1, 2])  # one machine: no choice
+    assert peers.peer_shifts(["a"], 1) == ((), [])
 
 
 def received(n: int, shifts: str) -> list[dict]:

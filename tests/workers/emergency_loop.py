@@ -8,7 +8,8 @@ Each process's local directory is ROOT/host<h> with h = JAXCKPT_TEST_HOSTS[proce
 (a JSON list; default: h = process id), the remote one ROOT/remote. Env: JAXCKPT_TEST_LOCAL,
 JAXCKPT_TEST_REMOTE (intervals), JAXCKPT_TEST_REPL (replication), JAXCKPT_TEST_KILL_PID and
 JAXCKPT_TEST_KILL_STEP (that process SIGKILLs itself after writing that local step's arrays,
-before its commit). Prints ``REPORT <json>`` after a restore.
+before its commit), JAXCKPT_TEST_MACHINES (a JSON list: the machine each process id runs
+on, as JAXCKPT_HOST). Prints ``REPORT <json>`` after a restore.
 """
 
 import dataclasses
@@ -83,6 +84,9 @@ def main(mode: str, root: str, rest: list[str]) -> None:
     pid = jax.process_index()
     hosts = json.loads(os.environ.get("JAXCKPT_TEST_HOSTS", "null")) or list(range(64))
     env = os.environ.get
+    machines = json.loads(env("JAXCKPT_TEST_MACHINES", "null"))
+    if machines:  # which simulated machine each process runs on (peer copies avoid their own)
+        os.environ["JAXCKPT_HOST"] = machines[pid]
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=int(env("JAXCKPT_TEST_LOCAL", 1)),
         remote_interval_steps=int(env("JAXCKPT_TEST_REMOTE", 100)),
