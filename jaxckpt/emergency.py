@@ -2,8 +2,10 @@
 
 Local tier (every ``local_interval_steps``): each process writes every distinct shard it
 holds to its own ``local_directory`` (see :mod:`jaxckpt.local`); with ``replication=k`` it
-also sends them to processes ``p+1 .. p+k`` (mod the process count) through a JAX
-collective (``ppermute``, device to device, see :mod:`jaxckpt.peers`), which store them too.
+also sends them to k other processes ``p + j`` (mod the process count; shifts ``j`` chosen
+once so that copies leave their host, ``peers.peer_shifts``; written in ``local.json``)
+through a JAX collective (``ppermute``, device to device, see :mod:`jaxckpt.peers`), which
+store them too.
 ``save`` only starts the transfer; the writer thread waits for it. No cross-host filesystem
 traffic, no barrier: each process commits its own copy.
 
@@ -37,7 +39,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError
-from .peers import PeerCopies, exchange_rows, send_shards
+from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
 from .recovery import RecoveryReport, StepUnusable, uncovered
 from .sharding import Index, normalize_index
 from .staging import describe
@@ -56,7 +58,8 @@ class EmergencyOptions:
     local_interval_steps / remote_interval_steps: save to that tier when ``step`` is a
         multiple (``force=True`` saves both tiers).
     local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
-    replication: how many other processes keep a copy of each process's local shards.
+    replication: how many other processes (on other hosts where the layout allows) keep a
+        copy of each process's local shards.
     async_save: ``save`` returns after the device->host copy, with the peer copies in flight.
     timeout_s: bound on every cross-process wait. compression: remote tier only.
     """
@@ -143,6 +146,7 @@ class EmergencyCheckpointManager:
         self._host: dict[tuple, np.ndarray] = {}
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
+        self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
         self._received: PeerCopies | None = None  # the last peer copies: their CPU buffers
         # receive the next ones
         self._closed = False
@@ -208,22 +212,23 @@ class EmergencyCheckpointManager:
         slices, required, on_devices = self._stage(state, records)
         pid, count = multihost.process_index(), multihost.process_count()
         origins = dict.fromkeys(slices, pid)
-        k = min(self.options.replication, count - 1)
+        shifts, hosts = self._peer_shifts()
         extra = {
             "process_index": pid,
             "process_count": count,
-            "replication": k,
-            "sends_to": [(pid + j) % count for j in range(1, k + 1)],
-            "receives_from": [(pid - j) % count for j in range(1, k + 1)],
+            "replication": len(shifts),
+            "hosts": hosts,
+            "sends_to": [(pid + j) % count for j in shifts],
+            "receives_from": [(pid - j) % count for j in shifts],
             "slices": required,
         }
         peers = None
-        if k:
+        if shifts:
             t = time.perf_counter()
-            peers, as_rows = send_shards(on_devices, tuple(range(1, k + 1)), reuse=self._received)
+            peers, as_rows = send_shards(on_devices, shifts, reuse=self._received)
             self._received = peers
             if as_rows:  # the same leaves on every process
-                self._exchange_rows(set(as_rows), slices, origins, k)
+                self._exchange_rows(set(as_rows), slices, origins, shifts)
             self.timings["peer_exchange_s"] = time.perf_counter() - t
         job = (step, records, staged.meshes, slices, origins, extra, peers)
         what = f"saving local step {step} to {self.local_directory.url}"
@@ -232,7 +237,29 @@ class EmergencyCheckpointManager:
         else:
             self._writer.run_now(what, self._write, *job)
 
-    def _exchange_rows(self, names: set[str], slices, origins, k: int) -> None:
+    def _peer_shifts(self) -> tuple[tuple[int, ...], list[str]]:
+        """Where the peer copies go (see ``peers.peer_shifts``) and every process's host;
+        agreed once, at the first save with ``replication``."""
+        if self._shifts is None:
+            count = multihost.process_count()
+            k = min(self.options.replication, count - 1)
+            hosts = [multihost.host_name()] * count
+            if k:
+                tag = self._tag("hosts")
+                hosts = multihost.all_gather(tag, hosts[0], self.options.timeout_s)
+            shifts, same = peer_shifts(hosts, k)
+            if same and len(set(hosts)) > 1:
+                log.warning(
+                    "jaxckpt: with replication=%d, the peer copies of processes %s stay on "
+                    "their own host (hosts: %s); losing that host loses them",
+                    k,
+                    same,
+                    hosts,
+                )
+            self._shifts = (shifts, hosts)
+        return self._shifts
+
+    def _exchange_rows(self, names: set[str], slices, origins, shifts) -> None:
         """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
         per process, exchanged and unpacked here (blocking)."""
         pid = multihost.process_index()
@@ -241,7 +268,7 @@ class EmergencyCheckpointManager:
         if self._pack_buffer is None or row.size > self._pack_buffer.size:
             self._pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
         rows = exchange_rows(
-            row, shifts=range(1, k + 1), name=self._tag("peers"), timeout_s=self.options.timeout_s
+            row, shifts=shifts, name=self._tag("peers"), timeout_s=self.options.timeout_s
         )
         for got in rows:
             peer_slices, peer_origins = local.unpack(got)

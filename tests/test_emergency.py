@@ -264,6 +264,24 @@ def test_replaced_host_with_permuted_process_ids(tmp_path):
     assert any(p[0] == "w" and p[3] == 2 for r in reps for p in r["from_peers"])
 
 
+def test_losing_a_whole_machine_restores_from_copies_on_the_other(tmp_path):
+    # 4 processes on 2 simulated machines, numbered machine by machine: the peer copies must
+    # cross machines (shift 2), or losing machine m1 would lose processes 2 and 3 for good
+    env = {"JAXCKPT_TEST_MACHINES": json.dumps(["m0", "m0", "m1", "m1"])}
+    run(4, "save", tmp_path, 3, env=env)
+    doc = json.loads((tmp_path / "host0" / "00000003" / "local.json").read_text())
+    assert doc["sends_to"] == [2] and doc["receives_from"] == [2], doc["sends_to"]
+    assert doc["hosts"] == ["m0", "m0", "m1", "m1"]
+    for h in ("host2", "host3"):
+        shutil.rmtree(tmp_path / h)
+    reps = reports(run(4, "restore", tmp_path, "local", 3, env=env))
+    assert reps[0]["from_peers"] == [] and reps[1]["from_peers"] == []
+    assert reps[2]["from_peers"] and reps[3]["from_peers"]
+    used = [(h, w) for r in reps[2:] for _, _, h, w in r["from_peers"]]
+    assert {h for h, _ in used} <= {0, 1}  # read from machine m0's disks
+    assert {2, 3} <= {w for _, w in used}  # including the shards m1's processes wrote
+
+
 @pytest.mark.slow
 def test_all_local_directories_wiped_uses_newest_remote_step(tmp_path):
     run(2, "save", tmp_path, 5, env={"JAXCKPT_TEST_REMOTE": "2"})
