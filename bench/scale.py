@@ -102,20 +102,23 @@ def run_table(kib: int, procs: list[int], repeats: int) -> list[dict]:
             if ln.startswith("RESULT")
         ]
         row = per[0]  # rank 0 is process 0
+        # per process: best of repeats, like the save and restore columns (scheduling noise
+        # on a shared 2-core machine only adds); then the mean over processes
+        best = [min(p["protocol"]) for p in per]
         medians = [_median(p["protocol"]) for p in per]
-        row["proto"] = sum(medians) / len(medians)  # mean over processes
-        row["proto_worst"] = max(medians)
+        row["proto"] = sum(best) / len(best)
+        row["proto_median"] = sum(medians) / len(medians)
         rows.append(row)
     print(
         f"{'procs':>5} {'KiB/proc':>8} {'save s':>8} {'restore s':>9} {'wait ms':>8} "
-        f"{'wait %':>6} {'protocol ms':>11} {'protocol %':>10} {'worst ms':>8} {'calls':>5}"
+        f"{'wait %':>6} {'protocol ms':>11} {'protocol %':>10} {'median ms':>9} {'calls':>5}"
     )
     for r in rows:
         save, wait, rest = min(r["save"]), _median(r["coord"]), min(r["restore"])
         print(
             f"{r['n']:>5} {kib:>8} {save:>8.3f} {rest:>9.3f} {wait * 1e3:>8.2f} "
             f"{100 * wait / save:>6.2f} {r['proto'] * 1e3:>11.2f} "
-            f"{100 * r['proto'] / save:>10.2f} {r['proto_worst'] * 1e3:>8.2f} {r['calls']:>5}"
+            f"{100 * r['proto'] / save:>10.2f} {r['proto_median'] * 1e3:>9.2f} {r['calls']:>5}"
         )
     return rows
 
@@ -124,11 +127,12 @@ def growth_line(rows: list[dict], label: str) -> None:
     multi = [r for r in rows if r["n"] > 1]
     for first, last in zip(multi, multi[1:], strict=False):
         growth = last["proto"] / max(first["proto"], 1e-9)
+        typical = last["proto_median"] / max(first["proto_median"], 1e-9)
         allowed = last["n"] / first["n"]
         print(
             f"{'PASS' if growth <= allowed else 'FAIL'} protocol time ({label}) grows "
             f"{growth:.2f}x from {first['n']} to {last['n']} processes (target: at most "
-            f"linear, {allowed:.1f}x)"
+            f"linear, {allowed:.1f}x; with medians instead of best: {typical:.2f}x)"
         )
 
 
@@ -154,9 +158,9 @@ def main() -> None:
         "save/restore: best of repeats (process 0). wait: median time per save process 0 spent "
         "in coordination calls, including waiting for slower writers and for process 0's own "
         "merge/commit. protocol: the coordination's own latency per save (barrier release minus "
-        "the last arrival, plus key-value calls), median over repeats, mean over processes "
-        "(worst ms: the slowest process's median). calls: coordination calls per save per "
-        "process. This machine has 2 cores: from 4 processes on, every process shares a "
+        "the last arrival, plus key-value calls), best of repeats, mean over processes "
+        "(median ms: the same with each process's median). calls: coordination calls per save "
+        "per process. This machine has 2 cores: from 4 processes on, every process shares a "
         "core with others busy writing, and each call's latency includes waiting for a core."
     )
     tiny = []
