@@ -6,11 +6,12 @@
 """
 
 from . import errors, export
-from .checkpoint import metadata, restore, save, user_metadata
+from .checkpoint import metadata, save, user_metadata
 from .emergency import EmergencyCheckpointManager, EmergencyOptions, RecoveryReport
 from .manager import CheckpointManager
 from .manifest import FORMAT_VERSION, ArrayInfo
 from .options import Options
+from .restore import restore
 from .staging import Staged, stage
 
 __version__ = "0.1.0"

@@ -23,7 +23,6 @@ from jax.sharding import Mesh
 
 from . import local, multihost
 from . import tree as tree_lib
-from .checkpoint import _want_saved, _want_target
 from .manifest import LeafRecord
 from .peers import send_rows
 from .recovery import (
@@ -37,6 +36,7 @@ from .recovery import (
     shift_rounds,
     verified,
 )
+from .restore import want_saved, want_target
 from .sharding import Index
 from .storage import Location
 
@@ -122,10 +122,10 @@ def restore_step(
     by_name = {r.name: r for r in records}
     meshes = SavedMeshes(doc["meshes"])
     if target is None:
-        wants = [_want_saved(r, meshes, mesh) for r in records]
+        wants = [want_saved(r, meshes, mesh) for r in records]
     else:
         flat = tree_lib.flatten(target)
-        wants = [_want_target(p, t, by_name, directory) for p, t in flat]
+        wants = [want_target(p, t, by_name, directory) for p, t in flat]
     required = {n: [local.parse_index(k) for k in keys] for n, keys in doc["slices"].items()}
     needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
     needs = {n: [local.index_key(i) for i in idx] for n, idx in needs.items() if idx}

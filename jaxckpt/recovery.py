@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from . import arrays, local
-from .checkpoint import _Want, place_key
+from .restore import Want, place_key
 from .sharding import Index, normalize_index
 
 
@@ -130,7 +130,7 @@ def intersect(a: Index, b: Index) -> Index | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def needed_slices(w: _Want, required: list[Index]) -> list[Index]:
+def needed_slices(w: Want, required: list[Index]) -> list[Index]:
     """The saved slices this process must have to build ``w``."""
     rec = w.record
     if not rec.has_array or not math.prod(rec.shape):
@@ -165,7 +165,7 @@ def fill(index: Index, required: list[Index], data: dict, name: str, dtype) -> n
     return out
 
 
-def assemble(w: _Want, required: list[Index], data: dict) -> Any:
+def assemble(w: Want, required: list[Index], data: dict) -> Any:
     rec = w.record
     if not rec.has_array:
         return rec.value

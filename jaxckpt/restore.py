@@ -1,0 +1,314 @@
+"""``restore``: reading a committed checkpoint onto the devices and shardings asked for.
+
+A restore goes: ``read_manifest`` -> one :class:`Want` per leaf (the saved record, the dtype
+and the sharding it should come back with), from the target (``want_target``) or from the
+saved specs (``want_saved``) -> each leaf's slices, one per distinct device index, are read
+through a bounded reader (at most ``READ_BUDGET_BYTES`` read but not yet on a device) while
+two threads copy them onto their devices -> the arrays are assembled into the tree.
+
+``Want``, ``want_saved``, ``want_target`` and ``place_key`` are also used to restore from
+local copies (:mod:`jaxckpt.local_restore`, :mod:`jaxckpt.recovery`). The package attribute
+``jaxckpt.restore`` is the function; import this module's names with
+``from jaxckpt.restore import ...``.
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import arrays
+from . import tree as tree_lib
+from .errors import CheckpointNotFoundError, LeafNotFoundError, ShapeMismatchError
+from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
+from .sharding import bind_spec, mesh_by_position, normalize_index
+from .storage import Location, location
+
+READ_BUDGET_BYTES = 128 << 20  # host memory for slices read but not yet on device
+
+
+def restore(
+    path: str | os.PathLike,
+    target: Any = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Any:
+    """Reads the checkpoint at ``path`` onto the devices and shardings asked for.
+
+    ``target`` is a pytree whose leaves are ``jax.ShapeDtypeStruct`` (with ``.sharding``),
+    ``jax.Array`` (its sharding, dtype and shape), ``jax.sharding.Sharding`` or NumPy arrays;
+    the result has its structure, may name fewer leaves than were saved, and casts to its
+    dtypes. With ``mesh`` and no target, each leaf's saved PartitionSpec is bound to
+    ``mesh`` (with a target, so is each ``ShapeDtypeStruct`` leaf without a sharding; a
+    NumPy target leaf means a NumPy result). With neither, leaves come back on their saved mesh rebuilt over the current
+    devices when the device count allows, else as NumPy arrays.
+
+    >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
+    """
+    loc = location(path)
+    manifest = read_manifest(loc)
+    by_name = {leaf.name: leaf for leaf in manifest.leaves}
+    if target is None:
+        wants = [want_saved(rec, manifest, mesh) for rec in manifest.leaves]
+    else:
+        flat = tree_lib.flatten(target)
+        wants = [want_target(p, t, by_name, loc) for p, t in flat]
+        if mesh is not None:  # ShapeDtypeStructs without a sharding: saved spec on ``mesh``
+            wants = [
+                want_saved(w.record, manifest, mesh, dtype=w.dtype)
+                if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None
+                else w
+                for (_, t), w in zip(flat, wants, strict=True)
+            ]
+    values = _read_all(loc, wants)
+    if target is None:
+        return tree_lib.unflatten_paths(
+            [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
+        )
+    return tree_lib.unflatten_like(target, values)
+
+
+def read_manifest(path: str | os.PathLike | Location) -> Manifest:
+    """The manifest of the committed checkpoint at ``path``."""
+    loc = location(path)
+    if not loc.exists(COMMIT_FILE):
+        why = (
+            "its save never finished (no COMMITTED marker)"
+            if loc.exists(MANIFEST_FILE) or loc.list_children()
+            else "nothing is there"
+        )
+        raise CheckpointNotFoundError(
+            f"{loc.url} is not a committed jaxckpt checkpoint: {why}; pass the directory "
+            "that jaxckpt.save wrote, or a manager's step directory"
+        )
+    text = loc.read_bytes(MANIFEST_FILE)
+    if text is None:
+        raise CheckpointNotFoundError(f"{loc.url}: COMMITTED but {MANIFEST_FILE} is missing")
+    return Manifest.from_json(text.decode(), where=f"{loc.url}/{MANIFEST_FILE}")
+
+
+# --- what each leaf should become ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one restored leaf should become."""
+
+    record: LeafRecord
+    dtype: np.dtype | None  # None: the saved dtype
+    sharding: jax.sharding.Sharding | None  # None: a NumPy array
+
+
+def want_saved(rec: LeafRecord, manifest: Manifest, mesh, dtype=None) -> Want:
+    """``rec`` with its saved spec bound to ``mesh`` (default: the saved mesh, if it fits)."""
+    if not rec.has_array:
+        return Want(rec, None, None)
+    sharding = None
+    sj = rec.sharding or {}
+    if sj.get("type") == "named":
+        saved_mesh = manifest.meshes[sj["mesh"]]
+        bound = mesh if mesh is not None else mesh_by_position(saved_mesh)
+        if bound is not None:
+            sharding = bind_spec(sj["spec"], bound, leaf=rec.name, shape=tuple(rec.shape))
+    elif sj.get("type") == "single_device":
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return Want(rec, dtype, sharding)
+
+
+def want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Location) -> Want:
+    """The saved leaf at ``path`` as the target leaf ``t`` asks for (sharding, dtype)."""
+    name = tree_lib.path_name(path)
+    rec = by_name.get(name)
+    if rec is None:
+        close = difflib.get_close_matches(name, list(by_name), n=3)
+        raise LeafNotFoundError(
+            f"{loc.url}: the restore target has leaf {name!r}, which the checkpoint does not "
+            f"hold (closest saved leaves: {close or list(by_name)[:3]}); remove it from the "
+            "target or restore it from another checkpoint"
+        )
+    if not rec.has_array:
+        return Want(rec, None, None)
+    if isinstance(t, jax.sharding.Sharding):
+        return Want(rec, None, t)
+    if isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray)):
+        saved_shape = (
+            tuple(rec.shape)[: len(t.shape)] if rec.kind == "prng_key" else tuple(rec.shape)
+        )
+        if tuple(t.shape) != saved_shape:
+            raise ShapeMismatchError(
+                f"{loc.url}: leaf {name!r} was saved with shape {tuple(rec.shape)} but the "
+                f"target asks for {tuple(t.shape)}; fix the target's shape (jaxckpt.metadata "
+                "shows the saved one)"
+            )
+        sharding = None if isinstance(t, np.ndarray) else getattr(t, "sharding", None)
+        return Want(rec, np.dtype(t.dtype) if rec.kind != "prng_key" else None, sharding)
+    return Want(rec, None, None)
+
+
+# --- reading slices and placing them on devices --------------------------------------------
+
+
+def _read_all(loc: Location, wants: list[Want]) -> list[Any]:
+    db = arrays.database_dir(loc, None)
+    ctx = arrays.new_context()
+    stores = {
+        w.record.name: arrays.open_leaf(db, w.record.name, ctx)
+        for w in wants
+        if w.record.has_array and math.prod(w.record.shape)
+    }
+    reader = _BoundedReader(db, READ_BUDGET_BYTES)
+    finishers: list[Callable[[], Any]] = []
+    try:
+        for w in wants:
+            rec = w.record
+            if not rec.has_array:
+                finishers.append(lambda rec=rec: rec.value)
+                continue
+            finishers.append(_plan_leaf(w, stores.get(rec.name), reader))
+        reader.drain()
+    finally:
+        reader.close()  # also on errors: no placing thread outlives the call
+    return [f() for f in finishers]
+
+
+def _plan_leaf(w: Want, store_fut, reader: _BoundedReader) -> Callable[[], Any]:
+    rec = w.record
+    shape = tuple(rec.shape)
+    saved = jax.numpy.dtype(rec.dtype) if rec.kind != "prng_key" else np.dtype(np.uint32)
+    want_dtype = w.dtype or saved
+
+    def convert(data: np.ndarray) -> np.ndarray:
+        if data.dtype != saved:
+            data = data.view(saved)
+        return data if data.dtype == want_dtype else data.astype(want_dtype)
+
+    if rec.kind == "prng_key" or w.sharding is None:
+        # Whole leaf on the host (NumPy results; PRNG keys are small and re-wrapped).
+        holder: dict = {}
+        if store_fut is None:
+            holder["v"] = np.zeros(shape, saved)
+        else:
+            reader.submit(store_fut, rec, None, lambda d: holder.__setitem__("v", convert(d)))
+
+        def finish() -> Any:
+            data = holder["v"]
+            if rec.kind == "prng_key":
+                if w.sharding is None:
+                    return jax.random.wrap_key_data(data, impl=rec.prng_impl)
+                return place_key(data, w, rec)
+            if rec.kind == "numpy" and rec.scalar:
+                return data[()]
+            return data
+
+        return finish
+
+    index_map = w.sharding.addressable_devices_indices_map(shape)
+    by_index: dict[tuple, list] = {}
+    for device, index in index_map.items():
+        by_index.setdefault(normalize_index(index, shape), []).append(device)
+    placed: dict = {}
+
+    def put(index, data):
+        # The first device may adopt the read buffer (zero-copy on CPU when aligned); the
+        # replicas are device-to-device copies of it, so no two devices share memory.
+        first, *rest = by_index[index]
+        placed[first] = jax.device_put(data, first, may_alias=True)
+        for device in rest:
+            placed[device] = jax.device_put(placed[first], device)
+
+    for index in by_index:
+        if store_fut is None or not math.prod(b - a for a, b in index):
+            put(index, np.zeros(tuple(b - a for a, b in index), want_dtype))
+        else:
+            reader.submit(store_fut, rec, index, lambda d, i=index: put(i, convert(d)))
+
+    def finish_sharded() -> jax.Array:
+        singles = [placed[d] for d in index_map]
+        return jax.make_array_from_single_device_arrays(shape, w.sharding, singles)
+
+    return finish_sharded
+
+
+def place_key(data: np.ndarray, w: Want, rec: LeafRecord) -> jax.Array:
+    """A typed PRNG key from its key data, on ``w.sharding`` (which may span processes)."""
+    s = w.sharding
+    ndim = data.ndim - 1 if data.ndim else 0  # key data has one more (impl) dimension
+    if isinstance(s, jax.sharding.NamedSharding) and len(s.spec) > ndim:
+        s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[:ndim]))
+    if isinstance(s, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+        arr = jax.make_array_from_callback(data.shape, s, lambda i: data[i])
+        return jax.random.wrap_key_data(arr, impl=rec.prng_impl)
+    return jax.device_put(jax.random.wrap_key_data(data, impl=rec.prng_impl), s)
+
+
+class _BoundedReader:
+    """Issues slice reads, keeping at most ``budget`` bytes read but not yet on a device.
+
+    Slices read are handed to two threads that copy them onto their devices, so reading
+    and the host->device copies overlap.
+    """
+
+    def __init__(self, db: Location, budget: int):
+        self.db, self.budget = db, budget
+        self.reads: collections.deque = collections.deque()
+        self.placing: collections.deque = collections.deque()
+        self.bytes = 0
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxckpt-restore")
+
+    def submit(self, store_fut, rec: LeafRecord, index, consume) -> None:
+        itemsize = rec.nbytes // max(1, math.prod(rec.shape))
+        nbytes = rec.nbytes if index is None else math.prod(b - a for a, b in index) * itemsize
+        while self.bytes + nbytes > self.budget and (self.reads or self.placing):
+            self._advance()
+        try:
+            store = store_fut.result()
+            fut = store.read() if index is None else arrays.read_slice(store, index)
+        except Exception as e:
+            raise self._error(e, rec) from e
+        self.reads.append((fut, rec, consume, nbytes))
+        self.bytes += nbytes
+
+    def _advance(self) -> None:
+        """Hands the oldest read to a placing thread, or waits for the oldest placement."""
+        if self.reads and len(self.placing) < 2:
+            fut, rec, consume, nbytes = self.reads.popleft()
+            try:
+                data = fut.result()
+            except Exception as e:
+                raise self._error(e, rec) from e
+            self.placing.append((self.pool.submit(consume, data), nbytes))
+        else:
+            done, nbytes = self.placing.popleft()
+            done.result()
+            self.bytes -= nbytes
+
+    def drain(self) -> None:
+        while self.reads or self.placing:
+            self._advance()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        arrays.release_free_memory()
+
+    def _error(self, e: Exception, rec: LeafRecord) -> Exception:
+        def writers(key: str) -> str:
+            where = {tuple(c): p for c, p in rec.chunk_writers or []}
+            coords = key.rsplit("/c/", 1)[-1].split("/") if "/c/" in key else []
+            try:
+                proc = where.get(tuple(int(c) for c in coords))
+            except ValueError:
+                proc = None
+            if proc is None:
+                return f"the OCDBT database under {self.db.url}"
+            return f"the OCDBT data files of process {proc} under {self.db.url}"
+
+        return arrays.read_error(e, leaf=rec.name, db=self.db, writers=writers)

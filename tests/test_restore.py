@@ -1,0 +1,254 @@
+"""restore of one checkpoint: targets, other meshes, dtype casts, partial restores, read errors."""
+
+import collections
+import glob
+import json
+import os
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_tree_equal, sharded
+from flax.training import train_state
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import errors
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+@flax.struct.dataclass
+class Pair:
+    a: jax.Array
+    b: dict
+
+
+def test_containers_restore_into_their_types(mesh42, tmp_path):
+    arr = sharded(np.ones((4, 2), np.float32), mesh42, ("data",))
+    tree = {
+        "tuple": (arr, 1),
+        "list": [arr, [arr]],
+        "named": Point(arr, 2.0),
+        "struct": Pair(arr, {"c": arr}),
+    }
+    jaxckpt.save(tmp_path / "c", tree)
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    assert isinstance(out["named"], Point) and isinstance(out["struct"], Pair)
+    assert isinstance(out["tuple"], tuple)
+    assert_tree_equal(out, tree)
+    plain = jaxckpt.restore(tmp_path / "c")
+    assert set(plain["struct"]) == {"a", "b"} and set(plain["named"]) == {"x", "y"}
+
+
+def test_single_device_sharding_restore(tmp_path):
+    x = jax.device_put(np.arange(4.0), jax.devices()[5])
+    jaxckpt.save(tmp_path / "c", {"x": x})
+    out = jaxckpt.restore(tmp_path / "c", target={"x": SingleDeviceSharding(jax.devices()[2])})
+    assert out["x"].sharding.device_set == {jax.devices()[2]}
+    np.testing.assert_array_equal(out["x"], x)
+
+
+def test_restored_replicas_do_not_share_memory(mesh42, tmp_path):
+    """Read buffers become device buffers without a copy, but never two devices' at once."""
+    x = sharded(np.arange(512 * 64, dtype=np.float32).reshape(512, 64), mesh42, ("data",))
+    jaxckpt.save(tmp_path / "c", {"x": x})
+    out = jaxckpt.restore(tmp_path / "c", target={"x": x})["x"]
+    pointers = [s.data.unsafe_buffer_pointer() for s in out.addressable_shards]
+    assert len(set(pointers)) == len(pointers) == 8
+    # donating the restored array must not disturb anything else restored
+    other = jaxckpt.restore(tmp_path / "c", target={"x": x})["x"]
+    jax.jit(lambda a: a * 2, donate_argnums=0)(out).block_until_ready()
+    np.testing.assert_array_equal(np.asarray(other), np.asarray(x))
+
+
+# --- a Flax TrainState with Optax AdamW onto other meshes ---------------------------------
+
+
+def _train_state(mesh):
+    import flax.linen as nn
+
+    model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(16)])
+    params = model.init(jax.random.key(0), jnp.ones((1, 32)))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+
+    def spec(x):
+        if x.ndim == 2:
+            return NamedSharding(mesh, P("data", "model"))
+        if x.ndim == 1 and x.shape[0] % 2 == 0:
+            return NamedSharding(mesh, P("model"))
+        return NamedSharding(mesh, P())
+
+    state = jax.tree.map(lambda x: jax.device_put(x, spec(x)) if hasattr(x, "ndim") else x, state)
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    return state.apply_gradients(grads=grads), spec
+
+
+@pytest.mark.parametrize(
+    "shape,names",
+    [
+        ((2, 4), ("data", "model")),
+        ((8, 1), ("data", "model")),
+        ((2, 2), ("data", "model")),
+        ((1, 1), ("data", "model")),
+    ],
+)
+def test_train_state_restores_onto_other_meshes(shape, names, mesh42, tmp_path):
+    state, _ = _train_state(mesh42)
+    jaxckpt.save(tmp_path / "c", state)
+    n = shape[0] * shape[1]
+    new_mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+    _, spec = _train_state(new_mesh)
+    target = jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec(x)) if hasattr(x, "ndim") else x
+        ),
+        state,
+    )
+    out = jaxckpt.restore(tmp_path / "c", target=target)
+    assert_tree_equal(out, state)
+    leaf = out.params["params"]["layers_0"]["kernel"]
+    assert leaf.sharding.mesh.devices.shape == shape
+    assert out.opt_state[0].mu["params"]["layers_0"]["kernel"].sharding.mesh.devices.shape == shape
+
+
+def test_restore_onto_1d_mesh_and_as_numpy(mesh42, tmp_path):
+    state, _ = _train_state(mesh42)
+    jaxckpt.save(tmp_path / "c", state)
+    mesh8 = jax.make_mesh((8,), ("data",))
+    target = jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh8, P()))
+            if hasattr(x, "ndim")
+            else x
+        ),
+        state,
+    )
+    assert_tree_equal(jaxckpt.restore(tmp_path / "c", target=target), state)
+    as_numpy = jax.tree.map(
+        lambda x: np.zeros(x.shape, x.dtype) if hasattr(x, "ndim") else x, state
+    )
+    out = jaxckpt.restore(tmp_path / "c", target=as_numpy)
+    assert isinstance(out.params["params"]["layers_0"]["kernel"], np.ndarray)
+    assert_tree_equal(
+        out, jax.tree.map(lambda x: np.asarray(x) if hasattr(x, "ndim") else x, state)
+    )
+
+
+def test_restore_without_target_uses_numpy_when_mesh_does_not_fit(mesh42, tmp_path):
+    x = sharded(np.arange(32.0, dtype=np.float32).reshape(8, 4), mesh42, ("data", "model"))
+    # a checkpoint saved on a mesh bigger than the devices we have now
+    jaxckpt.save(tmp_path / "c", {"x": x})
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    manifest["meshes"][0]["shape"] = [8, 2]  # pretend it was 16 devices
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
+    out = jaxckpt.restore(tmp_path / "c")
+    assert isinstance(out["x"], np.ndarray)
+    np.testing.assert_array_equal(out["x"], np.asarray(x))
+
+
+def test_mesh_argument_binds_saved_specs(mesh42, tmp_path):
+    x = sharded(np.arange(64.0, dtype=np.float32).reshape(8, 8), mesh42, ("data", "model"))
+    y = sharded(np.arange(8.0, dtype=np.float32), mesh42, ("model",))
+    jaxckpt.save(tmp_path / "c", {"x": x, "y": y})
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    out = jaxckpt.restore(tmp_path / "c", mesh=mesh)
+    assert out["x"].sharding == NamedSharding(mesh, P("data", "model"))
+    assert out["y"].sharding == NamedSharding(mesh, P("model"))
+    assert_tree_equal(out, {"x": x, "y": y})
+    with pytest.raises(errors.ShardingError, match="model"):
+        jaxckpt.restore(tmp_path / "c", mesh=jax.make_mesh((8,), ("data",)))
+
+
+def test_partial_restore_and_missing_leaf(mesh42, tmp_path):
+    tree = {
+        "a": sharded(np.ones((4, 4), np.float32), mesh42, ("data",)),
+        "b": {"c": 1, "d": np.ones(3)},
+    }
+    jaxckpt.save(tmp_path / "c", tree)
+    out = jaxckpt.restore(tmp_path / "c", target={"b": {"d": np.zeros(3)}})
+    assert set(out) == {"b"} and set(out["b"]) == {"d"}
+    np.testing.assert_array_equal(out["b"]["d"], np.ones(3))
+    with pytest.raises(errors.LeafNotFoundError, match="b/e"):
+        jaxckpt.restore(tmp_path / "c", target={"b": {"e": np.zeros(3)}})
+
+
+def test_dtype_cast_on_restore(mesh42, tmp_path):
+    x = sharded(np.linspace(-2, 2, 32, dtype=np.float32).reshape(8, 4), mesh42, ("data",))
+    jaxckpt.save(tmp_path / "c", {"x": x})
+    target = {"x": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=x.sharding)}
+    out = jaxckpt.restore(tmp_path / "c", target=target)
+    assert out["x"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x).astype(jnp.bfloat16))
+
+
+def test_sharding_leaves_as_target(mesh42, tmp_path):
+    x = sharded(np.arange(16.0, dtype=np.float32).reshape(4, 4), mesh42, ("data",))
+    jaxckpt.save(tmp_path / "c", {"x": x})
+    s = NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("b"))
+    out = jaxckpt.restore(tmp_path / "c", target={"x": s})
+    assert out["x"].sharding == s
+    np.testing.assert_array_equal(out["x"], x)
+
+
+def test_shape_mismatch(mesh42, tmp_path):
+    jaxckpt.save(tmp_path / "c", {"x": np.ones((4, 4))})
+    with pytest.raises(errors.ShapeMismatchError, match=r"'x'.*\(4, 4\).*\(4, 5\)"):
+        jaxckpt.restore(tmp_path / "c", target={"x": np.zeros((4, 5))})
+
+
+def test_mesh_fills_in_target_leaves_without_sharding(mesh42, tmp_path):
+    x = sharded(np.arange(64.0, dtype=np.float32).reshape(8, 8), mesh42, ("data", "model"))
+    jaxckpt.save(tmp_path / "c", {"x": x, "y": np.ones(3)})
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    target = {"x": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16), "y": np.zeros(3)}
+    out = jaxckpt.restore(tmp_path / "c", target=target, mesh=mesh)
+    assert out["x"].sharding == NamedSharding(mesh, P("data", "model"))
+    assert out["x"].dtype == jnp.bfloat16 and isinstance(out["y"], np.ndarray)
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x).astype(jnp.bfloat16))
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_missing_and_uncommitted_checkpoints(tmp_path):
+    with pytest.raises(errors.CheckpointNotFoundError, match="nothing is there"):
+        jaxckpt.restore(tmp_path / "nope")
+    jaxckpt.save(tmp_path / "c", {"a": np.ones(2)})
+    os.remove(tmp_path / "c" / "COMMITTED")
+    with pytest.raises(errors.CheckpointNotFoundError, match="never finished"):
+        jaxckpt.restore(tmp_path / "c")
+
+
+def test_newer_major_format_is_refused(tmp_path):
+    jaxckpt.save(tmp_path / "c", {"a": np.ones(2)})
+    path = tmp_path / "c" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["format_version"] = [2, 0]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(errors.FormatVersionError, match="version 2.0"):
+        jaxckpt.restore(tmp_path / "c")
+
+
+def test_corrupted_chunk_is_detected_and_named(mesh42, tmp_path):
+    x = sharded(
+        np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32), mesh42, ("data",)
+    )
+    jaxckpt.save(tmp_path / "c", {"layer": {"w": x}})
+    files = [
+        f
+        for f in glob.glob(str(tmp_path / "c" / "arrays" / "**"), recursive=True)
+        if os.path.isfile(f)
+    ]
+    biggest = max(files, key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        f.seek(os.path.getsize(biggest) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(errors.ChecksumError, match=r"layer/w.*process 0"):
+        jaxckpt.restore(tmp_path / "c")
