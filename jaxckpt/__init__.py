@@ -11,7 +11,7 @@ from .emergency import EmergencyCheckpointManager, EmergencyOptions, RecoveryRep
 from .manager import CheckpointManager
 from .manifest import FORMAT_VERSION, ArrayInfo
 from .options import Options
-from .restore import restore
+from .restoring import restore
 from .staging import Staged, stage
 
 __version__ = "0.1.0"

@@ -24,8 +24,8 @@ from . import arrays, multihost
 from . import tree as tree_lib
 from .errors import CheckpointExistsError, ManifestError, UnsupportedLeafError
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest, array_info
-from .restore import read_manifest
-from .restore import restore as restore  # re-export: checkpoint.restore
+from .restoring import read_manifest
+from .restoring import restore as restore  # re-export: checkpoint.restore
 from .staging import StagedLeaf, describe
 from .storage import (
     OWNER_FILE,

@@ -36,7 +36,7 @@ from .recovery import (
     shift_rounds,
     verified,
 )
-from .restore import want_saved, want_target
+from .restoring import want_saved, want_target
 from .sharding import Index
 from .storage import Location
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from . import arrays, local
-from .restore import Want, place_key
+from .restoring import Want, place_key
 from .sharding import Index, normalize_index
 
 

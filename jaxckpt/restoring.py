@@ -7,9 +7,8 @@ through a bounded reader (at most ``READ_BUDGET_BYTES`` read but not yet on a de
 two threads copy them onto their devices -> the arrays are assembled into the tree.
 
 ``Want``, ``want_saved``, ``want_target`` and ``place_key`` are also used to restore from
-local copies (:mod:`jaxckpt.local_restore`, :mod:`jaxckpt.recovery`). The package attribute
-``jaxckpt.restore`` is the function; import this module's names with
-``from jaxckpt.restore import ...``.
+local copies (:mod:`jaxckpt.local_restore`, :mod:`jaxckpt.recovery`). (Named ``restoring`` so that
+``jaxckpt.restore`` stays the function, unshadowed.)
 """
 
 from __future__ import annotations
