@@ -41,7 +41,7 @@ from .manifest import LeafRecord
 from .options import Options, OptionsError
 from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
 from .recovery import RecoveryReport, StepUnusable, uncovered
-from .sharding import Index, normalize_index
+from .sharding import layout
 from .staging import describe
 from .storage import location
 from .writer import Writer
@@ -298,17 +298,13 @@ class EmergencyCheckpointManager:
                 continue
             arr = leaf if rec.kind == "array" else jax.random.key_data(leaf)
             shape = tuple(arr.shape)
-            every = {
-                normalize_index(i, shape) for i in arr.sharding.devices_indices_map(shape).values()
-            }
-            required[rec.name] = [local.index_key(i) for i in sorted(every)]
+            lay = layout(arr.sharding, shape)
+            required[rec.name] = [local.index_key(i) for i in lay.indices]
             on_devices[rec.name] = arr
-            seen: set[Index] = set()
             for shard in arr.addressable_shards:
-                index = normalize_index(shard.index, shape)
-                if index in seen:
-                    continue
-                seen.add(index)
+                index = lay.held.get(shard.device)
+                if index is None:
+                    continue  # another device here holds the same index
                 if shard.data.platform() != "cpu":
                     shard.data.copy_to_host_async()
                 pending.append(((rec.name, index), shard.data))

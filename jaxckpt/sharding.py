@@ -7,7 +7,10 @@ position* over the current devices, so a restart whose devices carry new ids sti
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -23,6 +26,11 @@ Index = tuple[tuple[int, int], ...]  # per dimension: [start, stop)
 
 
 def mesh_to_json(mesh: Mesh) -> dict:
+    return copy.deepcopy(_mesh_json(mesh))
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_json(mesh: Mesh) -> dict:  # shared: never handed out unless copied
     ids = np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
     procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
     return {
@@ -53,9 +61,9 @@ def spec_from_json(spec: list) -> PartitionSpec:
 def sharding_to_json(sharding: jax.sharding.Sharding, meshes: list[dict]) -> dict:
     """JSON form of a leaf's sharding; named meshes are deduplicated into ``meshes``."""
     if isinstance(sharding, NamedSharding):
-        mesh_json = mesh_to_json(sharding.mesh)
+        mesh_json = _mesh_json(sharding.mesh)
         if mesh_json not in meshes:
-            meshes.append(mesh_json)
+            meshes.append(copy.deepcopy(mesh_json))
         return {
             "type": "named",
             "mesh": meshes.index(mesh_json),
@@ -80,27 +88,60 @@ def normalize_index(index: tuple, shape: tuple[int, ...]) -> Index:
     return tuple(out)
 
 
-def shard_owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Index, Any]:
-    """Maps each distinct shard index to the device that writes it (one replica only).
+@dataclass(frozen=True)
+class Layout:
+    """How a sharding splits an array of one shape, worked out once (see ``layout``).
 
-    Every process computes the same answer from global information, so together they
-    write each shard exactly once whatever the replication.
+    owners: each distinct shard index -> the device that writes it (one replica only; every
+        process computes the same answer from global information, so together they write
+        each shard exactly once whatever the replication).
+    chunks: the largest shard extent per dimension, so chunks follow the saved shards.
+    owned: this process's devices that own a shard -> that index.
+    held: for every distinct index this process holds, its first device here -> the index.
+    indices: every distinct index, sorted.
     """
+
+    owners: dict[Index, Any]
+    chunks: tuple[int, ...]
+    owned: dict[Any, Index]
+    held: dict[Any, Index]
+    indices: tuple[Index, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
+    """The ``Layout`` of ``shape`` under ``sharding``, cached: saves call this for every
+    leaf, and a state has hundreds of leaves on a few shardings (the returned dicts are
+    shared: read them, never change them)."""
+    me = jax.process_index()
     owners: dict[Index, Any] = {}
+    first: dict[Index, Any] = {}
     for device, index in sharding.devices_indices_map(shape).items():
-        owners.setdefault(normalize_index(index, shape), device)
-    return owners
+        index = normalize_index(index, shape)
+        owners.setdefault(index, device)
+        if device.process_index == me:
+            first.setdefault(index, device)
+    sizes = [max(1, d) for d in shape]
+    if shape:
+        sizes = [1] * len(shape)
+        for index in owners:
+            for dim, (start, stop) in enumerate(index):
+                sizes[dim] = max(sizes[dim], stop - start)
+    owned = {d: i for i, d in owners.items() if d.process_index == me}
+    held = {d: i for i, d in first.items()}
+    return Layout(owners, tuple(sizes), owned, held, tuple(sorted(owners)))
+
+
+def shard_owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Index, Any]:
+    """Maps each distinct shard index to the device that writes it (see ``Layout``)."""
+    return dict(layout(sharding, shape).owners)
 
 
 def chunk_shape(sharding: jax.sharding.Sharding | None, shape: tuple[int, ...]) -> list[int]:
     """The largest shard extent per dimension, so chunks follow the saved shards."""
     if sharding is None or not shape:
         return [max(1, d) for d in shape]
-    sizes = [1] * len(shape)
-    for index in shard_owners(sharding, shape):
-        for dim, (start, stop) in enumerate(index):
-            sizes[dim] = max(sizes[dim], stop - start)
-    return sizes
+    return list(layout(sharding, shape).chunks)
 
 
 # --- binding saved shardings to current devices -------------------------------------------

@@ -10,6 +10,7 @@ leaves, which can be mutated, are always copied.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from . import arrays, multihost
 from . import tree as tree_lib
 from .errors import UnsupportedLeafError
 from .manifest import LeafRecord
-from .sharding import chunk_shape, normalize_index, shard_owners, sharding_to_json
+from .sharding import layout, sharding_to_json
 
 _PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
 
@@ -61,17 +62,13 @@ def _describe(
             kind, impl, arr = "prng_key", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
         shape = tuple(arr.shape)
         stored = arrays.stored_dtype(np.dtype(arr.dtype))
-        chunks = chunk_shape(arr.sharding, shape)
-        owners = shard_owners(arr.sharding, shape)
-        writers = [
-            [[start // c for (start, _), c in zip(index, chunks, strict=True)], d.process_index]
-            for index, d in owners.items()
-        ]
+        lay = layout(arr.sharding, shape)
+        chunks = list(lay.chunks) if shape else []
+        writers = _writers(arr.sharding, shape)
         pieces = [
             (index, _shard_getter(shard, host, name, index))
             for shard in arr.addressable_shards
-            if owners.get(index := normalize_index(shard.index, shape)) == shard.device
-            and math.prod(shape)
+            if (index := lay.owned.get(shard.device)) is not None and math.prod(shape)
         ]
         nbytes = math.prod(shape) * np.dtype(stored).itemsize
         record = LeafRecord(
@@ -84,7 +81,7 @@ def _describe(
             sharding=sharding_to_json(arr.sharding, meshes),
             chunk_shape=chunks,
             nbytes=nbytes,
-            chunk_writers=writers if nbytes else None,
+            chunk_writers=[[list(c), p] for c, p in writers] if nbytes else None,
             prng_impl=impl,
         )
         mine = (
@@ -155,6 +152,19 @@ class _HostCopies:
 
         with ThreadPoolExecutor(max_workers=2) as pool:
             list(pool.map(copy, pending))
+
+
+@functools.lru_cache(maxsize=4096)
+def _writers(sharding, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """(first chunk's grid position, writing process) of each shard (``chunk_writers``)."""
+    lay = layout(sharding, shape)
+    return tuple(
+        (
+            tuple(start // c for (start, _), c in zip(index, lay.chunks, strict=True)),
+            d.process_index,
+        )
+        for index, d in lay.owners.items()
+    )
 
 
 def _shard_getter(

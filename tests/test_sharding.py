@@ -1,0 +1,39 @@
+"""Shard layouts (which device writes which index) and mesh JSON."""
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxckpt import sharding
+
+
+def test_layout_of_a_partly_replicated_leaf(mesh42):
+    lay = sharding.layout(NamedSharding(mesh42, P("model")), (32,))
+    # split in 2 over "model", replicated over "data": 2 shards, each written once
+    assert lay.indices == (((0, 16),), ((16, 32),))
+    assert lay.chunks == (16,)
+    assert set(lay.owners) == set(lay.indices)
+    assert len(set(lay.owners.values())) == 2
+    assert set(lay.owned.values()) == set(lay.indices)  # one process holds every device here
+    assert sorted(lay.held.values()) == list(lay.indices)  # each index once, first device
+    assert all(d in jax.devices() for d in lay.held)
+
+
+def test_layout_is_cached_and_matches_the_old_helpers(mesh42):
+    sh = NamedSharding(mesh42, P("data", "model"))
+    assert sharding.layout(sh, (64, 32)) is sharding.layout(sh, (64, 32))
+    owners = sharding.shard_owners(sh, (64, 32))
+    assert len(owners) == 8 and sharding.chunk_shape(sh, (64, 32)) == [16, 16]
+    owners.clear()  # a copy: the cached layout is untouched
+    assert len(sharding.layout(sh, (64, 32)).owners) == 8
+    assert sharding.chunk_shape(NamedSharding(mesh42, P()), ()) == []
+
+
+def test_mesh_json_is_a_fresh_copy(mesh42):
+    a = sharding.mesh_to_json(mesh42)
+    a["shape"].append(99)
+    assert sharding.mesh_to_json(mesh42)["shape"] == [4, 2]
+    meshes: list[dict] = []
+    sharding.sharding_to_json(NamedSharding(mesh42, P("data")), meshes)
+    meshes[0]["axis_names"].append("x")
+    assert sharding.mesh_to_json(mesh42)["axis_names"] == ["data", "model"]
