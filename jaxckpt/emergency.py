@@ -21,6 +21,7 @@ next older step when it proves unusable, and fall back to the remote tier.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -49,6 +50,12 @@ from .writer import Writer
 log = logging.getLogger("jaxckpt")
 
 _seq = itertools.count()  # names of key-value exchanges (main thread only)
+
+
+@functools.lru_cache(maxsize=4096)
+def _index_keys(sharding, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """Every slice of an array (``local.index_key``), sorted: recorded at each local save."""
+    return tuple(local.index_key(i) for i in layout(sharding, shape).indices)
 
 
 @dataclass(frozen=True)
@@ -287,7 +294,7 @@ class EmergencyCheckpointManager:
         required: dict[str, list[str]] = {}
         on_devices: dict[str, jax.Array] = {}
         pending = []
-        for (_, leaf), rec in zip(tree_lib.flatten(state), records, strict=True):
+        for leaf, rec in zip(tree_lib.leaves(state), records, strict=True):
             if not rec.has_array or not math.prod(rec.shape):
                 continue
             if rec.kind == "numpy":
@@ -299,7 +306,7 @@ class EmergencyCheckpointManager:
             arr = leaf if rec.kind == "array" else jax.random.key_data(leaf)
             shape = tuple(arr.shape)
             lay = layout(arr.sharding, shape)
-            required[rec.name] = [local.index_key(i) for i in lay.indices]
+            required[rec.name] = list(_index_keys(arr.sharding, shape))
             on_devices[rec.name] = arr
             for shard in arr.addressable_shards:
                 index = lay.held.get(shard.device)

@@ -50,6 +50,11 @@ def path_name(path: PathJson) -> str:
     return "/".join(parts)
 
 
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` in ``flatten`` order, without their paths (cheaper)."""
+    return jax.tree_util.tree_leaves(tree, is_leaf=_is_none)
+
+
 def flatten(tree: Any) -> list[tuple[PathJson, Any]]:
     """Flattens ``tree`` into ``[(path, leaf)]``; ``None`` counts as a leaf."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
