@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from . import local, local_restore, multihost
+from . import local, local_restore, multihost, staging
 from . import tree as tree_lib
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import CheckpointManager
@@ -43,13 +43,27 @@ from .options import Options, OptionsError
 from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
 from .recovery import RecoveryReport, StepUnusable, uncovered
 from .sharding import layout
-from .staging import describe
+from .staging import PY_TYPES, check_numpy, unsupported
 from .storage import location
 from .writer import Writer
 
 log = logging.getLogger("jaxckpt")
 
 _seq = itertools.count()  # names of key-value exchanges (main thread only)
+
+
+def _required(records: list[LeafRecord], flat, key_data) -> dict[str, list[str]]:
+    """Every slice of every array leaf (``local.json``'s ``slices``)."""
+    out: dict[str, list[str]] = {}
+    for i, (rec, (_, leaf)) in enumerate(zip(records, flat, strict=True)):
+        if not rec.has_array or not math.prod(rec.shape):
+            continue
+        if rec.kind == "numpy":
+            out[rec.name] = [local.index_key(tuple((0, d) for d in rec.shape))]
+        else:
+            arr = key_data.get(i, leaf)
+            out[rec.name] = list(_index_keys(arr.sharding, tuple(arr.shape)))
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -213,10 +227,12 @@ class EmergencyCheckpointManager:
         return f"jaxckpt/emergency/{what}/{next(_seq)}"
 
     def _save_local(self, step: int, state: Any) -> None:
+        """On the calling thread only what cannot wait: snapshots of the held shards (views
+        on CPU) and the peer copies' dispatch. Records, names and the rest of the step's
+        description are worked out by the writer thread, from the leaves' metadata."""
         self._wait_local()  # host buffers are reused
-        staged = describe(state)  # records only; nothing copied
-        records = [leaf.record for leaf in staged.leaves]
-        slices, required, on_devices = self._stage(state, records)
+        flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
+        slices, on_devices, key_data = self._snapshot(flat)
         pid, count = multihost.process_index(), multihost.process_count()
         origins = dict.fromkeys(slices, pid)
         shifts, hosts = self._peer_shifts()
@@ -227,7 +243,6 @@ class EmergencyCheckpointManager:
             "hosts": hosts,
             "sends_to": [(pid + j) % count for j in shifts],
             "receives_from": [(pid - j) % count for j in shifts],
-            "slices": required,
         }
         peers = None
         if shifts:
@@ -237,7 +252,7 @@ class EmergencyCheckpointManager:
             if as_rows:  # the same leaves on every process
                 self._exchange_rows(set(as_rows), slices, origins, shifts)
             self.timings["peer_exchange_s"] = time.perf_counter() - t
-        job = (step, records, staged.meshes, slices, origins, extra, peers)
+        job = (step, flat, key_data, slices, origins, extra, peers)
         what = f"saving local step {step} to {self.local_directory.url}"
         if self.options.async_save:
             self._writer.submit(what, self._write, *job)
@@ -283,51 +298,58 @@ class EmergencyCheckpointManager:
                 if key not in slices:
                     slices[key], origins[key] = data, peer_origins[key]
 
-    def _stage(self, state: Any, records: list[LeafRecord]):
-        """Host snapshots of every distinct shard this process holds, each leaf's slices, and
-        the device arrays (by leaf name) for the peer copies.
+    def _snapshot(self, flat: list[tuple[Any, Any]]):
+        """Host snapshots of every distinct shard this process holds, keyed by (leaf position
+        as text, global index); the device arrays for the peer copies; PRNG keys' data.
 
         NumPy leaves and accelerator shards are copied into reused buffers; CPU device
-        buffers are taken as zero-copy views.
+        buffers are taken as zero-copy views. Unsupported leaves raise here, before anything
+        is written.
         """
         slices: local.Slices = {}
-        required: dict[str, list[str]] = {}
         on_devices: dict[str, jax.Array] = {}
+        key_data: dict[int, jax.Array] = {}
         pending = []
-        for leaf, rec in zip(tree_lib.leaves(state), records, strict=True):
-            if not rec.has_array or not math.prod(rec.shape):
-                continue
-            if rec.kind == "numpy":
+        for i, (keypath, leaf) in enumerate(flat):
+            if type(leaf) in PY_TYPES:
+                continue  # kept in the record
+            if isinstance(leaf, (np.ndarray, np.generic)):
                 arr = np.asarray(leaf)
-                index = tuple((0, d) for d in arr.shape)
-                required[rec.name] = [local.index_key(index)]
-                pending.append(((rec.name, index), arr))
+                check_numpy(arr, tree_lib.path_name(tree_lib.path_to_json(keypath)))
+                if arr.size:
+                    pending.append(((str(i), tuple((0, d) for d in arr.shape)), arr))
                 continue
-            arr = leaf if rec.kind == "array" else jax.random.key_data(leaf)
+            if not isinstance(leaf, jax.Array):
+                raise unsupported(leaf, tree_lib.path_name(tree_lib.path_to_json(keypath)))
+            arr = leaf
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                arr = key_data[i] = jax.random.key_data(leaf)
             shape = tuple(arr.shape)
-            lay = layout(arr.sharding, shape)
-            required[rec.name] = list(_index_keys(arr.sharding, shape))
-            on_devices[rec.name] = arr
+            if not math.prod(shape):
+                continue
+            on_devices[str(i)] = arr
+            held = layout(arr.sharding, shape).held
             for shard in arr.addressable_shards:
-                index = lay.held.get(shard.device)
+                index = held.get(shard.device)
                 if index is None:
                     continue  # another device here holds the same index
                 if shard.data.platform() != "cpu":
                     shard.data.copy_to_host_async()
-                pending.append(((rec.name, index), shard.data))
+                pending.append(((str(i), index), shard.data))
         for key, src in pending:  # all D2H copies were started above
             if isinstance(src, jax.Array) and src.platform() == "cpu":
                 # Host memory already: a view is a snapshot (see staging._shard_getter).
                 slices[key] = np.asarray(src)
                 continue
+            src_dtype = np.dtype(src.dtype).newbyteorder("=")  # NumPy leaves: native order
             buf = self._host.get(key)
-            if buf is None or buf.shape != tuple(src.shape) or buf.dtype != src.dtype:
-                buf = self._host[key] = np.empty(tuple(src.shape), src.dtype)
-            np.copyto(buf, np.asarray(src), casting="no")
+            if buf is None or buf.shape != tuple(src.shape) or buf.dtype != src_dtype:
+                buf = self._host[key] = np.empty(tuple(src.shape), src_dtype)
+            np.copyto(buf, np.asarray(src), casting="equiv")
             slices[key] = buf
-        return slices, required, on_devices
+        return slices, on_devices, key_data
 
-    def _write(self, step, records, meshes, slices, origins, extra, peers) -> None:
+    def _write(self, step, flat, key_data, slices, origins, extra, peers) -> None:
         if peers is not None:
             t = time.perf_counter()
             got, got_origins = peers.collect()  # waits for the transfers
@@ -337,6 +359,12 @@ class EmergencyCheckpointManager:
             self.timings["peer_wait_s"] = time.perf_counter() - t
         if step not in self._local_steps:
             t = time.perf_counter()
+            paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in flat]
+            records, meshes = staging.records(paths, key_data)
+            name = {str(i): r.name for i, r in enumerate(records)}
+            slices = {(name[p], index): v for (p, index), v in slices.items()}
+            origins = {(name[p], index): o for (p, index), o in origins.items()}
+            extra = {**extra, "slices": _required(records, flat, key_data)}
             local.write_step(self.local_directory, step, records, meshes, slices, origins, extra)
             self.timings["local_write_s"] = time.perf_counter() - t
             self._local_steps.add(step)

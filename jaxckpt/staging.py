@@ -26,7 +26,7 @@ from .errors import UnsupportedLeafError
 from .manifest import LeafRecord
 from .sharding import layout, sharding_to_json
 
-_PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
+PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
 
 
 @dataclass(frozen=True)
@@ -48,28 +48,23 @@ class StagedLeaf:
     write: arrays.ArrayWrite | None
 
 
-def _describe(
-    path: list, leaf: Any, meshes: list[dict], compression: str | None, host: _HostCopies | None
-) -> StagedLeaf:
+def leaf_record(
+    path: list, leaf: Any, meshes: list[dict], key_data: jax.Array | None = None
+) -> tuple[LeafRecord, Any]:
+    """The record of one leaf, and the array that stores it (the key data of a PRNG key, a
+    native-order NumPy array). Reads metadata only, so it also describes arrays that have
+    been donated since; ``key_data``: the key's data, taken while it was alive.
+    """
     name = tree_lib.path_name(path)
-    pid = multihost.process_index()
-    if type(leaf) in _PY_TYPES:
-        record = LeafRecord(path, name, "python", value=leaf, python_type=_PY_TYPES[type(leaf)])
-        return StagedLeaf(record, None)
+    if type(leaf) in PY_TYPES:
+        return LeafRecord(path, name, "python", value=leaf, python_type=PY_TYPES[type(leaf)]), None
     if isinstance(leaf, jax.Array):
         kind, impl, arr = "array", None, leaf
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            kind, impl, arr = "prng_key", str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
+            impl = str(jax.random.key_impl(leaf))
+            kind, arr = "prng_key", key_data if key_data is not None else jax.random.key_data(leaf)
         shape = tuple(arr.shape)
         stored = arrays.stored_dtype(np.dtype(arr.dtype))
-        lay = layout(arr.sharding, shape)
-        chunks = list(lay.chunks) if shape else []
-        writers = _writers(arr.sharding, shape)
-        pieces = [
-            (index, _shard_getter(shard, host, name, index))
-            for shard in arr.addressable_shards
-            if (index := lay.owned.get(shard.device)) is not None and math.prod(shape)
-        ]
         nbytes = math.prod(shape) * np.dtype(stored).itemsize
         record = LeafRecord(
             path,
@@ -79,32 +74,20 @@ def _describe(
             dtype=str(leaf.dtype),
             stored_dtype=stored if stored != str(arr.dtype) else None,
             sharding=sharding_to_json(arr.sharding, meshes),
-            chunk_shape=chunks,
+            chunk_shape=list(layout(arr.sharding, shape).chunks) if shape else [],
             nbytes=nbytes,
-            chunk_writers=[[list(c), p] for c, p in writers] if nbytes else None,
+            chunk_writers=[[list(c), p] for c, p in _writers(arr.sharding, shape)]
+            if nbytes
+            else None,
             prng_impl=impl,
         )
-        mine = (
-            sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * np.dtype(stored).itemsize
-        )
-        write = arrays.ArrayWrite(
-            name, arrays.zarr_metadata(shape, stored, chunks, compression), pieces, pid == 0, mine
-        )
-        return StagedLeaf(record, write)
+        return record, arr
     if isinstance(leaf, (np.ndarray, np.generic)):
         arr = np.asarray(leaf)
-        if arr.dtype.kind in "OUSMm" or arr.dtype.fields or arr.dtype.name.startswith("void"):
-            raise UnsupportedLeafError(
-                f"leaf {name!r} is a NumPy array of dtype {arr.dtype}, which jaxckpt cannot "
-                "store (strings, bytes, structured, object and datetime arrays are not "
-                "supported); convert it to numbers, or keep it in the metadata= JSON"
-            )
+        check_numpy(arr, name)
         if not arr.dtype.isnative:
             arr = arr.astype(arr.dtype.newbyteorder("="))
         stored = arrays.stored_dtype(arr.dtype)
-        chunks = [max(1, d) for d in arr.shape]
-        whole = tuple((0, d) for d in arr.shape)
-        pieces = [(whole, _numpy_getter(arr, host, name))] if pid == 0 and arr.size else []
         nbytes = arr.size * np.dtype(stored).itemsize
         record = LeafRecord(
             path,
@@ -113,20 +96,67 @@ def _describe(
             shape=list(arr.shape),
             dtype=arr.dtype.name,
             stored_dtype=stored if stored != arr.dtype.name else None,
-            chunk_shape=chunks,
+            chunk_shape=[max(1, d) for d in arr.shape],
             nbytes=nbytes,
             chunk_writers=[[[0] * arr.ndim, 0]] if nbytes else None,
             scalar=isinstance(leaf, np.generic),
         )
-        meta = arrays.zarr_metadata(arr.shape, stored, chunks, compression)
-        return StagedLeaf(
-            record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes if pid == 0 else 0)
+        return record, arr
+    raise unsupported(leaf, name)
+
+
+def check_numpy(arr: np.ndarray, name: str) -> None:
+    if arr.dtype.kind in "OUSMm" or arr.dtype.fields or arr.dtype.name.startswith("void"):
+        raise UnsupportedLeafError(
+            f"leaf {name!r} is a NumPy array of dtype {arr.dtype}, which jaxckpt cannot "
+            "store (strings, bytes, structured, object and datetime arrays are not "
+            "supported); convert it to numbers, or keep it in the metadata= JSON"
         )
-    raise UnsupportedLeafError(
+
+
+def unsupported(leaf: Any, name: str) -> UnsupportedLeafError:
+    return UnsupportedLeafError(
         f"leaf {name!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}, which "
         "jaxckpt cannot store; leaves must be jax.Array, NumPy arrays or int/float/bool/str/"
         "None. Convert it, or register its class as a pytree node so its fields are leaves"
     )
+
+
+def records(
+    flat: list[tuple[list, Any]], key_data: dict[int, jax.Array] | None = None
+) -> tuple[list[LeafRecord], list[dict]]:
+    """The records of a flattened tree (``tree.flatten``) and its meshes, from metadata only
+    (see ``leaf_record``; ``key_data`` by leaf position)."""
+    meshes: list[dict] = []
+    key_data = key_data or {}
+    out = [leaf_record(p, leaf, meshes, key_data.get(i))[0] for i, (p, leaf) in enumerate(flat)]
+    return out, meshes
+
+
+def _describe(
+    path: list, leaf: Any, meshes: list[dict], compression: str | None, host: _HostCopies | None
+) -> StagedLeaf:
+    record, arr = leaf_record(path, leaf, meshes)
+    name, pid = record.name, multihost.process_index()
+    if record.kind == "python":
+        return StagedLeaf(record, None)
+    shape, stored = tuple(record.shape), record.stored_dtype or str(arr.dtype)
+    if record.kind == "numpy":
+        whole = tuple((0, d) for d in shape)
+        pieces = [(whole, _numpy_getter(arr, host, name))] if pid == 0 and arr.size else []
+        mine = record.nbytes if pid == 0 else 0
+    else:
+        owned = layout(arr.sharding, shape).owned
+        pieces = [
+            (index, _shard_getter(shard, host, name, index))
+            for shard in arr.addressable_shards
+            if (index := owned.get(shard.device)) is not None and math.prod(shape)
+        ]
+        mine = (
+            sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * np.dtype(stored).itemsize
+        )
+    meta = arrays.zarr_metadata(shape, stored, record.chunk_shape, compression)
+    return StagedLeaf(record, arrays.ArrayWrite(name, meta, pieces, pid == 0, mine))
 
 
 class _HostCopies:

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import local
-from jaxckpt.errors import CheckpointNotFoundError
+from jaxckpt.errors import CheckpointNotFoundError, UnsupportedLeafError
 from jaxckpt.options import OptionsError
 
 HERE = os.path.dirname(__file__)
@@ -172,6 +172,29 @@ def test_force_saves_both_tiers_and_sync_mode(tmp_path, mesh42):
         assert mgr.save(4, make_state(mesh42, 4), force=True)
         assert mgr.local_steps() == [4] and mgr.remote.all_steps() == [4]
         assert mgr.should_save(20) == (True, True)
+
+
+def test_bad_leaves_raise_in_save_and_write_nothing(tmp_path, mesh42):
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        for bad in (object(), np.array(["a", "b"])):
+            with pytest.raises(UnsupportedLeafError, match="leaf 'bad'"):
+                mgr.save(1, {"ok": make_state(mesh42, 1)["w"], "bad": bad})
+        mgr.wait_until_finished()
+        assert mgr.local_steps() == [] and os.listdir(tmp_path / "l") == []
+
+
+def test_numpy_leaves_are_snapshots_in_native_order(tmp_path, mesh42):
+    big_endian = np.arange(6, dtype=">i4").reshape(2, 3)
+    state = {"be": big_endian, "n": np.arange(4.0), "w": make_state(mesh42, 2)["w"]}
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        mgr.save(2, state)
+        state["n"][:] = -1  # changed after save returned: the saved step keeps the old values
+        mgr.wait_until_finished()
+        out = mgr.restore()
+    np.testing.assert_array_equal(out["be"], np.arange(6).reshape(2, 3))
+    assert out["be"].dtype == np.dtype("int32")
+    np.testing.assert_array_equal(out["n"], np.arange(4.0))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(state["w"]))
 
 
 def test_pack_unpack_roundtrip():
