@@ -149,15 +149,24 @@ def send_shards(
     old = reuse._buffers if reuse is not None else {}
     moving, buffers = [], {}
     for devices, members in by_devices.items():
-        mesh = _flat_mesh(devices)
-        flat = [_flat(arr, mesh) for _, arr, _ in members]
+        # Arrays laid out by a mesh over exactly these devices go in as they are (their own
+        # spec); others are first restacked, uncopied, over a flat mesh of the devices.
+        mesh = _named_mesh(members[0][1], devices)
+        same = mesh is not None and all(_named_mesh(a, devices) == mesh for _, a, _ in members)
+        if same:
+            args = [arr for _, arr, _ in members]
+            specs = tuple(arr.sharding.spec for arr in args)
+        else:
+            mesh = _flat_mesh(devices)
+            args = [_flat(arr, mesh) for _, arr, _ in members]
+            specs = (P("d"),) * len(args)
         perms = tuple(r.perms for _, _, r in members)
-        key = (devices, perms, tuple((x.shape, x.dtype) for x in flat))
+        key = (mesh, specs, perms, tuple((x.shape, x.dtype) for x in args))
         into = old.pop(key, None)
         if into is not None and any(b.is_deleted() for b in into):
             into = None  # (a host view still alive only makes XLA allocate, as without)
-        outs = _shift_fn(mesh, perms, into is not None)(*flat, *(into or ()))
-        del flat, into  # the program holds its inputs; a donating train step may take them
+        outs = _shift_fn(mesh, specs, perms, into is not None)(*args, *(into or ()))
+        del args, into  # the program holds its inputs; a donating train step may take them
         if all(d.platform == "cpu" for d in devices):
             buffers[key] = list(outs)
         outs = iter(outs)
@@ -165,6 +174,14 @@ def send_shards(
             moving.append((name, route, [next(outs) if p else None for p in route.perms]))
     old.clear()
     return PeerCopies(moving, buffers), rows_instead
+
+
+def _named_mesh(arr: jax.Array, devices: tuple[Any, ...]) -> Mesh | None:
+    """``arr``'s mesh when it is laid out by one over ``devices``, in that order."""
+    sh = arr.sharding
+    if isinstance(sh, NamedSharding) and tuple(sh.mesh.devices.flat) == devices:
+        return sh.mesh
+    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -183,17 +200,26 @@ def _flat(arr: jax.Array, mesh: Mesh) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=64)
-def _shift_fn(mesh: Mesh, perms: tuple[tuple[tuple[tuple[int, int], ...], ...], ...], into: bool):
-    """One program moving every array: ``perms[i][j]`` for array ``i`` and shift ``j``.
+def _shift_fn(
+    mesh: Mesh,
+    specs: tuple[P, ...],
+    perms: tuple[tuple[tuple[tuple[int, int], ...], ...], ...],
+    into: bool,
+):
+    """One program moving every array (laid out by ``specs`` over ``mesh``): ``perms[i][j]``
+    for array ``i`` and shift ``j``, device positions in ``mesh`` order. Each output holds,
+    stacked along axis 0 in that order, what each device received.
 
     ``into``: the outputs follow as donated arguments (same shapes), and land in them.
     """
     n_in = len(perms)
     n_out = sum(1 for ps in perms for p in ps if p)
+    axes = tuple(mesh.axis_names)
+    stacked = P(axes if len(axes) > 1 else axes[0])
 
     def body(*xs):
         return tuple(
-            jax.lax.ppermute(x, "d", list(p))
+            jax.lax.ppermute(x, axes, list(p))
             for x, ps in zip(xs[:n_in], perms, strict=True)
             for p in ps
             if p
@@ -203,8 +229,8 @@ def _shift_fn(mesh: Mesh, perms: tuple[tuple[tuple[tuple[int, int], ...], ...], 
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(P("d"),) * (n_in + (n_out if into else 0)),
-            out_specs=(P("d"),) * n_out,
+            in_specs=specs + ((stacked,) * n_out if into else ()),
+            out_specs=(stacked,) * n_out,
         ),
         donate_argnums=tuple(range(n_in, n_in + n_out)) if into else (),
         keep_unused=True,  # the donated outputs are not read: kept, so they can be aliased

@@ -37,9 +37,10 @@ def test_owned_shards_reach_the_next_process_once():
     out = received(2, "1")
     assert len(out) == 2
     for o in out:
-        # w: 2 of 4 row blocks x 2 columns held by the other process; d: its 2 row blocks, sent
-        # once although 2 devices hold each; b, r: every process holds them, nothing moves.
-        assert o["received"] == {"w": 4, "b": 0, "r": 0, "d": 2, "t": 4}, o
+        # w: 2 of 4 row blocks x 2 columns held by the other process; d and g: its 2 row
+        # blocks, sent once although 2 devices hold each (g through the flat-mesh path);
+        # b, r: every process holds them, nothing moves.
+        assert o["received"] == {"w": 4, "b": 0, "r": 0, "d": 2, "t": 4, "g": 2}, o
         assert o["as_rows"] == ["sub"]
 
 

@@ -16,6 +16,7 @@ multiproc.init()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax._src.sharding_impls import GSPMDSharding  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -34,6 +35,8 @@ values = {
     "d": (np.arange(16 * 4, dtype=np.int8).reshape(16, 4), NamedSharding(mesh, P("data"))),
     "t": (np.arange(3 * 2 * 8, dtype=np.float16).reshape(3, 2, 8), NamedSharding(mesh, P(None, "model", "data"))),
     "sub": (np.arange(12, dtype=np.float32), NamedSharding(sub, P("x"))),
+    # not a NamedSharding (some jax ops return these): restacked over a flat mesh first
+    "g": (np.arange(32 * 4, dtype=np.float32).reshape(32, 4), GSPMDSharding(tuple(mesh.devices.flat), NamedSharding(mesh, P("data"))._to_xla_hlo_sharding(2))),
 }  # fmt: skip
 
 
