@@ -328,19 +328,16 @@ class EmergencyCheckpointManager:
             if not math.prod(shape):
                 continue
             on_devices[str(i)] = arr
-            held = layout(arr.sharding, shape).held
-            for shard in arr.addressable_shards:
-                index = held.get(shard.device)
-                if index is None:
-                    continue  # another device here holds the same index
-                if shard.data.platform() != "cpu":
-                    shard.data.copy_to_host_async()
-                pending.append(((str(i), index), shard.data))
+            cpu = next(iter(arr.sharding.device_set)).platform == "cpu"
+            for k, index in layout(arr.sharding, shape).held_at:  # one device per index
+                data = arr.addressable_data(k)
+                if cpu:
+                    # Host memory already: a view is a snapshot (see staging._shard_getter).
+                    slices[(str(i), index)] = np.asarray(data)
+                    continue
+                data.copy_to_host_async()
+                pending.append(((str(i), index), data))
         for key, src in pending:  # all D2H copies were started above
-            if isinstance(src, jax.Array) and src.platform() == "cpu":
-                # Host memory already: a view is a snapshot (see staging._shard_getter).
-                slices[key] = np.asarray(src)
-                continue
             src_dtype = np.dtype(src.dtype).newbyteorder("=")  # NumPy leaves: native order
             buf = self._host.get(key)
             if buf is None or buf.shape != tuple(src.shape) or buf.dtype != src_dtype:

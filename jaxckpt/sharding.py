@@ -98,6 +98,8 @@ class Layout:
     chunks: the largest shard extent per dimension, so chunks follow the saved shards.
     owned: this process's devices that own a shard -> that index.
     held: for every distinct index this process holds, its first device here -> the index.
+    held_at: the same as (position among this process's devices in the sharding's order,
+        i.e. ``arr.addressable_data(position)``, index).
     indices: every distinct index, sorted.
     """
 
@@ -105,6 +107,7 @@ class Layout:
     chunks: tuple[int, ...]
     owned: dict[Any, Index]
     held: dict[Any, Index]
+    held_at: tuple[tuple[int, Index], ...]
     indices: tuple[Index, ...]
 
 
@@ -129,7 +132,9 @@ def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
                 sizes[dim] = max(sizes[dim], stop - start)
     owned = {d: i for i, d in owners.items() if d.process_index == me}
     held = {d: i for i, d in first.items()}
-    return Layout(owners, tuple(sizes), owned, held, tuple(sorted(owners)))
+    mine = [d for d in sharding.devices_indices_map(shape) if d.process_index == me]
+    held_at = tuple((k, held[d]) for k, d in enumerate(mine) if d in held)
+    return Layout(owners, tuple(sizes), owned, held, held_at, tuple(sorted(owners)))
 
 
 def shard_owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Index, Any]:

@@ -1,7 +1,8 @@
 """Shard layouts (which device writes which index) and mesh JSON."""
 
 import jax
-from jax.sharding import NamedSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxckpt import sharding
@@ -37,3 +38,16 @@ def test_mesh_json_is_a_fresh_copy(mesh42):
     sharding.sharding_to_json(NamedSharding(mesh42, P("data")), meshes)
     meshes[0]["axis_names"].append("x")
     assert sharding.mesh_to_json(mesh42)["axis_names"] == ["data", "model"]
+
+
+def test_held_at_positions_pick_the_right_device_data(mesh42):
+    value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    permuted = Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), ("data", "model"))
+    for mesh in (mesh42, permuted):
+        for spec in (P("data", "model"), P("model"), P(None, "data"), P()):
+            arr = jax.device_put(value, NamedSharding(mesh, spec))
+            lay = sharding.layout(arr.sharding, value.shape)
+            assert sorted(i for _, i in lay.held_at) == list(lay.indices)
+            for k, index in lay.held_at:
+                got = np.asarray(arr.addressable_data(k))
+                np.testing.assert_array_equal(got, value[tuple(slice(a, b) for a, b in index)])
