@@ -2,8 +2,9 @@
 
 usage: python bench/emergency.py [--mib 1024] [--processes 2] [--repeats 5] [--no-s3]
 
-The state is --mib MiB of float32 in total, sharded over every device (each process holds
-its own part). Measures, per process (median over --repeats; the slowest process is reported):
+The state is bench/compare.py's bench state at --mib MiB: a transformer's parameters and Adam
+moments (170 leaves; sharded, partly sharded and replicated over a (4, 2) mesh of all the
+devices, each process holding its own part). Measures, per process (median over --repeats; the slowest process is reported):
   * blocking time (until ``save`` returns) and wall time (until committed) of a local save
     (replication=1: includes the peer exchange) and of a remote save by the plain
     CheckpointManager to a second directory and to S3 (moto server on 127.0.0.1);
@@ -35,26 +36,18 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
 
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import jaxckpt
     from jaxckpt import multihost
 
     pid = jax.process_index()
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    sh = NamedSharding(mesh, P("data"))
-    cols = 1024
-    rows = (mib << 20) // (4 * cols) // jax.device_count() * jax.device_count()
-    state = {
-        "w": jax.make_array_from_callback(
-            (rows, cols),
-            sh,
-            lambda i: np.full((i[0].stop - i[0].start, cols), i[0].start, np.float32),
-        ),
-        "step": 1,
-    }
-    jax.block_until_ready(state["w"])
+    # the 1 GB bench state of bench/compare.py: a transformer's params + Adam moments, 170
+    # leaves, sharded, partly sharded and replicated over a (4, 2) mesh of every device
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import compare
+
+    state, _ = compare.build_state(mib / 1024, compare.make_mesh((4, 2), jax.device_count()))
+    jax.block_until_ready(state)
     out: dict[str, float] = {}
     step_no = iter(range(1, 10**6))
 
