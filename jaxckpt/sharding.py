@@ -97,16 +97,15 @@ class Layout:
         each shard exactly once whatever the replication).
     chunks: the largest shard extent per dimension, so chunks follow the saved shards.
     owned: this process's devices that own a shard -> that index.
-    held: for every distinct index this process holds, its first device here -> the index.
-    held_at: the same as (position among this process's devices in the sharding's order,
-        i.e. ``arr.addressable_data(position)``, index).
+    held_at: every distinct index this process holds, once, as (position of its first
+        device here among this process's devices in the sharding's order, i.e.
+        ``arr.addressable_data(position)``, index).
     indices: every distinct index, sorted.
     """
 
     owners: dict[Index, Any]
     chunks: tuple[int, ...]
     owned: dict[Any, Index]
-    held: dict[Any, Index]
     held_at: tuple[tuple[int, Index], ...]
     indices: tuple[Index, ...]
 
@@ -118,35 +117,23 @@ def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
     shared: read them, never change them)."""
     me = jax.process_index()
     owners: dict[Index, Any] = {}
-    first: dict[Index, Any] = {}
+    held_at: list[tuple[int, Index]] = []
+    seen: set[Index] = set()
+    position = 0  # among this process's devices
     for device, index in sharding.devices_indices_map(shape).items():
         index = normalize_index(index, shape)
         owners.setdefault(index, device)
         if device.process_index == me:
-            first.setdefault(index, device)
-    sizes = [max(1, d) for d in shape]
-    if shape:
-        sizes = [1] * len(shape)
-        for index in owners:
-            for dim, (start, stop) in enumerate(index):
-                sizes[dim] = max(sizes[dim], stop - start)
+            if index not in seen:
+                seen.add(index)
+                held_at.append((position, index))
+            position += 1
+    sizes = [1] * len(shape)  # the largest shard extent per dimension
+    for index in owners:
+        for dim, (start, stop) in enumerate(index):
+            sizes[dim] = max(sizes[dim], stop - start)
     owned = {d: i for i, d in owners.items() if d.process_index == me}
-    held = {d: i for i, d in first.items()}
-    mine = [d for d in sharding.devices_indices_map(shape) if d.process_index == me]
-    held_at = tuple((k, held[d]) for k, d in enumerate(mine) if d in held)
-    return Layout(owners, tuple(sizes), owned, held, held_at, tuple(sorted(owners)))
-
-
-def shard_owners(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Index, Any]:
-    """Maps each distinct shard index to the device that writes it (see ``Layout``)."""
-    return dict(layout(sharding, shape).owners)
-
-
-def chunk_shape(sharding: jax.sharding.Sharding | None, shape: tuple[int, ...]) -> list[int]:
-    """The largest shard extent per dimension, so chunks follow the saved shards."""
-    if sharding is None or not shape:
-        return [max(1, d) for d in shape]
-    return list(layout(sharding, shape).chunks)
+    return Layout(owners, tuple(sizes), owned, tuple(held_at), tuple(sorted(owners)))
 
 
 # --- binding saved shardings to current devices -------------------------------------------
