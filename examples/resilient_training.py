@@ -95,6 +95,23 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
         print(f"[p{pid}] done at step {steps}, loss {float(loss):.5f}", flush=True)
 
 
+def check_resumed(outs: list[str], outs2: list[str], processes: int, kill_at: int) -> None:
+    """Checks, from the two lives' output, that every process resumed from the newest local
+    step before the failure with the state it had saved; prints the verdict as JSON."""
+    newest = (kill_at - 1) // LOCAL_EVERY * LOCAL_EVERY
+    saved = {
+        line.split("checksum ")[1].split(";")[0]
+        for out in outs
+        for line in out.splitlines()
+        if f"step {newest} loss" in line
+    }
+    resumed = [line for out in outs2 for line in out.splitlines() if "resumed from" in line]
+    assert len(resumed) == processes, resumed
+    assert all(f"local tier at step {newest}" in line for line in resumed), resumed
+    assert {line.split("checksum ")[1] for line in resumed} == saved, (saved, resumed)
+    print(json.dumps({"resumed_step": newest, "tier": "local", "state_equal": True}))
+
+
 def launch(args, kill_at: int) -> tuple[list[int], list[str]]:
     from multiproc import start
 
@@ -149,18 +166,7 @@ def main() -> None:
     print("== run 2: relaunch")
     codes, outs2 = launch(args, kill_at=-1)
     assert all(c == 0 for c in codes), codes
-    newest = (args.kill_at - 1) // LOCAL_EVERY * LOCAL_EVERY
-    saved = {
-        line.split("checksum ")[1].split(";")[0]
-        for out in outs
-        for line in out.splitlines()
-        if f"step {newest} loss" in line
-    }
-    resumed = [line for out in outs2 for line in out.splitlines() if "resumed from" in line]
-    assert len(resumed) == args.processes, resumed
-    assert all(f"local tier at step {newest}" in line for line in resumed), resumed
-    assert {line.split("checksum ")[1] for line in resumed} == saved, (saved, resumed)
-    print(json.dumps({"resumed_step": newest, "tier": "local", "state_equal": True}))
+    check_resumed(outs, outs2, args.processes, args.kill_at)
 
 
 if __name__ == "__main__":

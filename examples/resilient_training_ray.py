@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -32,7 +31,7 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from resilient_training import LOCAL_EVERY, ROOT  # noqa: E402
+from resilient_training import ROOT, check_resumed  # noqa: E402
 
 
 def _free_port() -> int:
@@ -116,18 +115,7 @@ def main() -> None:
         assert not died2, died2
     finally:
         ray.shutdown()
-    newest = (args.kill_at - 1) // LOCAL_EVERY * LOCAL_EVERY
-    saved = {
-        line.split("checksum ")[1].split(";")[0]
-        for out in outs
-        for line in out.splitlines()
-        if f"step {newest} loss" in line
-    }
-    resumed = [line for out in outs2 for line in out.splitlines() if "resumed from" in line]
-    assert len(resumed) == args.processes, resumed
-    assert all(f"local tier at step {newest}" in line for line in resumed), resumed
-    assert {line.split("checksum ")[1] for line in resumed} == saved, (saved, resumed)
-    print(json.dumps({"resumed_step": newest, "tier": "local", "state_equal": True}))
+    check_resumed(outs, outs2, args.processes, args.kill_at)
 
 
 if __name__ == "__main__":
