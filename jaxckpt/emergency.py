@@ -43,7 +43,7 @@ from .options import Options, OptionsError
 from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
 from .recovery import RecoveryReport, StepUnusable, uncovered
 from .sharding import layout
-from .staging import PY_TYPES, check_numpy, unsupported
+from .staging import PY_TYPES, _HostCopies, check_numpy, unsupported
 from .storage import location
 from .writer import Writer
 
@@ -164,7 +164,7 @@ class EmergencyCheckpointManager:
         )
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(local.committed_steps(self.local_directory))
-        self._host: dict[tuple, np.ndarray] = {}
+        self._host = _HostCopies()  # reused host buffers of NumPy leaves and device shards
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
@@ -309,15 +309,18 @@ class EmergencyCheckpointManager:
         slices: local.Slices = {}
         on_devices: dict[str, jax.Array] = {}
         key_data: dict[int, jax.Array] = {}
-        pending = []
+        host = self._host
         for i, (keypath, leaf) in enumerate(flat):
             if type(leaf) in PY_TYPES:
                 continue  # kept in the record
             if isinstance(leaf, (np.ndarray, np.generic)):
                 arr = np.asarray(leaf)
                 check_numpy(arr, tree_lib.path_name(tree_lib.path_to_json(keypath)))
-                if arr.size:
-                    pending.append(((str(i), tuple((0, d) for d in arr.shape)), arr))
+                if arr.size:  # copied: NumPy arrays can change after save returns
+                    key = (str(i), tuple((0, d) for d in arr.shape))
+                    native = arr.dtype.newbyteorder("=")
+                    slices[key] = buf = host.buffer(key, arr.shape, native)
+                    host.copies.append((buf, arr))
                 continue
             if not isinstance(leaf, jax.Array):
                 raise unsupported(leaf, tree_lib.path_name(tree_lib.path_to_json(keypath)))
@@ -336,14 +339,11 @@ class EmergencyCheckpointManager:
                     slices[(str(i), index)] = np.asarray(data)
                     continue
                 data.copy_to_host_async()
-                pending.append(((str(i), index), data))
-        for key, src in pending:  # all D2H copies were started above
-            src_dtype = np.dtype(src.dtype).newbyteorder("=")  # NumPy leaves: native order
-            buf = self._host.get(key)
-            if buf is None or buf.shape != tuple(src.shape) or buf.dtype != src_dtype:
-                buf = self._host[key] = np.empty(tuple(src.shape), src_dtype)
-            np.copyto(buf, np.asarray(src), casting="equiv")
-            slices[key] = buf
+                slices[(str(i), index)] = buf = host.buffer(
+                    (str(i), index), tuple(data.shape), np.dtype(data.dtype)
+                )
+                host.copies.append((buf, data))
+        host.run_copies()  # all D2H copies were started above
         return slices, on_devices, key_data
 
     def _write(self, step, flat, key_data, slices, origins, extra, peers) -> None:
@@ -395,7 +395,7 @@ class EmergencyCheckpointManager:
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
-        self._host.clear()
+        self._host = _HostCopies()
         self._pack_buffer = self._received = None
         timeout = self.options.timeout_s
         tag = self._tag("restore")

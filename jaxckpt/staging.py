@@ -175,10 +175,12 @@ class _HostCopies:
     def run_copies(self) -> None:
         """Copies every pending source into its buffer (two threads: memcpy drops the GIL)."""
         pending, self.copies = self.copies, []
+        if not pending:
+            return
 
         def copy(item: tuple[np.ndarray, Any]) -> None:
             dst, src = item
-            np.copyto(dst, np.asarray(src), casting="no")
+            np.copyto(dst, np.asarray(src), casting="equiv")  # (byte order may differ)
 
         with ThreadPoolExecutor(max_workers=2) as pool:
             list(pool.map(copy, pending))
