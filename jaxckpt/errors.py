@@ -62,7 +62,7 @@ class ExportError(CheckpointError):
     """An exported function cannot be saved, found or served as asked."""
 
 
-class ExportVersionError(ExportError):
+class ExportVersionError(ExportError, FormatVersionError):
     """The export was written by a format or jax.export version the installed code can't read."""
 
 

@@ -34,7 +34,10 @@ from .errors import (
     ExportChecksumError,
     ExportError,
     ExportVersionError,
+    FormatVersionError,
+    ManifestError,
 )
+from .manifest import check_format_version
 from .storage import Location, location
 
 EXPORT_FORMAT = "jaxckpt.export"
@@ -153,11 +156,12 @@ def signature(path: str | os.PathLike) -> dict:
         raise ExportError(f"{loc.url}/{SIGNATURE_FILE} is not valid JSON: {e}; re-export") from e
     if not isinstance(sig, dict) or sig.get("format") != EXPORT_FORMAT:
         raise ExportError(f"{loc.url}/{SIGNATURE_FILE} is not a {EXPORT_FORMAT} signature")
-    if sig.get("format_version", 0) > EXPORT_FORMAT_VERSION:
-        raise ExportVersionError(
-            f"{loc.url}: export format version {sig.get('format_version')} is newer than this "
-            f"jaxckpt reads ({EXPORT_FORMAT_VERSION}); upgrade jaxckpt"
-        )
+    try:
+        check_format_version(sig, where=f"{loc.url}/{SIGNATURE_FILE}")
+    except FormatVersionError as e:
+        raise ExportVersionError(str(e)) from e
+    except ManifestError as e:
+        raise ExportError(str(e)) from e
     return sig
 
 

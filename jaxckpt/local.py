@@ -29,7 +29,8 @@ import numpy as np
 import tensorstore as ts
 
 from . import arrays
-from .manifest import COMMIT_FILE, LeafRecord
+from .errors import ManifestError
+from .manifest import COMMIT_FILE, LeafRecord, check_format_version
 from .sharding import Index
 from .storage import Location, rename_dir
 
@@ -83,7 +84,7 @@ class LocalStep:
 
     @property
     def records(self) -> list[LeafRecord]:
-        return [LeafRecord(**r) for r in self.doc["leaves"]]
+        return [LeafRecord.from_dict(r) for r in self.doc["leaves"]]
 
     @property
     def digest(self) -> str:
@@ -118,6 +119,11 @@ def read_step(directory: Location, step: int) -> LocalStep | None:
         doc = None
     if not isinstance(doc, dict) or doc.get("format") != LOCAL_FORMAT:
         log.warning("jaxckpt: %s has no valid %s; ignoring it", path.url, LOCAL_FILE)
+        return None
+    try:  # a newer major raises FormatVersionError: never guess at a layout we don't know
+        check_format_version(doc, where=f"{path.url}/{LOCAL_FILE}", legacy_key="version")
+    except ManifestError as e:
+        log.warning("jaxckpt: %s; ignoring it", e)
         return None
     return LocalStep(step, path, doc)
 

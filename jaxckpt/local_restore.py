@@ -118,7 +118,7 @@ def restore_step(
         f"{tag}/doc", json.dumps(mine.doc) if pid == elected else "", timeout_s
     )
     doc = json.loads(docs[elected])
-    records = [LeafRecord(**r) for r in doc["leaves"]]
+    records = [LeafRecord.from_dict(r) for r in doc["leaves"]]
     by_name = {r.name: r for r in records}
     meshes = SavedMeshes(doc["meshes"])
     if target is None:

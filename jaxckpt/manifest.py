@@ -48,6 +48,45 @@ class LeafRecord:
     def has_array(self) -> bool:
         return self.kind in ("array", "numpy", "prng_key")
 
+    @classmethod
+    def from_dict(cls, doc: dict) -> LeafRecord:
+        """The record in ``doc``, ignoring fields a newer minor version added."""
+        return cls(**{k: v for k, v in doc.items() if k in _LEAF_FIELDS})
+
+
+_LEAF_FIELDS = frozenset(f.name for f in dataclasses.fields(LeafRecord))
+
+
+def check_format_version(
+    doc: dict, *, where: str, legacy_key: str | None = None
+) -> tuple[int, int]:
+    """``doc``'s ``format_version`` as (major, minor), refusing a major this jaxckpt can't read.
+
+    One scheme for every file jaxckpt writes (manifest.json, local.json, an export's
+    signature.json): ``[major, minor]``; a minor adds optional fields that older readers
+    ignore. Files written before 1.1 may carry a plain integer major (or ``legacy_key``).
+    """
+    raw = doc.get("format_version", doc.get(legacy_key) if legacy_key else None)
+    if isinstance(raw, int):
+        raw = [raw, 0]
+    if not (
+        isinstance(raw, (list, tuple)) and len(raw) == 2 and all(isinstance(v, int) for v in raw)
+    ):
+        raise ManifestError(
+            f"{where}: has no valid format_version ([major, minor]), got {raw!r}; the file is "
+            "damaged or was not written by jaxckpt"
+        )
+    version = (raw[0], raw[1])
+    if version[0] != FORMAT_VERSION[0]:
+        writer = doc.get("writer") or doc.get("versions") or {}
+        raise FormatVersionError(
+            f"{where}: written with format version {version[0]}.{version[1]}, but this jaxckpt "
+            f"reads major version {FORMAT_VERSION[0]} (writer: jaxckpt "
+            f"{writer.get('jaxckpt', '?') if isinstance(writer, dict) else '?'}); install a "
+            "jaxckpt that supports it, e.g. the writer's version"
+        )
+    return version
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -94,16 +133,9 @@ class Manifest:
             raise ManifestError(f"{where}: manifest is not valid JSON ({e})") from e
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not a jaxckpt manifest (no 'format': 'jaxckpt')")
-        version = tuple(doc.get("format_version", (0, 0)))
-        if version[0] != FORMAT_VERSION[0]:
-            raise FormatVersionError(
-                f"{where}: written with format version {version[0]}.{version[1]}, but this "
-                f"jaxckpt reads major version {FORMAT_VERSION[0]} (writer: "
-                f"{doc.get('writer', {}).get('jaxckpt', '?')}); install a jaxckpt that "
-                "supports it, e.g. the writer's version"
-            )
+        version = check_format_version(doc, where=where)
         try:
-            leaves = tuple(LeafRecord(**leaf) for leaf in doc["leaves"])
+            leaves = tuple(LeafRecord.from_dict(leaf) for leaf in doc["leaves"])
             return cls(
                 leaves=leaves,
                 meshes=doc["meshes"],
