@@ -109,7 +109,7 @@ class Location:
         if self.is_local:
             try:
                 return sorted(os.listdir(self.url))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return []
         # Object stores have no directories and TensorStore's list has no delimiter: this lists
         # every key under the prefix (one ListObjectsV2 request per 1000 keys), never keys

@@ -1,0 +1,74 @@
+"""Worker for the golden files' 2-process parts (run through tests/multiproc.py).
+
+usage: worker.py save ROOT            writes ROOT/checkpoint_2proc and ROOT/local/host<p>
+       worker.py restore_local ROOT REMOTE
+                                      restores the local tier of ROOT/local (copies of the
+                                      golden directories) and checks every value; prints
+                                      ``REPORT <json>``
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/, for multiproc
+
+import multiproc  # noqa: E402
+
+multiproc.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, HERE)
+import values  # noqa: E402
+
+import jaxckpt  # noqa: E402
+
+
+def local_state(mesh, step):
+    out = {
+        k: jax.make_array_from_callback(
+            v.shape, NamedSharding(mesh, P(*values.LOCAL_SPECS[k])), lambda i, v=v: v[i]
+        )
+        for k, v in values.local_values(step).items()
+    }
+    out["step"] = step
+    return out
+
+
+def manager(root, remote):
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, remote_interval_steps=1000, replication=1, timeout_s=60
+    )
+    local = os.path.join(root, "local", f"host{jax.process_index()}")
+    return jaxckpt.EmergencyCheckpointManager(local, remote, opts)
+
+
+def main(mode, root, rest):
+    mesh = jax.make_mesh(values.MESH_SHAPE, values.AXES)
+    if mode == "save":
+        jaxckpt.save(os.path.join(root, "checkpoint_2proc"), values.state(mesh))
+        mgr = manager(root, os.path.join(root, "remote"))
+        mgr.save(values.STEP, local_state(mesh, values.STEP))
+        mgr.close()
+    else:
+        mgr = manager(root, rest[0])
+        out = mgr.restore()
+        report = mgr.last_report
+        assert (report.tier, report.step) == ("local", values.STEP), report
+        assert out["step"] == values.STEP
+        for k, v in values.local_values(values.STEP).items():
+            for shard in out[k].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), v[shard.index])
+        print("REPORT", json.dumps(dataclasses.asdict(report)), flush=True)
+        mgr.close()
+    print("ok", mode, jax.process_index(), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
