@@ -196,7 +196,7 @@ def save(
     out_flat = jax.tree_util.tree_flatten_with_path(out_shape)[0]
     signature = {
         "format": EXPORT_FORMAT,
-        "format_version": EXPORT_FORMAT_VERSION,
+        "format_version": list(EXPORT_FORMAT_VERSION),
         "function": fn_name,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": {

@@ -37,11 +37,11 @@ from .errors import (
     FormatVersionError,
     ManifestError,
 )
-from .manifest import check_format_version
+from .manifest import FORMAT_VERSION, check_format_version
 from .storage import Location, location
 
 EXPORT_FORMAT = "jaxckpt.export"
-EXPORT_FORMAT_VERSION = 1
+EXPORT_FORMAT_VERSION = FORMAT_VERSION  # one version scheme for every file jaxckpt writes
 SIGNATURE_FILE = "signature.json"
 PARAMS_DIR = "params"
 ARTIFACTS_DIR = "artifacts"

@@ -30,7 +30,7 @@ import tensorstore as ts
 
 from . import arrays
 from .errors import ManifestError
-from .manifest import COMMIT_FILE, LeafRecord, check_format_version
+from .manifest import COMMIT_FILE, FORMAT_VERSION, LeafRecord, check_format_version
 from .sharding import Index
 from .storage import Location, rename_dir
 
@@ -38,7 +38,6 @@ log = logging.getLogger("jaxckpt")
 
 LOCAL_FILE = "local.json"
 LOCAL_FORMAT = "jaxckpt-local"
-LOCAL_VERSION = 1
 _ALIGN = 64
 # Local chunks are at most this big: TensorStore reads and CRC-checks a chunk into a
 # temporary buffer of its size before copying it out, so shard-sized chunks (hundreds of MiB)
@@ -163,7 +162,7 @@ def write_step(
         leaves = [record_to_json(r) for r in records]
         doc = {
             "format": LOCAL_FORMAT,
-            "version": LOCAL_VERSION,
+            "format_version": list(FORMAT_VERSION),
             "step": step,
             "digest": tree_digest(leaves),
             "meshes": meshes,
