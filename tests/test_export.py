@@ -169,7 +169,9 @@ def test_symbolic_batch_sizes_in_process(exported):
 def test_signature(exported):
     sig = json.loads((exported.path / "signature.json").read_text())
     assert sig == exported.sig
-    assert sig["format"] == "jaxckpt.export" and sig["format_version"] == list(jaxckpt.FORMAT_VERSION)
+    assert sig["format"] == "jaxckpt.export" and sig["format_version"] == list(
+        jaxckpt.FORMAT_VERSION
+    )
     assert sig["versions"]["jax"] == jax.__version__ and sig["versions"]["jaxlib"]
     assert sig["mesh"]["axis_names"] == list(AXES)
     assert sig["mesh"]["exported_from"] == [4, 2]
