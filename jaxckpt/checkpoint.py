@@ -22,7 +22,7 @@ import jax
 
 from . import arrays, multihost
 from . import tree as tree_lib
-from .errors import CheckpointExistsError, ManifestError, UnsupportedLeafError
+from .errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest, array_info
 from .restoring import read_manifest
 from .restoring import restore as restore  # re-export: checkpoint.restore
@@ -61,6 +61,10 @@ def save(
     >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
     """
     loc = location(path)
+    if compression not in (None, "zstd"):
+        raise OptionsError(
+            f"{loc.url}: compression={compression!r} is not supported; pass None or 'zstd'"
+        )
     check_json(metadata, "metadata", loc)
     check_json(metrics, "metrics", loc)
     if loc.exists(COMMIT_FILE):

@@ -72,3 +72,7 @@ class ExportArgumentError(ExportError, ValueError):
 
 class ExportChecksumError(ExportError, ChecksumError):
     """An exported artifact's SHA-256 differs from the one in signature.json: it is corrupt."""
+
+
+class OptionsError(CheckpointError, ValueError):
+    """An option file or value is invalid."""

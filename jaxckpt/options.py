@@ -9,11 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import OptionsError
 
-
-class OptionsError(CheckpointError, ValueError):
-    """An option file or value is invalid."""
+__all__ = ["Options", "OptionsError"]
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,12 @@ import numpy as np
 
 from . import arrays
 from . import tree as tree_lib
-from .errors import CheckpointNotFoundError, LeafNotFoundError, ShapeMismatchError
+from .errors import (
+    CheckpointNotFoundError,
+    LeafNotFoundError,
+    ShapeMismatchError,
+    ShardingError,
+)
 from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
 from .sharding import bind_spec, mesh_by_position, normalize_index
 from .storage import Location, location
@@ -55,25 +60,32 @@ def restore(
     """
     loc = location(path)
     manifest = read_manifest(loc)
-    by_name = {leaf.name: leaf for leaf in manifest.leaves}
-    if target is None:
-        wants = [want_saved(rec, manifest, mesh) for rec in manifest.leaves]
-    else:
-        flat = tree_lib.flatten(target)
-        wants = [want_target(p, t, by_name, loc) for p, t in flat]
-        if mesh is not None:  # ShapeDtypeStructs without a sharding: saved spec on ``mesh``
-            wants = [
-                want_saved(w.record, manifest, mesh, dtype=w.dtype)
-                if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None
-                else w
-                for (_, t), w in zip(flat, wants, strict=True)
-            ]
+    try:
+        wants = _wants(manifest, target, mesh, loc)
+    except ShardingError as e:  # bind_spec knows the leaf, not the path
+        raise ShardingError(f"{loc.url}: {e}") from e
     values = _read_all(loc, wants)
     if target is None:
         return tree_lib.unflatten_paths(
             [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
         )
     return tree_lib.unflatten_like(target, values)
+
+
+def _wants(manifest: Manifest, target: Any, mesh, loc: Location) -> list[Want]:
+    by_name = {leaf.name: leaf for leaf in manifest.leaves}
+    if target is None:
+        return [want_saved(rec, manifest, mesh) for rec in manifest.leaves]
+    flat = tree_lib.flatten(target)
+    wants = [want_target(p, t, by_name, loc) for p, t in flat]
+    if mesh is None:
+        return wants
+    return [  # ShapeDtypeStructs without a sharding: the saved spec on ``mesh``
+        want_saved(w.record, manifest, mesh, dtype=w.dtype)
+        if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None
+        else w
+        for (_, t), w in zip(flat, wants, strict=True)
+    ]
 
 
 def read_manifest(path: str | os.PathLike | Location) -> Manifest:

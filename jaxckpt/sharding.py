@@ -162,7 +162,10 @@ def bind_spec(spec_json: list, mesh: Mesh, *, leaf: str, shape: tuple[int, ...])
             "names, or a restore target with explicit shardings"
         )
     if len(spec) > len(shape):
-        raise ShardingError(f"leaf {leaf!r}: PartitionSpec {spec} is longer than shape {shape}")
+        raise ShardingError(
+            f"leaf {leaf!r}: PartitionSpec {spec} has more entries than shape {shape} has "
+            "dimensions; give a restore target with a sharding that fits the shape"
+        )
     for dim, entry in enumerate(spec):
         names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
         parts = math.prod(mesh.shape[n] for n in names)

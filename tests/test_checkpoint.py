@@ -161,6 +161,12 @@ def test_refuses_to_overwrite(tmp_path):
     assert jaxckpt.restore(tmp_path / "c") == {"a": 1}
 
 
+def test_bad_compression_is_refused_naming_path_and_fix(tmp_path):
+    with pytest.raises(errors.OptionsError, match=r"/c: compression='lz4'.*None or 'zstd'"):
+        jaxckpt.save(tmp_path / "c", {"a": np.ones(2)}, compression="lz4")
+    assert os.listdir(tmp_path) == []
+
+
 def test_unsupported_leaf_leaves_nothing(tmp_path):
     with pytest.raises(errors.UnsupportedLeafError, match=r"'bad'.*object"):
         jaxckpt.save(tmp_path / "c", {"ok": np.ones(2), "bad": object()})
