@@ -40,7 +40,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/step_0"
-        jaxckpt.save(path, state, metadata={"note": "quickstart"})
+        jaxckpt.save(path, state, custom_metadata={"note": "quickstart"})
         print("saved:", sorted(os.listdir(path)))
 
         # Restore onto a different mesh: (2, 4) instead of (4, 2).

@@ -6,7 +6,7 @@
 """
 
 from . import errors, export
-from .checkpoint import metadata, save, user_metadata
+from .checkpoint import custom_metadata, metadata, save, user_metadata
 from .emergency import EmergencyCheckpointManager, EmergencyOptions, RecoveryReport
 from .manager import CheckpointManager
 from .manifest import FORMAT_VERSION, ArrayInfo
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayInfo",
     "CheckpointManager",
+    "custom_metadata",
     "EmergencyCheckpointManager",
     "EmergencyOptions",
     "Options",

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import uuid
+import warnings
 from typing import Any
 
 import jax
@@ -46,26 +47,30 @@ def save(
     path: str | os.PathLike,
     tree: Any,
     *,
-    metadata: Any = None,
+    custom_metadata: Any = None,
     metrics: dict | None = None,
     compression: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    metadata: Any = None,
 ) -> None:
     """Writes ``tree`` as one checkpoint directory at ``path``; blocks until committed.
 
     Every process must call it with the same tree structure. Each writes only the shards it
-    owns, one replica of each. ``metadata`` is any JSON-serializable value kept in the
-    manifest; ``metrics`` a dict of numbers (used by the manager to rank steps). ``tree``
-    may be a handle from :func:`jaxckpt.stage`. Refuses to overwrite a committed checkpoint.
+    owns, one replica of each. ``custom_metadata`` is any JSON-serializable value kept in
+    the manifest (read back by :func:`custom_metadata`); ``metrics`` a dict of numbers (used
+    by the manager to rank steps). ``tree`` may be a handle from :func:`jaxckpt.stage`.
+    Refuses to overwrite a committed checkpoint. (``metadata=`` is the deprecated name of
+    ``custom_metadata=``.)
 
     >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
     """
     loc = location(path)
+    metadata = renamed_metadata(custom_metadata, metadata)
     if compression not in (None, "zstd"):
         raise OptionsError(
             f"{loc.url}: compression={compression!r} is not supported; pass None or 'zstd'"
         )
-    check_json(metadata, "metadata", loc)
+    check_json(metadata, "custom_metadata", loc)
     check_json(metrics, "metrics", loc)
     if loc.exists(COMMIT_FILE):
         raise CheckpointExistsError(
@@ -222,6 +227,31 @@ def metadata(path: str | os.PathLike) -> Any:
     return tree_lib.unflatten_paths(items)
 
 
-def user_metadata(path: str | os.PathLike) -> Any:
-    """The ``metadata=`` value given to :func:`save`."""
+def custom_metadata(path: str | os.PathLike) -> Any:
+    """The ``custom_metadata=`` value given to :func:`save` (None if none was)."""
     return read_manifest(path).metadata
+
+
+def user_metadata(path: str | os.PathLike) -> Any:
+    """Deprecated name of :func:`custom_metadata`."""
+    warnings.warn(
+        "jaxckpt.user_metadata is deprecated; use jaxckpt.custom_metadata",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return custom_metadata(path)
+
+
+def renamed_metadata(custom: Any, old: Any) -> Any:
+    """``custom_metadata=``, or the deprecated ``metadata=`` with a warning (0.x only)."""
+    if old is None:
+        return custom
+    if custom is not None:
+        raise TypeError("pass custom_metadata= only (metadata= is its deprecated name)")
+    warnings.warn(
+        "save(metadata=...) is deprecated: 'metadata' names the leaf tree (jaxckpt.metadata); "
+        "pass custom_metadata= instead",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old

@@ -129,7 +129,9 @@ def variant_record(
 
 def write(loc: Location, params: Any, blobs: dict[str, bytes], sig: dict) -> None:
     """Writes the parameters, then the artifacts, then ``signature.json``, which commits."""
-    checkpoint.save(loc.join(PARAMS_DIR), params, metadata={"jaxckpt.export": sig["function"]})
+    checkpoint.save(
+        loc.join(PARAMS_DIR), params, custom_metadata={"jaxckpt.export": sig["function"]}
+    )
     if multihost.process_index() == 0:
         for file, blob in blobs.items():
             folder, _, name = file.rpartition("/")

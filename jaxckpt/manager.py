@@ -98,6 +98,10 @@ class CheckpointManager:
         """The tree of leaf info of ``step`` (default: newest); see ``jaxckpt.metadata``."""
         return checkpoint.metadata(self.step_path(self._step_or_latest(step)).url)
 
+    def custom_metadata(self, step: int | None = None) -> Any:
+        """The ``custom_metadata=`` saved with ``step`` (default: newest)."""
+        return checkpoint.custom_metadata(self.step_path(self._step_or_latest(step)).url)
+
     def should_save(self, step: int) -> bool:
         """True when the interval policy asks for ``step`` and it is not saved yet."""
         return step % self.options.save_interval_steps == 0 and step not in self._metrics
@@ -119,20 +123,24 @@ class CheckpointManager:
         state: Any,
         *,
         metrics: dict | None = None,
-        metadata: Any = None,
+        custom_metadata: Any = None,
         force: bool = False,
+        metadata: Any = None,
     ) -> bool:
         """Saves ``state`` (a pytree, or a ``jaxckpt.stage`` handle) as ``step``.
 
         Returns False when the policy says not now. With ``async_save`` it returns once the
         owned shards are on the host; the write and commit run in the background.
+        ``custom_metadata``: a JSON value kept with the step (``mgr.custom_metadata(step)``);
+        ``metadata=`` is its deprecated name.
         """
+        metadata = checkpoint.renamed_metadata(custom_metadata, metadata)
         self._check_open()
         self._writer.raise_error()
         if not force and not self.should_save(step):
             return False
         checkpoint.check_json(metrics, "metrics", self.step_path(step))
-        checkpoint.check_json(metadata, "metadata", self.step_path(step))
+        checkpoint.check_json(metadata, "custom_metadata", self.step_path(step))
         if step in self._metrics:
             raise CheckpointExistsError(
                 f"step {step} is already committed at {self.step_path(step).url}; delete it "
@@ -170,7 +178,7 @@ class CheckpointManager:
         checkpoint.save(
             self.step_path(step).url,
             state,
-            metadata=metadata,
+            custom_metadata=metadata,
             metrics=metrics,
             compression=self.options.compression,
             timeout_s=self.options.timeout_s,

@@ -110,7 +110,7 @@ def check_numpy(arr: np.ndarray, name: str) -> None:
         raise UnsupportedLeafError(
             f"leaf {name!r} is a NumPy array of dtype {arr.dtype}, which jaxckpt cannot "
             "store (strings, bytes, structured, object and datetime arrays are not "
-            "supported); convert it to numbers, or keep it in the metadata= JSON"
+            "supported); convert it to numbers, or keep it in the custom_metadata= JSON"
         )
 
 

@@ -188,10 +188,19 @@ def test_numpy_byte_order_and_unsupported_dtypes(tmp_path):
 
 def test_metadata_without_reading_data(mesh42, tmp_path):
     x = sharded(np.ones((8, 4), np.float32), mesh42, ("data", "model"))
-    jaxckpt.save(tmp_path / "c", {"x": x, "step": 3}, metadata={"note": "hi"})
+    jaxckpt.save(tmp_path / "c", {"x": x, "step": 3}, custom_metadata={"note": "hi"})
     info = jaxckpt.metadata(tmp_path / "c")
     assert info["x"].shape == (8, 4) and info["x"].dtype == np.float32
     assert info["x"].mesh_axes == ("data", "model") and info["x"].mesh_shape == (4, 2)
     assert info["x"].spec == P("data", "model") and info["x"].nbytes == 128
     assert info["step"].value == 3
-    assert jaxckpt.user_metadata(tmp_path / "c") == {"note": "hi"}
+    assert jaxckpt.custom_metadata(tmp_path / "c") == {"note": "hi"}
+
+
+def test_metadata_keyword_is_deprecated_but_works(tmp_path):
+    with pytest.warns(DeprecationWarning, match="custom_metadata"):
+        jaxckpt.save(tmp_path / "c", {"step": 3}, metadata={"old": True})
+    with pytest.warns(DeprecationWarning, match="custom_metadata"):
+        assert jaxckpt.user_metadata(tmp_path / "c") == {"old": True}
+    with pytest.raises(TypeError, match="custom_metadata= only"):
+        jaxckpt.save(tmp_path / "d", {"s": 0}, metadata={"a": 1}, custom_metadata={"b": 2})

@@ -431,11 +431,14 @@ def test_metrics_and_metadata_must_be_json(tmp_path):
     with jaxckpt.CheckpointManager(tmp_path) as mgr:
         with pytest.raises(errors.ManifestError, match="metrics must be JSON"):
             mgr.save(0, {"s": 0}, metrics={"loss": jnp.float32(0.5)})
-        with pytest.raises(errors.ManifestError, match="metadata must be JSON"):
-            mgr.save(0, {"s": 0}, metadata={"cfg": object()})
-        assert mgr.save(0, {"s": 0}, metrics={"loss": 0.5})
-    with pytest.raises(errors.ManifestError, match="metadata"):
-        jaxckpt.save(tmp_path / "x", {"s": 0}, metadata={"cfg": object()})
+        with pytest.raises(errors.ManifestError, match="custom_metadata must be JSON"):
+            mgr.save(0, {"s": 0}, custom_metadata={"cfg": object()})
+        assert mgr.save(0, {"s": 0}, metrics={"loss": 0.5}, custom_metadata={"cfg": "a"})
+        assert mgr.save(1, {"s": 1}, force=True)
+        mgr.wait_until_finished()
+        assert mgr.custom_metadata(0) == {"cfg": "a"} and mgr.custom_metadata() is None
+    with pytest.raises(errors.ManifestError, match="custom_metadata"):
+        jaxckpt.save(tmp_path / "x", {"s": 0}, custom_metadata={"cfg": object()})
     assert not (tmp_path / "x").exists()
 
 

@@ -138,9 +138,9 @@ def _tree(mesh):
 
 def test_s3_round_trip_bit_exact(mesh42, s3_url):
     tree = _tree(mesh42)
-    jaxckpt.save(s3_url, tree, metadata={"note": "s3"})
+    jaxckpt.save(s3_url, tree, custom_metadata={"note": "s3"})
     assert_tree_equal(jaxckpt.restore(s3_url), tree)
-    assert jaxckpt.user_metadata(s3_url) == {"note": "s3"}
+    assert jaxckpt.custom_metadata(s3_url) == {"note": "s3"}
     # Onto another layout: a 1-d mesh over all eight devices.
     mesh8 = jax.make_mesh((8,), ("x",))
     target = {"params": {"w": NamedSharding(mesh8, P(None, "x"))}}
