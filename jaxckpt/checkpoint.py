@@ -50,6 +50,7 @@ def save(
     custom_metadata: Any = None,
     metrics: dict | None = None,
     compression: str | None = None,
+    chunk_bytes: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     metadata: Any = None,
 ) -> None:
@@ -59,8 +60,13 @@ def save(
     owns, one replica of each. ``custom_metadata`` is any JSON-serializable value kept in
     the manifest (read back by :func:`custom_metadata`); ``metrics`` a dict of numbers (used
     by the manager to rank steps). ``tree`` may be a handle from :func:`jaxckpt.stage`.
-    Refuses to overwrite a committed checkpoint. (``metadata=`` is the deprecated name of
-    ``custom_metadata=``.)
+    Refuses to overwrite a committed checkpoint. ``chunk_bytes``: store each shard as chunks
+    of at most that many bytes (split along the largest dimension first, so chunks stay
+    close to cubes): a restore that needs a thin slice of a shard reads only the chunks it
+    touches. (``metadata=`` is the deprecated name of ``custom_metadata=``.)
+
+    Shards held by several processes are written in parts, one part by each (see
+    ``sharding.write_split``), so save time falls with the number of hosts.
 
     >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
     """
@@ -76,7 +82,9 @@ def save(
         raise CheckpointExistsError(
             f"{loc.url} already holds a committed checkpoint; choose a new path or delete it first"
         )
-    staged = describe(tree, compression=compression)
+    if chunk_bytes is not None and chunk_bytes < 1:
+        raise OptionsError(f"{loc.url}: chunk_bytes={chunk_bytes!r}; pass None or a positive size")
+    staged = describe(tree, compression=compression, chunk_bytes=chunk_bytes)
     leaves, meshes = list(staged.leaves), staged.meshes
     _check_unique_names(leaves, loc)
     pid, count = multihost.process_index(), multihost.process_count()

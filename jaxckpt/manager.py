@@ -150,7 +150,9 @@ class CheckpointManager:
         opts = self.options
         staged = state if isinstance(state, Staged) else None
         if staged is None and opts.async_save and not self._over_budget(state):
-            staged = describe(state, compression=opts.compression, host=self._host)
+            staged = describe(
+                state, compression=opts.compression, host=self._host, chunk_bytes=opts.chunk_bytes
+            )
         job = (step, staged if staged is not None else state, metrics, metadata)
         what = f"saving step {step} to {self.directory.url}"
         if staged is None or not opts.async_save:
@@ -181,6 +183,7 @@ class CheckpointManager:
             custom_metadata=metadata,
             metrics=metrics,
             compression=self.options.compression,
+            chunk_bytes=self.options.chunk_bytes,
             timeout_s=self.options.timeout_s,
         )
         self._metrics[step] = metrics

@@ -33,6 +33,8 @@ class Options:
         interrupted saves when the manager starts.
     timeout_s: bound on every cross-process wait and on ``close``.
     compression: None or ``"zstd"``.
+    chunk_bytes: store each shard as chunks of at most this many bytes (see
+        ``jaxckpt.save``); None: chunks follow the shards.
     """
 
     save_interval_steps: int = 1
@@ -47,8 +49,11 @@ class Options:
     cleanup_tmp: bool = True
     timeout_s: float = 600.0
     compression: str | None = None
+    chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.chunk_bytes is not None and self.chunk_bytes < 1:
+            raise OptionsError(f"chunk_bytes must be >= 1 or None, got {self.chunk_bytes}")
         if self.save_interval_steps < 1:
             raise OptionsError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
         if self.max_to_keep is not None and self.max_to_keep < 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,105 @@ def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
             sizes[dim] = max(sizes[dim], stop - start)
     owned = {d: i for i, d in owners.items() if d.process_index == me}
     return Layout(owners, tuple(sizes), owned, tuple(held_at), tuple(sorted(owners)))
+
+
+# --- replica-parallel writes: which process writes which part of a shard ------------------
+
+SPLIT_MIN_BYTES = 1 << 20
+"""Shards below this many bytes are written whole by one of their replicas (chosen round-
+robin over the leaves); larger ones are split among the processes that hold a replica."""
+
+
+@dataclass(frozen=True)
+class WriteSplit:
+    """Who writes what of one (sharding, shape): every process computes the same answer.
+
+    chunks: the zarr chunk shape; it divides every shard, so no chunk spans two shards.
+    parts: each distinct shard index -> its parts, as (region, group): a region is a
+        chunk-aligned box inside the shard; group ``g`` is written by the process
+        ``procs[(g + salt) % len(procs)]`` (``salt``: the leaf's position in the tree).
+    procs: each distinct shard index -> the processes holding a replica of it (sorted).
+    """
+
+    chunks: tuple[int, ...]
+    parts: dict[Index, tuple[tuple[Index, int], ...]]
+    procs: dict[Index, tuple[int, ...]]
+
+    def writer(self, index: Index, group: int, salt: int) -> int:
+        procs = self.procs[index]
+        return procs[(group + salt) % len(procs)]
+
+    @functools.cached_property
+    def period(self) -> int:
+        """Salts equal modulo this give the same writers."""
+        return math.lcm(*(len(p) for p in self.procs.values()))
+
+
+def _largest_divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, min(n, max(1, k)) + 1) if n % d == 0)
+
+
+def chunk_shape(
+    shard: tuple[int, ...], itemsize: int, chunk_bytes: int | None, replicas: int
+) -> tuple[int, ...]:
+    """Chunks for a shard: at most ``chunk_bytes`` (the largest dimension halved first, so
+    chunks stay close to cubes) and, for a shard of at least ``SPLIT_MIN_BYTES`` held by
+    ``replicas`` processes, at least that many chunks along its largest dimension. Every
+    extent divides the shard's, so chunk boundaries fall on shard boundaries."""
+    c = [max(1, d) for d in shard]
+    if chunk_bytes:
+        tried: set[int] = set()
+        while math.prod(c) * itemsize > chunk_bytes and len(tried) < len(c):
+            dim = max((d for d in range(len(c)) if d not in tried), key=lambda d: c[d])
+            smaller = _largest_divisor_at_most(shard[dim], c[dim] // 2)
+            if 2 * smaller < c[dim] // 2 or smaller == c[dim]:  # no divisor near a half
+                tried.add(dim)
+                continue
+            c[dim] = smaller
+    if replicas > 1 and shard and math.prod(shard) * itemsize >= SPLIT_MIN_BYTES:
+        dim = max(range(len(shard)), key=lambda d: shard[d])
+        want = -(-shard[dim] // replicas)
+        if c[dim] > want:
+            c[dim] = _largest_divisor_at_most(shard[dim], want)
+    return tuple(c)
+
+
+def _groups(index: Index, chunks: tuple[int, ...], count: int) -> tuple[tuple[Index, int], ...]:
+    """``index`` cut into at most ``count`` chunk-aligned slabs along the dimension with the
+    most chunks; slab ``g`` is group ``g``."""
+    if count <= 1 or not index:
+        return ((index, 0),)
+    n = [-(-(b - a) // c) for (a, b), c in zip(index, chunks, strict=True)]
+    dim = max(range(len(n)), key=lambda d: n[d])
+    start, stop = index[dim]
+    out = []
+    for g in range(min(count, n[dim])):
+        lo = start + (n[dim] * g // min(count, n[dim])) * chunks[dim]
+        hi = min(stop, start + (n[dim] * (g + 1) // min(count, n[dim])) * chunks[dim])
+        out.append((index[:dim] + ((lo, hi),) + index[dim + 1 :], g))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def write_split(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None
+) -> WriteSplit:
+    """The ``WriteSplit`` of ``shape`` under ``sharding`` (cached, like ``layout``)."""
+    holders: dict[Index, set[int]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        holders.setdefault(normalize_index(index, shape), set()).add(device.process_index)
+    procs = {i: tuple(sorted(p)) for i, p in holders.items()}
+    replicas = max((len(p) for p in procs.values()), default=1)
+    chunks = chunk_shape(layout(sharding, shape).chunks, itemsize, chunk_bytes, replicas)
+    split = bool(shape) and math.prod(layout(sharding, shape).chunks) * itemsize >= SPLIT_MIN_BYTES
+    parts = {i: _groups(i, chunks, len(p) if split else 1) for i, p in procs.items()}
+    return WriteSplit(chunks, parts, procs)
+
+
+def chunks_in(region: Index, chunks: tuple[int, ...]):
+    """The grid coordinates of every chunk inside the chunk-aligned ``region``."""
+    ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(region, chunks, strict=True)]
+    return itertools.product(*ranges)
 
 
 # --- binding saved shardings to current devices -------------------------------------------

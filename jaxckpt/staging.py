@@ -24,7 +24,7 @@ from . import arrays, multihost
 from . import tree as tree_lib
 from .errors import UnsupportedLeafError
 from .manifest import LeafRecord
-from .sharding import layout, sharding_to_json
+from .sharding import chunks_in, layout, sharding_to_json, write_split
 
 PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
 
@@ -49,11 +49,18 @@ class StagedLeaf:
 
 
 def leaf_record(
-    path: list, leaf: Any, meshes: list[dict], key_data: jax.Array | None = None
+    path: list,
+    leaf: Any,
+    meshes: list[dict],
+    key_data: jax.Array | None = None,
+    *,
+    chunk_bytes: int | None = None,
+    salt: int = 0,
 ) -> tuple[LeafRecord, Any]:
     """The record of one leaf, and the array that stores it (the key data of a PRNG key, a
     native-order NumPy array). Reads metadata only, so it also describes arrays that have
-    been donated since; ``key_data``: the key's data, taken while it was alive.
+    been donated since; ``key_data``: the key's data, taken while it was alive. The chunks
+    and their writers follow ``sharding.write_split`` (``salt``: the leaf's position).
     """
     name = tree_lib.path_name(path)
     if type(leaf) in PY_TYPES:
@@ -66,6 +73,8 @@ def leaf_record(
         shape = tuple(arr.shape)
         stored = arrays.stored_dtype(np.dtype(arr.dtype))
         nbytes = math.prod(shape) * np.dtype(stored).itemsize
+        itemsize = np.dtype(stored).itemsize
+        split = write_split(arr.sharding, shape, itemsize, chunk_bytes)
         record = LeafRecord(
             path,
             name,
@@ -74,9 +83,14 @@ def leaf_record(
             dtype=str(leaf.dtype),
             stored_dtype=stored if stored != str(arr.dtype) else None,
             sharding=sharding_to_json(arr.sharding, meshes),
-            chunk_shape=list(layout(arr.sharding, shape).chunks) if shape else [],
+            chunk_shape=list(split.chunks) if shape else [],
             nbytes=nbytes,
-            chunk_writers=[[list(c), p] for c, p in _writers(arr.sharding, shape)]
+            chunk_writers=[
+                [list(c), p]
+                for c, p in _writers(
+                    arr.sharding, shape, itemsize, chunk_bytes, salt % split.period
+                )
+            ]
             if nbytes
             else None,
             prng_impl=impl,
@@ -98,7 +112,7 @@ def leaf_record(
             stored_dtype=stored if stored != arr.dtype.name else None,
             chunk_shape=[max(1, d) for d in arr.shape],
             nbytes=nbytes,
-            chunk_writers=[[[0] * arr.ndim, 0]] if nbytes else None,
+            chunk_writers=[[[0] * arr.ndim, numpy_writer(salt)]] if nbytes else None,
             scalar=isinstance(leaf, np.generic),
         )
         return record, arr
@@ -133,30 +147,43 @@ def records(
     return out, meshes
 
 
+def numpy_writer(salt: int) -> int:
+    """The process that writes a NumPy leaf (equal on every process): round-robin."""
+    return salt % multihost.process_count()
+
+
 def _describe(
-    path: list, leaf: Any, meshes: list[dict], compression: str | None, host: _HostCopies | None
+    path: list,
+    leaf: Any,
+    meshes: list[dict],
+    compression: str | None,
+    host: _HostCopies | None,
+    chunk_bytes: int | None,
+    salt: int,
 ) -> StagedLeaf:
-    record, arr = leaf_record(path, leaf, meshes)
+    record, arr = leaf_record(path, leaf, meshes, chunk_bytes=chunk_bytes, salt=salt)
     name, pid = record.name, multihost.process_index()
     if record.kind == "python":
         return StagedLeaf(record, None)
     shape, stored = tuple(record.shape), record.stored_dtype or str(arr.dtype)
+    itemsize = np.dtype(stored).itemsize
     if record.kind == "numpy":
         whole = tuple((0, d) for d in shape)
-        pieces = [(whole, _numpy_getter(arr, host, name))] if pid == 0 and arr.size else []
-        mine = record.nbytes if pid == 0 else 0
-    else:
-        owned = layout(arr.sharding, shape).owned
+        mine = pid == numpy_writer(salt) and arr.size
+        pieces = [(whole, _numpy_getter(arr, host, name))] if mine else []
+    elif math.prod(shape):
+        split = write_split(arr.sharding, shape, itemsize, chunk_bytes)
         pieces = [
-            (index, _shard_getter(shard, host, name, index))
-            for shard in arr.addressable_shards
-            if (index := owned.get(shard.device)) is not None and math.prod(shape)
+            (region, _shard_getter(arr.addressable_data(position), host, name, index, region))
+            for position, index in layout(arr.sharding, shape).held_at
+            for region, group in split.parts[index]
+            if split.writer(index, group, salt) == pid
         ]
-        mine = (
-            sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * np.dtype(stored).itemsize
-        )
+    else:
+        pieces = []
+    nbytes = sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * itemsize
     meta = arrays.zarr_metadata(shape, stored, record.chunk_shape, compression)
-    return StagedLeaf(record, arrays.ArrayWrite(name, meta, pieces, pid == 0, mine))
+    return StagedLeaf(record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes))
 
 
 class _HostCopies:
@@ -187,32 +214,36 @@ class _HostCopies:
 
 
 @functools.lru_cache(maxsize=4096)
-def _writers(sharding, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], int], ...]:
-    """(first chunk's grid position, writing process) of each shard (``chunk_writers``)."""
-    lay = layout(sharding, shape)
+def _writers(
+    sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None, salt: int
+) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """(grid position, writing process) of every chunk (``chunk_writers``)."""
+    split = write_split(sharding, shape, itemsize, chunk_bytes)
     return tuple(
-        (
-            tuple(start // c for (start, _), c in zip(index, lay.chunks, strict=True)),
-            d.process_index,
-        )
-        for index, d in lay.owners.items()
+        (coords, split.writer(index, group, salt))
+        for index, parts in split.parts.items()
+        for region, group in parts
+        for coords in chunks_in(region, split.chunks)
     )
 
 
 def _shard_getter(
-    shard: Any, host: _HostCopies | None, name: str, index
+    data: jax.Array, host: _HostCopies | None, name: str, index, region
 ) -> Callable[[], np.ndarray]:
+    """The part ``region`` (global coordinates) of the shard ``data`` at ``index``."""
+    part = tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(region, index, strict=True))
     if host is None:
-        return lambda: np.asarray(shard.data)
-    data = shard.data
+        return lambda: np.asarray(data)[part]
     if data.platform() == "cpu":
         # The device buffer is host memory already. A NumPy view of it is a snapshot: jax
         # arrays are immutable, and while the view lives XLA will not donate the buffer to a
         # later computation (it allocates a new output instead), so nothing overwrites it.
-        view = np.asarray(data)
+        view = np.asarray(data)[part]
         return lambda: view
+    if region != index:  # copy only this process's part to the host
+        data = data[part]
     data.copy_to_host_async()
-    buf = host.buffer((name, index), tuple(data.shape), np.dtype(data.dtype))
+    buf = host.buffer((name, region), tuple(data.shape), np.dtype(data.dtype))
     host.copies.append((buf, data))
     return lambda: buf
 
@@ -226,14 +257,19 @@ def _numpy_getter(arr: np.ndarray, host: _HostCopies | None, name: str) -> Calla
 
 
 def describe(
-    tree: Any, *, compression: str | None = None, host: _HostCopies | None = None
+    tree: Any,
+    *,
+    compression: str | None = None,
+    host: _HostCopies | None = None,
+    chunk_bytes: int | None = None,
 ) -> Staged:
     """Describes ``tree`` for writing; with ``host``, also snapshots the owned shards."""
     if isinstance(tree, Staged):
         return tree
     meshes: list[dict] = []
     leaves = tuple(
-        _describe(p, leaf, meshes, compression, host) for p, leaf in tree_lib.flatten(tree)
+        _describe(p, leaf, meshes, compression, host, chunk_bytes, salt)
+        for salt, (p, leaf) in enumerate(tree_lib.flatten(tree))
     )
     held = 0
     if host is not None:
@@ -243,7 +279,11 @@ def describe(
 
 
 def stage(
-    tree: Any, *, compression: str | None = None, buffers: _HostCopies | None = None
+    tree: Any,
+    *,
+    compression: str | None = None,
+    chunk_bytes: int | None = None,
+    buffers: _HostCopies | None = None,
 ) -> Staged:
     """Starts device->host copies of the shards this process owns and returns a handle.
 
@@ -253,4 +293,6 @@ def stage(
     >>> staged = jaxckpt.stage(state)
     >>> mgr.save(step, staged)
     """
-    return describe(tree, compression=compression, host=buffers or _HostCopies())
+    return describe(
+        tree, compression=compression, host=buffers or _HostCopies(), chunk_bytes=chunk_bytes
+    )

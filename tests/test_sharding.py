@@ -49,3 +49,45 @@ def test_held_at_positions_pick_the_right_device_data(mesh42):
             for k, index in lay.held_at:
                 got = np.asarray(arr.addressable_data(k))
                 np.testing.assert_array_equal(got, value[tuple(slice(a, b) for a, b in index)])
+
+
+# --- replica-parallel writes and sub-chunks ------------------------------------------------
+
+
+def test_chunk_shape_halves_the_largest_dimension_and_divides_the_shard():
+    # 1024 x 256 float32 = 1 MiB; at most 64 KiB a chunk: halve the largest dimension first
+    c = sharding.chunk_shape((1024, 256), 4, 64 << 10, 1)
+    assert np.prod(c) * 4 <= 64 << 10 and 1024 % c[0] == 0 and 256 % c[1] == 0
+    assert max(c) <= 4 * min(c)  # close to cubes
+    assert sharding.chunk_shape((1024, 256), 4, None, 1) == (1024, 256)  # chunks follow shards
+    # a prime extent cannot be split: the other dimension is
+    assert sharding.chunk_shape((7, 4096), 4, 4096, 1)[0] == 7
+    # replicas on 3 processes: at least 3 chunks along the largest dimension of a big shard
+    c = sharding.chunk_shape((1536, 512), 4, None, 3)
+    assert c == (512, 512)
+    assert sharding.chunk_shape((16, 16), 4, None, 3) == (16, 16)  # small: one writer
+
+
+def test_groups_cover_the_shard_once_along_chunk_boundaries():
+    index = ((0, 1024), (256, 512))
+    parts = sharding._groups(index, (128, 256), 3)
+    assert [g for _, g in parts] == [0, 1, 2]
+    rows = [r[0] for r, _ in parts]
+    assert rows[0][0] == 0 and rows[-1][1] == 1024
+    assert all(a[1] == b[0] and a[1] % 128 == 0 for a, b in zip(rows, rows[1:], strict=False))
+    assert all(r[1] == (256, 512) for r, _ in parts)
+    # fewer chunks than replicas: one part a chunk
+    assert len(sharding._groups(((0, 256),), (128,), 4)) == 2
+
+
+def test_write_split_spreads_replicated_shards_over_their_processes(mesh42):
+    # one process here: every shard has one holder, so the split is the plain ownership
+    s = sharding.write_split(NamedSharding(mesh42, P(None, "model")), (1024, 512), 4, None)
+    assert s.chunks == (1024, 256)
+    assert all(len(p) == 1 for p in s.parts.values())
+    s = sharding.write_split(NamedSharding(mesh42, P()), (1024, 512), 4, 1 << 18)
+    assert np.prod(s.chunks) * 4 <= 1 << 18
+    (index,) = s.parts
+    covered = sum(len(list(sharding.chunks_in(r, s.chunks))) for r, _ in s.parts[index])
+    assert covered == (1024 // s.chunks[0]) * (512 // s.chunks[1])
+    assert s.writer(index, 0, salt=5) == 0
