@@ -274,7 +274,10 @@ class CheckpointManager:
         """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`."""
         self.wait_until_finished()
         return checkpoint.restore(
-            self.step_path(self._step_or_latest(step)).url, target=target, mesh=mesh
+            self.step_path(self._step_or_latest(step)).url,
+            target=target,
+            mesh=mesh,
+            read_budget_bytes=self.options.read_budget_bytes,
         )
 
     def _step_or_latest(self, step: int | None) -> int:

@@ -35,6 +35,8 @@ class Options:
     compression: None or ``"zstd"``.
     chunk_bytes: store each shard as chunks of at most this many bytes (see
         ``jaxckpt.save``); None: chunks follow the shards.
+    read_budget_bytes: host memory for slices read but not yet on a device during a
+        restore (None: ``restoring.READ_BUDGET_BYTES``, 128 MiB).
     """
 
     save_interval_steps: int = 1
@@ -50,8 +52,13 @@ class Options:
     timeout_s: float = 600.0
     compression: str | None = None
     chunk_bytes: int | None = None
+    read_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.read_budget_bytes is not None and self.read_budget_bytes < 1:
+            raise OptionsError(
+                f"read_budget_bytes must be >= 1 or None, got {self.read_budget_bytes}"
+            )
         if self.chunk_bytes is not None and self.chunk_bytes < 1:
             raise OptionsError(f"chunk_bytes must be >= 1 or None, got {self.chunk_bytes}")
         if self.save_interval_steps < 1:

@@ -254,3 +254,37 @@ def test_corrupted_chunk_is_detected_and_named(mesh42, tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(errors.ChecksumError, match=r"layer/w.*process 0"):
         jaxckpt.restore(tmp_path / "c")
+
+
+def _file_bytes_read() -> int:
+    """Bytes TensorStore's file kvstore read so far (its own counter, outside jaxckpt)."""
+    import tensorstore as ts
+
+    (m,) = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return m["values"][0]["value"]
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 256 << 10])
+def test_chunk_bytes_bound_what_a_thin_slice_restore_reads(chunk_bytes, mesh42, tmp_path):
+    """Saved as 4 row shards of 4 MiB; restored with each of 8 devices needing 1/8 of every
+    shard's columns. With shard-sized chunks each device reads whole shards (8x what it
+    needs); with chunk_bytes it reads at most about 2x."""
+    x = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data", None))}, chunk_bytes=chunk_bytes)
+    chunks = jaxckpt.metadata(tmp_path / "c")  # the manifest records the chunk shape
+    rec = json.loads((tmp_path / "c" / "manifest.json").read_text())["leaves"][0]
+    assert chunks["x"].shape == (2048, 2048)
+    if chunk_bytes:
+        assert np.prod(rec["chunk_shape"]) * 4 <= chunk_bytes
+    cols = NamedSharding(jax.make_mesh((8,), ("x",)), P(None, "x"))
+    before = _file_bytes_read()
+    # one device's slice in flight at a time: no two reads share a chunk read
+    out = jaxckpt.restore(tmp_path / "c", target={"x": cols}, read_budget_bytes=2 << 20)
+    read = _file_bytes_read() - before
+    assert np.asarray(out["x"]).tobytes() == x.tobytes()
+    ratio = read / x.nbytes
+    print(f"chunk_bytes={chunk_bytes}: read {ratio:.2f}x the bytes needed", end=" ")
+    if chunk_bytes:
+        assert ratio <= 2.5, ratio
+    else:
+        assert ratio >= 6, ratio  # the case chunk_bytes is for
