@@ -15,7 +15,7 @@ from .errors import FormatVersionError, ManifestError
 from .sharding import spec_from_json
 
 FORMAT_NAME = "jaxckpt"
-FORMAT_VERSION = (1, 1)  # (major, minor): a reader accepts any minor of its own major
+FORMAT_VERSION = (1, 2)  # (major, minor): a reader accepts any minor of its own major
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMITTED"
 ARRAYS_DIR = "arrays"

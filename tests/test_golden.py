@@ -54,8 +54,15 @@ def test_every_written_version_has_golden_files():
     assert f"{major}.{minor}" in VERSIONS, "run tests/golden/make_golden.py for the new version"
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("name", ["checkpoint", "checkpoint_2proc"])
+CHECKPOINTS = [
+    (v, name)
+    for v in VERSIONS
+    for name in ("checkpoint", "checkpoint_2proc", "checkpoint_chunked")
+    if os.path.isdir(os.path.join(GOLDEN, f"v{v}", name))
+]
+
+
+@pytest.mark.parametrize("version, name", CHECKPOINTS)
 def test_golden_checkpoint_restores_bit_exactly(version, name):
     path = os.path.join(GOLDEN, f"v{version}", name)
     out = jaxckpt.restore(path)  # the saved (4, 2) mesh, rebuilt here
