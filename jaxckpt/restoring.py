@@ -14,6 +14,7 @@ local copies (:mod:`jaxckpt.local_restore`, :mod:`jaxckpt.recovery`). (Named ``r
 from __future__ import annotations
 
 import collections
+import dataclasses
 import difflib
 import math
 import os
@@ -25,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import arrays
+from . import arrays, read_once
 from . import tree as tree_lib
 from .errors import (
     CheckpointNotFoundError,
@@ -74,7 +75,7 @@ def restore(
         raise OptionsError(
             f"{loc.url}: read_budget_bytes={read_budget_bytes!r}; pass None or a positive size"
         )
-    values = _read_all(loc, wants, read_budget_bytes or READ_BUDGET_BYTES)
+    values = _read_once(loc, wants, read_budget_bytes or READ_BUDGET_BYTES)
     if target is None:
         return tree_lib.unflatten_paths(
             [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
@@ -176,6 +177,23 @@ def want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Locatio
 
 
 # --- reading slices and placing them on devices --------------------------------------------
+
+
+def _read_once(loc: Location, wants: list[Want], budget: int) -> list[Any]:
+    """``_read_all``, with leaves that processes share read once and moved (``read_once``)."""
+    moves: dict[int, jax.sharding.Sharding] = {}
+    wants = list(wants)
+    for i, w in enumerate(wants):
+        if w.sharding is not None and w.record.kind == "array":
+            rec = w.record
+            rs = read_once.read_sharding(w.sharding, tuple(rec.shape), tuple(rec.chunk_shape))
+            if rs is not None:
+                moves[i], wants[i] = w.sharding, dataclasses.replace(w, sharding=rs)
+    values = _read_all(loc, wants, budget)
+    moved = read_once.move([values[i] for i in moves], list(moves.values()))
+    for i, v in zip(moves, moved, strict=True):
+        values[i] = v
+    return values
 
 
 def _read_all(loc: Location, wants: list[Want], budget: int = READ_BUDGET_BYTES) -> list[Any]:

@@ -136,7 +136,7 @@ def test_sigterm_to_one_process_saves_an_agreed_step(tmp_path):
 # --- replica-parallel writes ---------------------------------------------------------------
 
 DATA_PARALLEL = os.path.join(HERE, "workers", "data_parallel.py")
-DP_LOGICAL = 4 * 1024 * 512 * 4 + 12 * 16 * 4 + (1 << 19) * 4 + 10 * 4
+DP_LOGICAL = 4 * 1024 * 1024 * 4 + 12 * 16 * 4 + (1 << 19) * 4 + 10 * 4
 
 
 @pytest.mark.slow
@@ -163,7 +163,20 @@ def test_data_parallel_state_is_written_by_every_process(tmp_path, n):
     print(manifest["bytes_per_process"])
     assert sum(manifest["bytes_per_process"]) == DP_LOGICAL
     assert max(manifest["bytes_per_process"]) <= 1.25 * DP_LOGICAL / n, manifest
-    multiproc.run(DATA_PARALLEL, n, devices_per_process=8 // n, args=["restore", path]).check()
+    res = multiproc.run(DATA_PARALLEL, n, devices_per_process=8 // n, args=["restore", path])
+    reads = [
+        json.loads(line.split(" ", 1)[1])
+        for out in res.check().outputs
+        for line in out.splitlines()
+        if line.startswith("IO ")
+    ]
+    # Read once: what all processes read from storage is about the logical bytes, and each
+    # reads about its share (TensorStore's file kvstore counter, and the OS's rchar).
+    for key in ("ts_file_bytes_read", "rchar"):
+        got = [r[key] for r in reads]
+        print(key, got, end=" ")
+        assert sum(got) <= 1.2 * DP_LOGICAL, (key, got)
+        assert max(got) <= 1.25 * DP_LOGICAL / n, (key, got)
     other = 1 if n == 2 else 2
     multiproc.run(
         DATA_PARALLEL, other, devices_per_process=8 // other, args=["restore", path]

@@ -2,10 +2,14 @@
 processes, sharded over 'model'), saved and restored; I/O measured from /proc/self/io.
 
 usage: data_parallel.py save DIR      saves, prints ``IO <json>`` (write_bytes of the save)
-       data_parallel.py restore DIR   restores onto the same mesh and onto another, checks
+       data_parallel.py restore DIR   restores onto the same mesh (page cache of the
+                                      checkpoint's files dropped first; prints ``IO <json>``
+                                      with /proc/self/io and TensorStore's file kvstore
+                                      bytes_read) and onto another mesh, checks both
 """
 
 import json
+import os
 import sys
 
 import multiproc
@@ -13,6 +17,7 @@ import multiproc
 multiproc.init()
 
 import jax  # noqa: E402
+import jax.experimental.multihost_utils  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -21,12 +26,10 @@ import jaxckpt  # noqa: E402
 
 
 def expected() -> dict:
-    big = {
-        f"w{i}": np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512) + i for i in range(4)
-    }
+    big = {f"w{i}": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024) + i for i in range(4)}
     small = {f"b{i}": np.arange(16, dtype=np.float32) * i for i in range(12)}
     return {
-        "params": big,  # 2 MiB each, replicated over 'data'
+        "params": big,  # 4 MiB each, replicated over 'data'
         "small": small,  # replicated everywhere, 64 B each
         "sharded": np.arange(1 << 19, dtype=np.float32),  # over every device
         "host": np.arange(10, dtype=np.int32),  # a NumPy leaf
@@ -57,6 +60,23 @@ def io() -> dict:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
+def ts_bytes_read() -> int:
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return found[0]["values"][0]["value"] if found else 0
+
+
+def drop_page_cache(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def check(out: dict) -> None:
     exp = expected()
     for (path, want), got in zip(
@@ -80,7 +100,15 @@ def main(mode: str, path: str) -> None:
         after = io()
         print("IO", json.dumps({k: after[k] - before[k] for k in after}), flush=True)
     else:
-        check(jaxckpt.restore(path))
+        drop_page_cache(path)
+        jax.experimental.multihost_utils.sync_global_devices("dropped")
+        before, ts_before = io(), ts_bytes_read()
+        out = jaxckpt.restore(path)
+        after = io()
+        delta = {k: after[k] - before[k] for k in after}
+        delta["ts_file_bytes_read"] = ts_bytes_read() - ts_before
+        print("IO", json.dumps(delta), flush=True)
+        check(out)
         other = jax.make_mesh((8 // n, n), ("data", "model"))
         check(jaxckpt.restore(path, mesh=other))
     print("ok", mode, jax.process_index(), flush=True)
