@@ -76,6 +76,18 @@ def host_name() -> str:
     return os.environ.get("JAXCKPT_HOST") or socket.gethostname()
 
 
+_HOSTS: list[str] | None = None
+
+
+def process_hosts(timeout_s: float) -> list[str]:
+    """Every process's ``host_name()``, in process order: one key-value round per job, the
+    first time it is asked (every process must ask at the same point)."""
+    global _HOSTS
+    if _HOSTS is None or len(_HOSTS) != process_count():
+        _HOSTS = all_gather("jaxckpt/process_hosts", host_name(), timeout_s, what="hosts")
+    return _HOSTS
+
+
 def _client():
     from jax._src import distributed
 

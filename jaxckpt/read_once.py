@@ -9,8 +9,10 @@ and then moved onto the target sharding in one ``jax.device_put`` of every such 
 (XLA's collectives, device to device).
 
 The plain per-process read is kept where it is as fast: one process, a target that no two
-processes need the same slice of, shardings other than ``NamedSharding``, NumPy results and
-PRNG keys (see ``read_sharding``).
+hosts need the same slice of (processes on one host share its page cache, so the second
+read of a slice costs a memory copy, less than a transfer between processes), shardings
+other than ``NamedSharding``, NumPy results and PRNG keys (see ``read_sharding``). A host
+is ``multihost.host_name()``: the hostname, or ``$JAXCKPT_HOST``.
 """
 
 from __future__ import annotations
@@ -31,40 +33,55 @@ def _axes(entry) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
+def shared_across_processes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+    """True when some slice of a NamedSharding is needed by devices of two processes."""
+    return bool(_sharing_processes(sharding, shape))
+
+
 @functools.lru_cache(maxsize=4096)
-def _shared_across_processes(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
-    """True when some slice is needed by devices of two or more processes."""
-    first: dict = {}
+def _sharing_processes(sharding, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The sets of processes (two or more) that need the same slice."""
+    if jax.process_count() == 1 or not isinstance(sharding, NamedSharding) or not shape:
+        return ()
+    procs: dict = {}
     for device, index in sharding.devices_indices_map(shape).items():
-        p = first.setdefault(normalize_index(index, shape), device.process_index)
-        if p != device.process_index:
-            return True
-    return False
+        procs.setdefault(normalize_index(index, shape), set()).add(device.process_index)
+    return tuple(sorted({tuple(sorted(p)) for p in procs.values() if len(p) > 1}))
 
 
 @functools.lru_cache(maxsize=4096)
 def read_sharding(
-    sharding: jax.sharding.Sharding, shape: tuple[int, ...], chunks: tuple[int, ...]
+    sharding: jax.sharding.Sharding,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    hosts: tuple[str, ...],
 ) -> NamedSharding | None:
     """The sharding to read a leaf with before moving it onto ``sharding``, or None when
     reading straight into ``sharding`` is as good (see the module docstring). An axis is
     added to a dimension only where the slices stay whole ``chunks`` (a slice of a chunk
-    costs the whole chunk's read); small shards, one chunk each, are read per process."""
-    if jax.process_count() == 1 or not isinstance(sharding, NamedSharding) or not shape:
+    costs the whole chunk's read); small shards, one chunk each, are read per process.
+    ``hosts``: every process's host."""
+    if not any(len({hosts[p] for p in ps}) > 1 for ps in _sharing_processes(sharding, shape)):
         return None
-    if not _shared_across_processes(sharding, shape):
-        return None
-    mesh = sharding.mesh
-    spec = [_axes(e) for e in sharding.spec] + [()] * (len(shape) - len(sharding.spec))
-    used = {a for entry in spec for a in entry}
+    spec = read_spec(sharding.spec, dict(sharding.mesh.shape), shape, chunks)
+    return None if spec is None else NamedSharding(sharding.mesh, spec)
+
+
+def read_spec(
+    spec: PartitionSpec, axis_sizes: dict[str, int], shape: tuple[int, ...], chunks: tuple[int, ...]
+) -> PartitionSpec | None:
+    """``spec`` with the mesh axes it leaves out (the ones the leaf is replicated over)
+    added, largest first, each to the dimension with the largest slices that it divides
+    into whole chunks; None when no axis can be added."""
+    entries = [_axes(e) for e in spec] + [()] * (len(shape) - len(spec))
+    used = {a for entry in entries for a in entry}
     free = sorted(
-        (a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1),
-        key=lambda a: -mesh.shape[a],
+        (a for a, k in axis_sizes.items() if a not in used and k > 1), key=lambda a: -axis_sizes[a]
     )
-    parts = [math.prod(mesh.shape[a] for a in entry) for entry in spec]
+    parts = [math.prod(axis_sizes[a] for a in entry) for entry in entries]
     changed = False
     for axis in free:
-        k = mesh.shape[axis]
+        k = axis_sizes[axis]
         fits = [
             d
             for d in range(len(shape))
@@ -73,11 +90,10 @@ def read_sharding(
         if not fits:
             continue
         d = max(fits, key=lambda d: shape[d] // parts[d])
-        spec[d], parts[d], changed = (*spec[d], axis), parts[d] * k, True
+        entries[d], parts[d], changed = (*entries[d], axis), parts[d] * k, True
     if not changed:
         return None
-    entries = [None if not e else (e[0] if len(e) == 1 else e) for e in spec]
-    return NamedSharding(mesh, PartitionSpec(*entries))
+    return PartitionSpec(*(None if not e else (e[0] if len(e) == 1 else e) for e in entries))
 
 
 def move(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]) -> list:

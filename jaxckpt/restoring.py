@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import arrays, read_once
+from . import arrays, multihost, read_once
 from . import tree as tree_lib
 from .errors import (
     CheckpointNotFoundError,
@@ -40,6 +40,7 @@ from .sharding import bind_spec, mesh_by_position, normalize_index
 from .storage import Location, location
 
 READ_BUDGET_BYTES = 128 << 20  # host memory for slices read but not yet on device
+READ_ONCE_TIMEOUT_S = 600.0  # the one key-value round of a job's first shared restore
 
 
 def restore(
@@ -183,12 +184,19 @@ def _read_once(loc: Location, wants: list[Want], budget: int) -> list[Any]:
     """``_read_all``, with leaves that processes share read once and moved (``read_once``)."""
     moves: dict[int, jax.sharding.Sharding] = {}
     wants = list(wants)
-    for i, w in enumerate(wants):
-        if w.sharding is not None and w.record.kind == "array":
-            rec = w.record
-            rs = read_once.read_sharding(w.sharding, tuple(rec.shape), tuple(rec.chunk_shape))
-            if rs is not None:
-                moves[i], wants[i] = w.sharding, dataclasses.replace(w, sharding=rs)
+    shared = [
+        i
+        for i, w in enumerate(wants)
+        if w.record.kind == "array"
+        and w.sharding is not None
+        and read_once.shared_across_processes(w.sharding, tuple(w.record.shape))
+    ]
+    hosts = tuple(multihost.process_hosts(READ_ONCE_TIMEOUT_S)) if shared else ()
+    for i in shared:
+        w, rec = wants[i], wants[i].record
+        rs = read_once.read_sharding(w.sharding, tuple(rec.shape), tuple(rec.chunk_shape), hosts)
+        if rs is not None:
+            moves[i], wants[i] = w.sharding, dataclasses.replace(w, sharding=rs)
     values = _read_all(loc, wants, budget)
     moved = read_once.move([values[i] for i in moves], list(moves.values()))
     for i, v in zip(moves, moved, strict=True):

@@ -91,6 +91,8 @@ def check(out: dict) -> None:
 
 def main(mode: str, path: str) -> None:
     n = jax.process_count()
+    if os.environ.get("JAXCKPT_TEST_HOSTS") == "separate":  # simulated machines
+        os.environ["JAXCKPT_HOST"] = f"machine{jax.process_index()}"
     mesh = jax.make_mesh((n, 8 // n), ("data", "model"))
     if mode == "save":
         s = state(mesh)
