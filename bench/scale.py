@@ -1,7 +1,7 @@
 """Multi-process scaling: fixed bytes per process, 1, 2 and 4 processes on 127.0.0.1.
 
 usage: python bench/scale.py [--mib-per-process 64] [--repeats 3] [--procs 1,2,4]
-                            [--protocol-procs 2,4,8]
+                            [--protocol-procs 2,4,8] [--data-parallel GIB]
 
 Prints save and restore time and the time spent in coordination (barriers and key-value
 traffic, timed in ``jaxckpt.multihost``) with its share of the save time. Each process has
@@ -146,6 +146,13 @@ def main() -> None:
         default="2,4,8",
         help="process counts for the second table (a 64 KiB state: the protocol alone)",
     )
+    ap.add_argument(
+        "--data-parallel",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="also run the data-parallel table (bench/data_parallel.py) with a state of GIB",
+    )
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -177,6 +184,11 @@ def main() -> None:
     )
     growth_line(rows, f"{a.mib_per_process} MiB/process, I/O-loaded cores")
     growth_line(tiny, "64 KiB/process")
+    if a.data_parallel:
+        import data_parallel
+
+        print(f"\n== data-parallel state, {a.data_parallel} GiB, jaxckpt vs Orbax, medians")
+        data_parallel.verdicts(data_parallel.table(a.data_parallel, procs, max(3, a.repeats)))
 
 
 def _median(xs: list[float]) -> float:

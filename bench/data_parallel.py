@@ -1,0 +1,241 @@
+"""A data-parallel state saved and restored by 1, 2 and 4 processes: jaxckpt vs Orbax.
+
+Imported by ``bench/scale.py`` (its data-parallel table); also runs alone:
+
+    python bench/data_parallel.py [--gib 1.0] [--repeats 3] [--procs 1,2,4]
+
+The state: parameters replicated over a 'data' axis that spans the processes and sharded
+over 'model' (2 devices a process), as in data-parallel training; a fully sharded leaf
+(optimizer-state-like) over every device; 40 small replicated leaves. Each repeat saves
+and restores with both libraries, alternating which goes first; medians are printed.
+Measured from outside each library: bytes written per process (``/proc/self/io``
+write_bytes) and bytes read from the files (TensorStore's file kvstore counter, which both
+libraries read through; page cache of the checkpoint dropped before each restore).
+Each process stands for one machine (``$JAXCKPT_HOST``), as in the multi-host jobs the
+table is about; ``JAXCKPT_BENCH_HOSTS=same`` runs them as one machine instead (jaxckpt then
+reads per process: see ``jaxckpt/read_once.py``). Orbax runs with its defaults: replica-parallel saving on (``use_replica_parallel`` defaults
+to True off GPU), load-and-broadcast off (it needs ``SingleReplicaArrayHandler``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import multiproc  # noqa: E402
+
+
+def _state(gib: float):
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = jax.process_count()
+    mesh = jax.make_mesh((n, jax.device_count() // n), ("data", "model"))
+    total = int(gib * (1 << 30))
+    cols = 4096
+    rows = max(64, int(0.75 * total) // (8 * 4 * cols) // 64 * 64)  # 8 params, 75% of bytes
+    flat = max(1 << 16, int(0.25 * total) // 4 // (1 << 16) * (1 << 16))
+
+    def put(shape, spec, seed):
+        sh = NamedSharding(mesh, spec)
+
+        def cb(index):
+            shp = [s.indices(d)[1] - s.indices(d)[0] for s, d in zip(index, shape, strict=False)]
+            # incompressible values: Orbax compresses with zstd by default, jaxckpt does not
+            rng = np.random.default_rng(
+                [int(seed), *(s.indices(d)[0] for s, d in zip(index, shape, strict=False))]
+            )
+            return rng.random(shp, dtype=np.float32)
+
+        return jax.make_array_from_callback(shape, sh, cb)
+
+    tree = {
+        "params": {f"w{i}": put((rows, cols), P(None, "model"), i) for i in range(8)},
+        "opt": put((flat,), P(("data", "model")), 9.0),
+        "small": {f"b{i}": put((256,), P(), i) for i in range(40)},
+    }
+    logical = sum(x.nbytes for x in jax.tree.leaves(tree))
+    return tree, logical
+
+
+def _io() -> dict:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def _ts_read() -> int:
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return found[0]["values"][0]["value"] if found else 0
+
+
+def _drop_cache(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def worker(phase: str, directory: str, gib: float, repeats: int) -> None:
+    """One process of a job that saves (``phase`` "save") or restores every checkpoint;
+    prints ``RESULT <json>`` with its per-repeat figures. Restores run in a new job so that
+    neither library reads from a cache its save filled (Orbax's TensorStore context keeps
+    the chunks it wrote)."""
+    multiproc.init()
+    import time
+
+    import jax
+
+    if os.environ.get("JAXCKPT_BENCH_HOSTS", "separate") == "separate":
+        os.environ["JAXCKPT_HOST"] = f"bench-machine{jax.process_index()}"
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    import jaxckpt
+    from jaxckpt import multihost
+
+    tree, logical = _state(gib)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
+    orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+    def save(lib, path):
+        if lib == "jaxckpt":
+            jaxckpt.save(path, tree)
+        else:
+            orbax.save(path, args=ocp.args.StandardSave(tree))
+
+    def restore(lib, path):
+        if lib == "jaxckpt":
+            return jaxckpt.restore(path, target=abstract)
+        return orbax.restore(path, args=ocp.args.StandardRestore(abstract))
+
+    out: dict = {
+        lib: {"save": [], "restore": [], "written": [], "read": []} for lib in ("jaxckpt", "orbax")
+    }
+    for r in range(repeats):
+        order = ("jaxckpt", "orbax") if r % 2 == 0 else ("orbax", "jaxckpt")
+        for lib in order:
+            path = os.path.join(directory, f"{lib}-{r}")
+            multihost.barrier(f"dp/{phase}/{lib}/{r}", 600)
+            if phase == "save":
+                io0, t = _io(), time.perf_counter()
+                save(lib, path)
+                out[lib]["save"].append(time.perf_counter() - t)
+                out[lib]["written"].append(_io()["write_bytes"] - io0["write_bytes"])
+                continue
+            _drop_cache(path)
+            multihost.barrier(f"dp/dropped/{lib}/{r}", 600)
+            ts0, t = _ts_read(), time.perf_counter()
+            jax.block_until_ready(restore(lib, path))
+            out[lib]["restore"].append(time.perf_counter() - t)
+            out[lib]["read"].append(_ts_read() - ts0)
+    print("RESULT", json.dumps({"logical": logical, **out}), flush=True)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def table(gib: float, procs: list[int], repeats: int) -> dict[int, dict]:
+    """Runs the jobs and prints the table; returns per process count the figures."""
+    here = os.path.abspath(__file__)
+    rows: dict[int, dict] = {}
+    for n in procs:
+        phases = []
+        with tempfile.TemporaryDirectory(dir=os.environ.get("JAXCKPT_BENCH_DIR")) as d:
+            for phase in ("save", "restore"):
+                res = multiproc.run(
+                    here, n, devices_per_process=2,
+                    args=["--worker", phase, d, str(gib), str(repeats)], timeout_s=1800,
+                ).check()  # fmt: skip
+                phases.append(
+                    [
+                        json.loads(line.split(" ", 1)[1])
+                        for text in res.outputs
+                        for line in text.splitlines()
+                        if line.startswith("RESULT ")
+                    ]
+                )
+        per = []
+        for saved, restored in zip(*phases, strict=True):
+            for lib in ("jaxckpt", "orbax"):
+                saved[lib]["restore"], saved[lib]["read"] = (
+                    restored[lib]["restore"],
+                    restored[lib]["read"],
+                )
+            per.append(saved)
+        logical = per[0]["logical"]
+        row = {"logical": logical}
+        for lib in ("jaxckpt", "orbax"):
+            # a save or restore ends when the slowest process is done: max over processes
+            save = _median([max(p[lib]["save"][r] for p in per) for r in range(repeats)])
+            rest = _median([max(p[lib]["restore"][r] for p in per) for r in range(repeats)])
+            written = [_median(p[lib]["written"]) for p in per]
+            read = [_median(p[lib]["read"]) for p in per]
+            row[lib] = {
+                "save_gbs": logical / save / 1e9,
+                "restore_gbs": logical / rest / 1e9,
+                "write_balance": max(written) / (sum(written) / n),
+                "read_amplification": sum(read) / logical,
+            }
+        rows[n] = row
+    print(
+        f"{'procs':>5} {'library':>8} {'save GB/s':>9} {'restore GB/s':>12} "
+        f"{'write max/mean':>14} {'read/logical':>12}"
+    )
+    for n, row in rows.items():
+        for lib in ("jaxckpt", "orbax"):
+            r = row[lib]
+            print(
+                f"{n:>5} {lib:>8} {r['save_gbs']:>9.3f} {r['restore_gbs']:>12.3f} "
+                f"{r['write_balance']:>14.2f} {r['read_amplification']:>12.2f}"
+            )
+    return rows
+
+
+def verdicts(rows: dict[int, dict]) -> None:
+    n = max(rows)
+    j, o = rows[n]["jaxckpt"], rows[n]["orbax"]
+    checks = [
+        (f"save at {n} processes vs Orbax", j["save_gbs"] / o["save_gbs"], ">=", 1.5),
+        (f"restore at {n} processes vs Orbax", j["restore_gbs"] / o["restore_gbs"], ">=", 1.5),
+        (f"write balance (max/mean) at {n} processes", j["write_balance"], "<=", 1.25),
+        (f"read amplification at {n} processes", j["read_amplification"], "<=", 1.2),
+    ]
+    for what, value, op, target in checks:
+        ok = value >= target if op == ">=" else value <= target
+        print(f"{'PASS' if ok else 'FAIL'} {what}: {value:.2f} (target {op} {target})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--procs", default="1,2,4")
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.worker[0], a.worker[1], float(a.worker[2]), int(a.worker[3]))
+        return
+    print(f"== data-parallel state, {a.gib} GiB logical, medians of {a.repeats}")
+    verdicts(table(a.gib, [int(x) for x in a.procs.split(",")], a.repeats))
+
+
+if __name__ == "__main__":
+    main()
