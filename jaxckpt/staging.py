@@ -85,12 +85,9 @@ def leaf_record(
             sharding=sharding_to_json(arr.sharding, meshes),
             chunk_shape=list(split.chunks) if shape else [],
             nbytes=nbytes,
-            chunk_writers=[
-                [list(c), p]
-                for c, p in _writers(
-                    arr.sharding, shape, itemsize, chunk_bytes, salt % split.period
-                )
-            ]
+            # shared, cached (leaves on one sharding and shape have the same writers): JSON
+            # writes the tuples as lists, and a state of many leaves costs O(1) a leaf here
+            chunk_writers=_writers(arr.sharding, shape, itemsize, chunk_bytes, salt % split.period)
             if nbytes
             else None,
             prng_impl=impl,
