@@ -209,6 +209,16 @@ def table(gib: float, procs: list[int], repeats: int) -> dict[int, dict]:
     return rows
 
 
+def write_results(rows: dict[int, dict], path: str) -> None:
+    """The table as JSON, for bench/scaling_model.py's figure."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({str(n): row for n, row in rows.items()}, f, indent=1)
+
+
+RESULTS = os.path.join(ROOT, "bench", "results", "data_parallel.json")
+
+
 def verdicts(rows: dict[int, dict]) -> None:
     n = max(rows)
     j, o = rows[n]["jaxckpt"], rows[n]["orbax"]
@@ -234,7 +244,9 @@ def main() -> None:
         worker(a.worker[0], a.worker[1], float(a.worker[2]), int(a.worker[3]))
         return
     print(f"== data-parallel state, {a.gib} GiB logical, medians of {a.repeats}")
-    verdicts(table(a.gib, [int(x) for x in a.procs.split(",")], a.repeats))
+    rows = table(a.gib, [int(x) for x in a.procs.split(",")], a.repeats)
+    write_results(rows, RESULTS)
+    verdicts(rows)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,9 @@ def main() -> None:
         import data_parallel
 
         print(f"\n== data-parallel state, {a.data_parallel} GiB, jaxckpt vs Orbax, medians")
-        data_parallel.verdicts(data_parallel.table(a.data_parallel, procs, max(3, a.repeats)))
+        dp = data_parallel.table(a.data_parallel, procs, max(3, a.repeats))
+        data_parallel.write_results(dp, data_parallel.RESULTS)
+        data_parallel.verdicts(dp)
 
 
 def _median(xs: list[float]) -> float:

@@ -1,0 +1,171 @@
+"""The scaling model of docs/SCALING.md, and its figure (docs/scaling.png).
+
+    python bench/scaling_model.py [--measured bench/results/data_parallel.json]
+
+A 70B-parameter train state (bf16 parameters and Adam moments in f32: 140 + 560 = 700 GB)
+fully sharded over H hosts of 8 accelerators. Every input is a figure measured on this
+project's machines (named below, with the command that gives it) or a stated hardware
+assumption; the measured points of bench/data_parallel.py are drawn beside the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+STATE_BYTES = 140e9 + 560e9
+LEAVES_SHARDED = 1680  # 80 layers x 7 matrices x (params, mu, nu): sharded over every device
+DEVICES_PER_HOST = 8
+
+# Measured here (2-core VM, CPU devices):
+CALLS_PER_SAVE = 5  # bench/scale.py: 2 key-value rounds + 3 barriers per save
+PROTOCOL_MS = {2: 1.37, 4: 1.81, 8: 3.03}  # bench/scale.py, 64 KiB/process: latency per save
+ENTRY_BUILD_US = 1.0  # one chunk_writers entry built and written to JSON by process 0
+ENTRY_PARSE_US = 1.5  # ... and parsed from manifest.json (json.loads)
+ENTRY_BYTES = 14.5  # ... and its size in manifest.json
+
+# Hardware assumptions (per host):
+NVME_WRITE_GBS, NVME_READ_GBS = 3.0, 6.0  # local NVMe
+OBJECT_GBS = 1.2  # per-host throughput to an object store (~10 GbE of a 25 GbE NIC)
+D2H_GBS = 20.0  # device->host copy into pinned memory (PCIe 4 x16, 8 devices in parallel)
+
+
+def protocol_s(hosts: int) -> float:
+    """Coordination latency per save, a line fitted through the measured points."""
+    xs, ys = list(PROTOCOL_MS), list(PROTOCOL_MS.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    return (my + slope * (hosts - mx)) / 1e3
+
+
+def manifest_entries(hosts: int) -> int:
+    """chunk_writers entries: one per chunk, one chunk per shard (chunk_bytes unset)."""
+    return LEAVES_SHARDED * hosts * DEVICES_PER_HOST
+
+
+def model(hosts: int, storage: str) -> dict:
+    per_host = STATE_BYTES / hosts
+    write = NVME_WRITE_GBS if storage == "nvme" else OBJECT_GBS
+    read = NVME_READ_GBS if storage == "nvme" else OBJECT_GBS
+    entries = manifest_entries(hosts)
+    manifest_s = entries * ENTRY_BUILD_US / 1e6  # process 0 serializes every entry
+    commit = protocol_s(hosts) + entries * ENTRY_BYTES / (write * 1e9)
+    return {
+        "hosts": hosts,
+        "bytes_per_host": per_host,
+        # chunk_writers are cached per sharding and shape, so a process builds them once per
+        # distinct (sharding, shape); process 0 writes every entry into manifest.json
+        "blocking_s": per_host / (D2H_GBS * 1e9),
+        "save_s": per_host / (write * 1e9) + manifest_s + commit,
+        "restore_s": per_host / (read * 1e9) + entries * ENTRY_PARSE_US / 1e6,
+        "host_memory_save": per_host,  # the staged host copy of an async save
+        "host_memory_restore": per_host + 128 * 2**20,  # result + read budget
+        "manifest_bytes": entries * ENTRY_BYTES,
+        "manifest_s": manifest_s,
+    }
+
+
+def lost_fraction(hosts: int, host_hours_per_failure: float, interval_s: float) -> float:
+    """Share of the job's time lost to failures with the emergency tier: each failure loses
+    half a local-save interval of work plus the restart (restore from local/peer copies)."""
+    restart = model(hosts, "nvme")["restore_s"] + 60.0  # + process restart and jax init
+    failures_per_s = hosts / (host_hours_per_failure * 3600)
+    return failures_per_s * (interval_s / 2 + restart)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--measured", default=os.path.join(ROOT, "bench", "results", "data_parallel.json")
+    )
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "scaling.png"))
+    a = ap.parse_args()
+    hosts = [8, 64, 512, 4096]
+    print(f"{'hosts':>6} {'storage':>7} {'GB/host':>8} {'blocking s':>10} {'save s':>8} "
+          f"{'restore s':>9} {'manifest MB':>11} {'lost %/1k h':>11}")  # fmt: skip
+    for h in hosts:
+        for storage in ("nvme", "object"):
+            m = model(h, storage)
+            lost = 100 * lost_fraction(h, 1000, 600)
+            print(
+                f"{h:>6} {storage:>7} {m['bytes_per_host'] / 1e9:>8.2f} {m['blocking_s']:>10.2f} "
+                f"{m['save_s']:>8.1f} {m['restore_s']:>9.1f} {m['manifest_bytes'] / 1e6:>11.1f} "
+                f"{lost:>11.2f}"
+            )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    grid = [2**k for k in range(0, 13)]
+    ax = axes[0]
+    for storage, style in (("nvme", "-"), ("object", "--")):
+        ax.plot(
+            grid,
+            [model(h, storage)["save_s"] for h in grid],
+            "C0" + style,
+            label=f"save, {storage}",
+        )
+        ax.plot(
+            grid,
+            [model(h, storage)["restore_s"] for h in grid],
+            "C1" + style,
+            label=f"restore, {storage}",
+        )
+    ax.plot(
+        grid,
+        [model(h, "nvme")["manifest_s"] for h in grid],
+        "C3:",
+        label="manifest.json (process 0)",
+    )
+    ax.set(xscale="log", yscale="log", xlabel="hosts (8 accelerators each)", ylabel="seconds",
+           title="70B train state (700 GB), model")  # fmt: skip
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    if os.path.exists(a.measured):
+        with open(a.measured) as f:
+            rows = json.load(f)
+        procs = sorted(int(n) for n in rows)
+        for lib, color in (("jaxckpt", "C0"), ("orbax", "C2")):
+            ax.plot(
+                procs,
+                [rows[str(n)][lib]["save_gbs"] for n in procs],
+                color + "o-",
+                label=f"{lib} save",
+            )
+            ax.plot(
+                procs,
+                [rows[str(n)][lib]["restore_gbs"] for n in procs],
+                color + "s--",
+                label=f"{lib} restore",
+            )
+        ax.set(xlabel="processes (one simulated host each, 2 cores)", ylabel="GB/s",
+               title=f"measured: data-parallel state, {rows[str(procs[0])]['logical'] / 2**30:.1f} GiB")  # fmt: skip
+        ax.set_xticks(procs)
+        ax.legend(fontsize=8)
+    else:
+        ax.set_title("no measured points: run bench/data_parallel.py")
+    ax = axes[2]
+    for n, color in ((100, "C3"), (1000, "C0"), (10000, "C2")):
+        ax.plot(
+            grid,
+            [100 * lost_fraction(h, n, 600) for h in grid],
+            color,
+            label=f"1 failure / {n} host-h",
+        )
+    ax.set(xscale="log", yscale="log", xlabel="hosts", ylabel="% of time lost",
+           title="emergency tier, local save every 10 min")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=110)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
