@@ -5,6 +5,7 @@ Run from the repository root::
     python bench/compare.py --size-gb 1            # the full comparison (a few minutes)
     python bench/compare.py --size-gb 0.1          # quick smoke run
     python bench/compare.py --size-gb 0.1 --only jaxckpt   # skip Orbax
+    python bench/compare.py --chunk-bytes 16777216        # and chunk_bytes=16 MiB vs default
 
 What it does: builds a train-state-like pytree (params + Adam mu + nu, ~170 float32 arrays,
 total about ``--size-gb`` GB) on a (4, 2) ('data', 'model') mesh of 8 virtual CPU devices
@@ -242,13 +243,13 @@ def count_files(path: str) -> int:
 
 
 class Jaxckpt:
-    def __init__(self):
+    def __init__(self, chunk_bytes: int | None = None):
         import jaxckpt
 
-        self.lib = jaxckpt
+        self.lib, self.chunk_bytes = jaxckpt, chunk_bytes
 
     def save(self, path: str, tree) -> None:
-        self.lib.save(path, tree)
+        self.lib.save(path, tree, chunk_bytes=self.chunk_bytes)
 
     def restore(self, path: str, target):
         return self.lib.restore(path, target)
@@ -279,7 +280,12 @@ class Orbax:
         self.ckptr.close()
 
 
-LIBS = {"jaxckpt": Jaxckpt, "orbax": Orbax}
+LIBS = {"jaxckpt": Jaxckpt, "orbax": Orbax, "jaxckpt-chunks": Jaxckpt}
+CHUNKED = "jaxckpt-chunks"  # jaxckpt with --chunk-bytes
+
+
+def make_lib(args):
+    return Jaxckpt(args.chunk_bytes) if args.lib == CHUNKED else LIBS[args.lib]()
 
 
 def warm_up(lib, mesh: Mesh, workdir: str) -> None:
@@ -300,7 +306,7 @@ def warm_up(lib, mesh: Mesh, workdir: str) -> None:
 
 def worker_save(args) -> dict:
     mesh = make_mesh((4, 2), 8)
-    lib = LIBS[args.lib]()
+    lib = make_lib(args)
     warm_up(lib, mesh, args.workdir)
     state, crcs = build_state(args.size_gb, mesh)
     jax.block_until_ready(state)
@@ -354,7 +360,7 @@ def worker_async(args) -> dict:
 def worker_restore(args) -> dict:
     shape = tuple(int(n) for n in args.mesh.split("x"))
     mesh = make_mesh(shape, args.devices)
-    lib = LIBS[args.lib]()
+    lib = make_lib(args)
     warm_up(lib, mesh, args.workdir)
     target = abstract_state(args.size_gb, mesh)
     drop_page_cache(args.path)
@@ -460,6 +466,8 @@ WORKERS = {"async": worker_async, "save": worker_save, "restore": worker_restore
 def run_worker(args, op: str, **kw) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", op]
     cmd += ["--size-gb", str(args.size_gb), "--workdir", args.workdir]
+    if args.chunk_bytes:
+        cmd += ["--chunk-bytes", str(args.chunk_bytes)]
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -472,6 +480,7 @@ def run_worker(args, op: str, **kw) -> dict:
 
 def orchestrate(args) -> dict:
     libs = ["jaxckpt"] if args.only == "jaxckpt" else ["jaxckpt", "orbax"]
+    libs += [CHUNKED] if args.chunk_bytes else []
     res: dict = {lib: {op: [] for op in ["save", *RESTORES]} for lib in libs}
     files = {lib: [] for lib in libs}
     raw: dict = {"write": {}, "read": {}}
@@ -501,6 +510,8 @@ def orchestrate(args) -> dict:
                 if got["crcs"] != saved["crcs"] or not got["shardings_ok"]:
                     bad.append(f"{lib} {op} repeat {rep + 1}")
             shutil.rmtree(path)
+            if lib == CHUNKED:
+                continue
             _log(f"repeat {rep + 1}/{args.repeats}: {lib} async manager save")
             got = run_worker(args, "async", lib=lib, path=path)
             asyncs.setdefault(lib, []).append(got)
@@ -569,6 +580,11 @@ def report(args, out: dict) -> None:
             f"{'-' if op == 'save' else format(on_devices[op], '.3f'):>10}"
         )
     print(f"{'files per step':<24}{nfiles['jaxckpt']:>13}{_fmt(nfiles.get('orbax'), 'd'):>11}")
+    if CHUNKED in libs:
+        print(f"\nchunk_bytes={args.chunk_bytes} vs the default (chunks follow the shards):")
+        for op in ops:
+            ch, jx = speed[CHUNKED][op], speed["jaxckpt"][op]
+            print(f"  {op:<22}{ch:>8.3f} GB/s vs {jx:.3f}: {ch / jx:.2f}x")
     print("\nspread (GB/s, min..max over repeats):")
     for lib in libs:
         spread = []
@@ -651,6 +667,12 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=1.0, help="state size in GB (default 1)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats per library (default 3)")
     ap.add_argument("--only", choices=["jaxckpt"], help="skip orbax")
+    ap.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=0,
+        help="also run jaxckpt with save(chunk_bytes=N) and print its effect on each restore",
+    )
     ap.add_argument("--json", help="also write the raw measurements to this JSON file")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
