@@ -136,7 +136,7 @@ def test_sigterm_to_one_process_saves_an_agreed_step(tmp_path):
 # --- replica-parallel writes ---------------------------------------------------------------
 
 DATA_PARALLEL = os.path.join(HERE, "workers", "data_parallel.py")
-DP_LOGICAL = 4 * 1024 * 1024 * 4 + 12 * 16 * 4 + (1 << 19) * 4 + 10 * 4
+DP_LOGICAL = 4 * 1024 * 1024 * 4 + 12 * 16 * 4 + (1 << 19) * 4 + 256 * 4096 * 4 + 10 * 4
 
 
 def _restore_io(path: str, n: int, hosts: str) -> list[dict]:

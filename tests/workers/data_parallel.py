@@ -32,6 +32,8 @@ def expected() -> dict:
         "params": big,  # 4 MiB each, replicated over 'data'
         "small": small,  # replicated everywhere, 64 B each
         "sharded": np.arange(1 << 19, dtype=np.float32),  # over every device
+        # wide shards: the parts each process writes are column slabs (strided views)
+        "wide": np.arange(256 * 4096, dtype=np.float32).reshape(256, 4096),
         "host": np.arange(10, dtype=np.int32),  # a NumPy leaf
         "step": 3,
     }
@@ -42,6 +44,7 @@ def specs() -> dict:
         "params": {f"w{i}": P(None, "model") for i in range(4)},
         "small": {f"b{i}": P() for i in range(12)},
         "sharded": P(("data", "model")),
+        "wide": P("model", None),
     }
 
 
@@ -49,7 +52,7 @@ def state(mesh) -> dict:
     exp = expected()
     out = jax.tree.map(
         lambda v, s: jax.make_array_from_callback(v.shape, NamedSharding(mesh, s), lambda i: v[i]),
-        {k: exp[k] for k in ("params", "small", "sharded")},
+        {k: exp[k] for k in ("params", "small", "sharded", "wide")},
         specs(),
     )
     return {**out, "host": exp["host"], "step": exp["step"]}
