@@ -23,9 +23,11 @@ DEVICES_PER_HOST = 8
 # Measured here (2-core VM, CPU devices):
 CALLS_PER_SAVE = 5  # bench/scale.py: 2 key-value rounds + 3 barriers per save
 PROTOCOL_MS = {2: 1.37, 4: 1.81, 8: 3.03}  # bench/scale.py, 64 KiB/process: latency per save
-ENTRY_BUILD_US = 1.0  # one chunk_writers entry built and written to JSON by process 0
-ENTRY_PARSE_US = 1.5  # ... and parsed from manifest.json (json.loads)
-ENTRY_BYTES = 14.5  # ... and its size in manifest.json
+RECORD_BYTES = 400  # one leaf record in manifest.json (format 1.3: no per-chunk list)
+RECORD_PARSE_US = 20.0  # ... parsed, LeafRecord built
+KV_VALUE_BYTES = 60  # one process's value in a key-value round (digest, host, save id, bytes)
+COORDINATOR_GBS = 1.0  # assumed: what the coordination service serves per second
+KV_ROUNDS = 2
 
 # Hardware assumptions (per host):
 NVME_WRITE_GBS, NVME_READ_GBS = 3.0, 6.0  # local NVMe
@@ -43,30 +45,28 @@ def protocol_s(hosts: int) -> float:
     return (my + slope * (hosts - mx)) / 1e3
 
 
-def manifest_entries(hosts: int) -> int:
-    """chunk_writers entries: one per chunk, one chunk per shard (chunk_bytes unset)."""
-    return LEAVES_SHARDED * hosts * DEVICES_PER_HOST
+def kv_s(hosts: int) -> float:
+    """Every process reads every value of a round: hosts^2 values through the coordinator."""
+    return KV_ROUNDS * hosts * hosts * KV_VALUE_BYTES / (COORDINATOR_GBS * 1e9)
 
 
 def model(hosts: int, storage: str) -> dict:
     per_host = STATE_BYTES / hosts
     write = NVME_WRITE_GBS if storage == "nvme" else OBJECT_GBS
     read = NVME_READ_GBS if storage == "nvme" else OBJECT_GBS
-    entries = manifest_entries(hosts)
-    manifest_s = entries * ENTRY_BUILD_US / 1e6  # process 0 serializes every entry
-    commit = protocol_s(hosts) + entries * ENTRY_BYTES / (write * 1e9)
+    manifest_bytes = LEAVES_SHARDED * RECORD_BYTES  # independent of hosts since format 1.3
+    manifest_s = manifest_bytes / (write * 1e9)
+    commit = protocol_s(hosts) + kv_s(hosts) + manifest_s
     return {
         "hosts": hosts,
         "bytes_per_host": per_host,
-        # chunk_writers are cached per sharding and shape, so a process builds them once per
-        # distinct (sharding, shape); process 0 writes every entry into manifest.json
         "blocking_s": per_host / (D2H_GBS * 1e9),
         "save_s": per_host / (write * 1e9) + manifest_s + commit,
-        "restore_s": per_host / (read * 1e9) + entries * ENTRY_PARSE_US / 1e6,
+        "restore_s": per_host / (read * 1e9) + LEAVES_SHARDED * RECORD_PARSE_US / 1e6,
         "host_memory_save": per_host,  # the staged host copy of an async save
         "host_memory_restore": per_host + 128 * 2**20,  # result + read budget
-        "manifest_bytes": entries * ENTRY_BYTES,
-        "manifest_s": manifest_s,
+        "manifest_bytes": manifest_bytes,
+        "kv_s": kv_s(hosts),
     }
 
 
@@ -120,9 +120,9 @@ def main() -> None:
         )
     ax.plot(
         grid,
-        [model(h, "nvme")["manifest_s"] for h in grid],
+        [model(h, "nvme")["kv_s"] for h in grid],
         "C3:",
-        label="manifest.json (process 0)",
+        label="key-value rounds (coordinator)",
     )
     ax.set(xscale="log", yscale="log", xlabel="hosts (8 accelerators each)", ylabel="seconds",
            title="70B train state (700 GB), model")  # fmt: skip

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import uuid
 import warnings
@@ -87,6 +86,7 @@ def save(
     staged = describe(tree, compression=compression, chunk_bytes=chunk_bytes)
     leaves, meshes = list(staged.leaves), staged.meshes
     _check_unique_names(leaves, loc)
+    writes = [leaf.write for leaf in leaves if leaf.write is not None]
     pid, count = multihost.process_index(), multihost.process_count()
     # One round before anything is written: the same path, tree, shapes and dtypes on every
     # process? Who runs where, and process 0's id for this save (temporary directory and
@@ -96,12 +96,12 @@ def save(
         _summary(loc, leaves),
         timeout_s,
         what=loc.url,
-        extra=f"{multihost.host_name()} {uuid.uuid4().hex[:12]}",
+        extra=f"{multihost.host_name()} {uuid.uuid4().hex[:12]} {sum(w.nbytes for w in writes)}",
     )
-    hosts = [e.rsplit(" ", 1)[0] for e in extras]
-    save_id = extras[0].rsplit(" ", 1)[1]
+    hosts = [e.rsplit(" ", 2)[0] for e in extras]
+    save_id = extras[0].rsplit(" ", 2)[1]
+    bytes_per_process = [int(e.rsplit(" ", 2)[2]) for e in extras]
     work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
-    writes = [leaf.write for leaf in leaves if leaf.write is not None]
     owner = None
     try:
         if work == loc:
@@ -119,7 +119,7 @@ def save(
         if pid == 0:
             if count > 1:
                 arrays.merge(work, count)
-            manifest = _manifest(leaves, meshes, hosts, metadata, metrics)
+            manifest = _manifest(leaves, meshes, hosts, bytes_per_process, metadata, metrics)
             work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
             if work != loc:
                 if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
@@ -178,27 +178,16 @@ def _manifest(
     leaves: list[StagedLeaf],
     meshes: list[dict],
     hosts: list[str],
+    bytes_per_process: list[int],
     metadata: Any,
     metrics: dict | None,
 ) -> Manifest:
-    count = len(hosts)
-    per_process = [0] * count
-    for rec in (leaf.record for leaf in leaves):
-        if not rec.chunk_writers:
-            continue
-        itemsize = rec.nbytes // math.prod(rec.shape)
-        for coords, proc in rec.chunk_writers:
-            extent = [
-                min(c, s - i * c)
-                for i, c, s in zip(coords, rec.chunk_shape, rec.shape, strict=True)
-            ]
-            per_process[proc] += math.prod(extent) * itemsize
     return Manifest(
         leaves=tuple(leaf.record for leaf in leaves),
         meshes=meshes,
-        process_count=count,
+        process_count=len(hosts),
         process_hosts=hosts,
-        bytes_per_process=per_process,
+        bytes_per_process=bytes_per_process,
         metadata=metadata,
         metrics=metrics,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -15,7 +15,7 @@ from .errors import FormatVersionError, ManifestError
 from .sharding import spec_from_json
 
 FORMAT_NAME = "jaxckpt"
-FORMAT_VERSION = (1, 2)  # (major, minor): a reader accepts any minor of its own major
+FORMAT_VERSION = (1, 3)  # (major, minor): a reader accepts any minor of its own major
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMITTED"
 ARRAYS_DIR = "arrays"
@@ -39,6 +39,7 @@ class LeafRecord:
     chunk_shape: list[int] | None = None
     nbytes: int = 0
     chunk_writers: list | None = None  # [[chunk grid coords], process index]
+    writer_salt: int | None = None  # 1.3: named shardings' writers follow the split rule
     value: Any = None
     python_type: str | None = None
     prng_impl: str | None = None

@@ -36,7 +36,7 @@ from .errors import (
     ShardingError,
 )
 from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
-from .sharding import bind_spec, mesh_by_position, normalize_index
+from .sharding import bind_spec, mesh_by_position, normalize_index, saved_writers
 from .storage import Location, location
 
 READ_BUDGET_BYTES = 128 << 20  # host memory for slices read but not yet on device
@@ -76,7 +76,7 @@ def restore(
         raise OptionsError(
             f"{loc.url}: read_budget_bytes={read_budget_bytes!r}; pass None or a positive size"
         )
-    values = _read_once(loc, wants, read_budget_bytes or READ_BUDGET_BYTES)
+    values = _read_once(loc, wants, read_budget_bytes or READ_BUDGET_BYTES, manifest.meshes)
     if target is None:
         return tree_lib.unflatten_paths(
             [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
@@ -180,7 +180,7 @@ def want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Locatio
 # --- reading slices and placing them on devices --------------------------------------------
 
 
-def _read_once(loc: Location, wants: list[Want], budget: int) -> list[Any]:
+def _read_once(loc: Location, wants: list[Want], budget: int, meshes: list[dict]) -> list[Any]:
     """``_read_all``, with leaves that processes share read once and moved (``read_once``)."""
     moves: dict[int, jax.sharding.Sharding] = {}
     wants = list(wants)
@@ -197,14 +197,16 @@ def _read_once(loc: Location, wants: list[Want], budget: int) -> list[Any]:
         rs = read_once.read_sharding(w.sharding, tuple(rec.shape), tuple(rec.chunk_shape), hosts)
         if rs is not None:
             moves[i], wants[i] = w.sharding, dataclasses.replace(w, sharding=rs)
-    values = _read_all(loc, wants, budget)
+    values = _read_all(loc, wants, budget, meshes)
     moved = read_once.move([values[i] for i in moves], list(moves.values()))
     for i, v in zip(moves, moved, strict=True):
         values[i] = v
     return values
 
 
-def _read_all(loc: Location, wants: list[Want], budget: int = READ_BUDGET_BYTES) -> list[Any]:
+def _read_all(
+    loc: Location, wants: list[Want], budget: int = READ_BUDGET_BYTES, meshes: list[dict] = ()
+) -> list[Any]:
     db = arrays.database_dir(loc, None)
     ctx = arrays.new_context()
     stores = {
@@ -212,7 +214,7 @@ def _read_all(loc: Location, wants: list[Want], budget: int = READ_BUDGET_BYTES)
         for w in wants
         if w.record.has_array and math.prod(w.record.shape)
     }
-    reader = _BoundedReader(db, budget)
+    reader = _BoundedReader(db, budget, list(meshes))
     finishers: list[Callable[[], Any]] = []
     try:
         for w in wants:
@@ -304,8 +306,8 @@ class _BoundedReader:
     and the host->device copies overlap.
     """
 
-    def __init__(self, db: Location, budget: int):
-        self.db, self.budget = db, budget
+    def __init__(self, db: Location, budget: int, meshes: list[dict]):
+        self.db, self.budget, self.meshes = db, budget, meshes
         self.reads: collections.deque = collections.deque()
         self.placing: collections.deque = collections.deque()
         self.bytes = 0
@@ -348,7 +350,7 @@ class _BoundedReader:
 
     def _error(self, e: Exception, rec: LeafRecord) -> Exception:
         def writers(key: str) -> str:
-            where = {tuple(c): p for c, p in rec.chunk_writers or []}
+            where = saved_writers(rec, self.meshes)
             coords = key.rsplit("/c/", 1)[-1].split("/") if "/c/" in key else []
             try:
                 proc = where.get(tuple(int(c) for c in coords))

@@ -219,15 +219,70 @@ def write_split(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None
 ) -> WriteSplit:
     """The ``WriteSplit`` of ``shape`` under ``sharding`` (cached, like ``layout``)."""
-    holders: dict[Index, set[int]] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
-        holders.setdefault(normalize_index(index, shape), set()).add(device.process_index)
-    procs = {i: tuple(sorted(p)) for i, p in holders.items()}
+    held = [
+        (normalize_index(index, shape), device.process_index)
+        for device, index in sharding.devices_indices_map(shape).items()
+    ]
+    procs = _holders(held)
     replicas = max((len(p) for p in procs.values()), default=1)
     chunks = chunk_shape(layout(sharding, shape).chunks, itemsize, chunk_bytes, replicas)
-    split = bool(shape) and math.prod(layout(sharding, shape).chunks) * itemsize >= SPLIT_MIN_BYTES
+    return _split(procs, shape, chunks, itemsize)
+
+
+def _holders(held) -> dict[Index, tuple[int, ...]]:
+    out: dict[Index, set[int]] = {}
+    for index, process in held:
+        out.setdefault(index, set()).add(process)
+    return {i: tuple(sorted(p)) for i, p in out.items()}
+
+
+def _split(procs, shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int) -> WriteSplit:
+    sizes = [max((b - a for a, b in (i[d] for i in procs)), default=1) for d in range(len(shape))]
+    split = bool(shape) and math.prod(sizes) * itemsize >= SPLIT_MIN_BYTES
     parts = {i: _groups(i, chunks, len(p) if split else 1) for i, p in procs.items()}
-    return WriteSplit(chunks, parts, procs)
+    return WriteSplit(tuple(chunks), parts, procs)
+
+
+def named_indices(
+    spec_json: list, mesh_json: dict, shape: tuple[int, ...]
+) -> list[tuple[Index, int]]:
+    """(index, process) of every device of a saved NamedSharding, from the manifest alone
+    (the split of each dimension over its mesh axes, major to minor, as jax makes it)."""
+    names, sizes = list(mesh_json["axis_names"]), list(mesh_json["shape"])
+    procs = np.asarray(mesh_json["process_indices"]).reshape(sizes)
+    spec = list(spec_from_json(spec_json)) + [None] * (len(shape) - len(spec_json))
+    out = []
+    for coords in itertools.product(*(range(s) for s in sizes)):
+        index = []
+        for dim, entry in zip(shape, spec, strict=True):
+            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            block, count = 0, 1
+            for axis in axes:
+                k = sizes[names.index(axis)]
+                block, count = block * k + coords[names.index(axis)], count * k
+            extent = -(-dim // count)
+            index.append((min(block * extent, dim), min((block + 1) * extent, dim)))
+        out.append((tuple(index), int(procs[coords])))
+    return out
+
+
+def saved_writers(record, meshes: list[dict]) -> dict[tuple[int, ...], int]:
+    """Chunk grid position -> the process that wrote it, for a leaf saved without a
+    ``chunk_writers`` list (format 1.3: named shardings, see ``write_split``)."""
+    sharding = record.sharding or {}
+    if record.chunk_writers is not None or sharding.get("type") != "named":
+        return {tuple(c): p for c, p in record.chunk_writers or []}
+    shape = tuple(record.shape)
+    itemsize = record.nbytes // max(1, math.prod(shape))
+    held = named_indices(sharding["spec"], meshes[sharding["mesh"]], shape)
+    split = _split(_holders(held), shape, tuple(record.chunk_shape), itemsize)
+    salt = record.writer_salt or 0
+    return {
+        coords: split.writer(index, group, salt)
+        for index, parts in split.parts.items()
+        for region, group in parts
+        for coords in chunks_in(region, split.chunks)
+    }
 
 
 def chunks_in(region: Index, chunks: tuple[int, ...]):

@@ -75,6 +75,7 @@ def leaf_record(
         nbytes = math.prod(shape) * np.dtype(stored).itemsize
         itemsize = np.dtype(stored).itemsize
         split = write_split(arr.sharding, shape, itemsize, chunk_bytes)
+        named = isinstance(arr.sharding, jax.sharding.NamedSharding)
         record = LeafRecord(
             path,
             name,
@@ -85,11 +86,13 @@ def leaf_record(
             sharding=sharding_to_json(arr.sharding, meshes),
             chunk_shape=list(split.chunks) if shape else [],
             nbytes=nbytes,
-            # shared, cached (leaves on one sharding and shape have the same writers): JSON
-            # writes the tuples as lists, and a state of many leaves costs O(1) a leaf here
-            chunk_writers=_writers(arr.sharding, shape, itemsize, chunk_bytes, salt % split.period)
-            if nbytes
-            else None,
+            # Named shardings: the writers follow from the saved spec, mesh and salt
+            # (sharding.saved_writers), so the manifest stays O(leaves), not O(chunks).
+            # Others list every chunk (cached and shared between leaves of one layout).
+            chunk_writers=None
+            if named or not nbytes
+            else _writers(arr.sharding, shape, itemsize, chunk_bytes, salt % split.period),
+            writer_salt=salt % split.period if named and nbytes else None,
             prng_impl=impl,
         )
         return record, arr

@@ -139,6 +139,27 @@ DATA_PARALLEL = os.path.join(HERE, "workers", "data_parallel.py")
 DP_LOGICAL = 4 * 1024 * 1024 * 4 + 12 * 16 * 4 + (1 << 19) * 4 + 256 * 4096 * 4 + 10 * 4
 
 
+def _bytes_by_rule(path: str, n: int) -> list[int]:
+    import math
+
+    from jaxckpt.manifest import Manifest
+    from jaxckpt.sharding import saved_writers
+
+    m = Manifest.from_json(pathlib.Path(path, "manifest.json").read_text(), where=path)
+    per = [0] * n
+    for rec in m.leaves:
+        if not rec.has_array or not rec.nbytes:
+            continue
+        itemsize = rec.nbytes // math.prod(rec.shape)
+        for coords, p in saved_writers(rec, m.meshes).items():
+            extent = [
+                min(c, s - i * c)
+                for i, c, s in zip(coords, rec.chunk_shape, rec.shape, strict=True)
+            ]
+            per[p] += math.prod(extent) * itemsize
+    return per
+
+
 def _restore_io(path: str, n: int, hosts: str) -> list[dict]:
     res = multiproc.run(
         DATA_PARALLEL, n, devices_per_process=8 // n, args=["restore", path],
@@ -176,6 +197,9 @@ def test_data_parallel_state_is_written_by_every_process(tmp_path, n):
     print(manifest["bytes_per_process"])
     assert sum(manifest["bytes_per_process"]) == DP_LOGICAL
     assert max(manifest["bytes_per_process"]) <= 1.25 * DP_LOGICAL / n, manifest
+    # the manifest lists no chunk writers for named shardings: the rule gives them, and it
+    # accounts for exactly the bytes each process reported writing
+    assert _bytes_by_rule(path, n) == manifest["bytes_per_process"]
     # Read once: on separate (simulated) machines, what all processes read from storage is
     # about the logical bytes and each reads about its share (TensorStore's file kvstore
     # counter, and the OS's rchar), page cache dropped first.

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -91,3 +92,39 @@ def test_write_split_spreads_replicated_shards_over_their_processes(mesh42):
     covered = sum(len(list(sharding.chunks_in(r, s.chunks))) for r, _ in s.parts[index])
     assert covered == (1024 // s.chunks[0]) * (512 // s.chunks[1])
     assert s.writer(index, 0, salt=5) == 0
+
+
+@pytest.mark.parametrize(
+    "spec, shape",
+    [
+        (P("data", "model"), (8, 6)),
+        (P(None, ("data", "model")), (3, 16)),
+        (P(("model", "data")), (8,)),
+        (P(), (4, 4)),
+        (P(), ()),
+    ],
+)
+def test_named_indices_match_jax(mesh42, spec, shape):
+    s = NamedSharding(mesh42, spec)
+    mesh_json = sharding.mesh_to_json(mesh42)
+    got = sharding.named_indices(sharding.spec_to_json(spec), mesh_json, shape)
+    ids = [d.id for d in mesh42.devices.flat]
+    want = s.devices_indices_map(shape)
+    for (index, proc), dev_id in zip(got, ids, strict=True):
+        device = next(d for d in want if d.id == dev_id)
+        assert index == sharding.normalize_index(want[device], shape), (spec, dev_id)
+        assert proc == device.process_index
+
+
+def test_saved_writers_follow_the_split_rule(mesh42, tmp_path):
+    import jaxckpt
+    from jaxckpt.manifest import Manifest
+
+    x = jax.device_put(np.zeros((1024, 512), np.float32), NamedSharding(mesh42, P(None, "model")))
+    jaxckpt.save(tmp_path / "c", {"x": x}, chunk_bytes=1 << 17)
+    m = Manifest.from_json((tmp_path / "c" / "manifest.json").read_text(), where="test")
+    (rec,) = m.leaves
+    assert rec.chunk_writers is None and rec.writer_salt == 0  # no per-chunk list
+    writers = sharding.saved_writers(rec, m.meshes)
+    grid = [s // c for s, c in zip(rec.shape, rec.chunk_shape, strict=True)]
+    assert len(writers) == np.prod(grid) and set(writers.values()) == {0}
