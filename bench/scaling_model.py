@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +28,8 @@ RECORD_BYTES = 400  # one leaf record in manifest.json (format 1.3: no per-chunk
 RECORD_PARSE_US = 20.0  # ... parsed, LeafRecord built
 KV_VALUE_BYTES = 60  # one process's value in a key-value round (digest, host, save id, bytes)
 COORDINATOR_GBS = 1.0  # assumed: what the coordination service serves per second
-KV_ROUNDS = 2
+MERGE_READ_S = {"nvme": 0.0005, "object": 0.03}  # assumed: one per-process database's root
+MERGE_CONCURRENCY = 32  # assumed: databases opened at once by the merge
 
 # Hardware assumptions (per host):
 NVME_WRITE_GBS, NVME_READ_GBS = 3.0, 6.0  # local NVMe
@@ -46,8 +48,14 @@ def protocol_s(hosts: int) -> float:
 
 
 def kv_s(hosts: int) -> float:
-    """Every process reads every value of a round: hosts^2 values through the coordinator."""
-    return KV_ROUNDS * hosts * hosts * KV_VALUE_BYTES / (COORDINATOR_GBS * 1e9)
+    """The save's one key-value round: process 0 reads every value, the others one verdict
+    (before this session every process read every value: hosts^2 through the coordinator)."""
+    return 2 * hosts * KV_VALUE_BYTES / (COORDINATOR_GBS * 1e9)
+
+
+def merge_s(hosts: int, storage: str) -> float:
+    """Process 0 links every process's OCDBT database into the root one at commit."""
+    return math.ceil(hosts / MERGE_CONCURRENCY) * MERGE_READ_S[storage]
 
 
 def model(hosts: int, storage: str) -> dict:
@@ -56,7 +64,7 @@ def model(hosts: int, storage: str) -> dict:
     read = NVME_READ_GBS if storage == "nvme" else OBJECT_GBS
     manifest_bytes = LEAVES_SHARDED * RECORD_BYTES  # independent of hosts since format 1.3
     manifest_s = manifest_bytes / (write * 1e9)
-    commit = protocol_s(hosts) + kv_s(hosts) + manifest_s
+    commit = protocol_s(hosts) + kv_s(hosts) + merge_s(hosts, storage) + manifest_s
     return {
         "hosts": hosts,
         "bytes_per_host": per_host,
@@ -120,9 +128,9 @@ def main() -> None:
         )
     ax.plot(
         grid,
-        [model(h, "nvme")["kv_s"] for h in grid],
+        [merge_s(h, "object") for h in grid],
         "C3:",
-        label="key-value rounds (coordinator)",
+        label="commit: merge of per-host databases (object store)",
     )
     ax.set(xscale="log", yscale="log", xlabel="hosts (8 accelerators each)", ylabel="seconds",
            title="70B train state (700 GB), model")  # fmt: skip

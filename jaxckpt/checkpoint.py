@@ -98,9 +98,9 @@ def save(
         what=loc.url,
         extra=f"{multihost.host_name()} {uuid.uuid4().hex[:12]} {sum(w.nbytes for w in writes)}",
     )
-    hosts = [e.rsplit(" ", 2)[0] for e in extras]
-    save_id = extras[0].rsplit(" ", 2)[1]
-    bytes_per_process = [int(e.rsplit(" ", 2)[2]) for e in extras]
+    save_id = extras.first.rsplit(" ", 2)[1]
+    hosts = [e.rsplit(" ", 2)[0] for e in extras.all or []]  # process 0 only
+    bytes_per_process = [int(e.rsplit(" ", 2)[2]) for e in extras.all or []]
     work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
     owner = None
     try:

@@ -17,6 +17,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import jax
 
@@ -172,23 +173,65 @@ def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> li
     return [by_pid[p] for p in range(process_count())]
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What ``agree`` returns: process 0's ``extra`` everywhere, every process's ``extra``
+    on process 0 only (nobody else needs them, and gathering them everywhere would move
+    O(processes^2) bytes through the coordinator)."""
+
+    first: str
+    all: list[str] | None
+
+
 def agree(
     name: str, description: dict, timeout_s: float, *, what: str = "", extra: str = ""
-) -> list[str]:
+) -> Agreement:
     """Raises CoordinationError on every process unless all give the same ``description``.
 
     Only a short hash and a summary travel through the key-value store, with ``extra`` (a
-    per-process string that is not compared); returns every process's ``extra``.
+    per-process string that is not compared). Process 0 reads every value and publishes a
+    verdict that the others read: O(processes) key-value traffic.
     """
     if process_count() == 1:
-        return [extra]
+        return Agreement(extra, [extra])
     full = json.dumps(description, sort_keys=True, default=str)
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
     summary = {k: v for k, v in description.items() if k in ("path", "leaves")}
     message = json.dumps({"h": digest, "x": extra, **summary})
-    got = [json.loads(v) for v in all_gather(name, message, timeout_s, what=what)]
+    client = _client()
+    with _timed("kv"):
+        client.key_value_set(f"{name}/value/{process_index()}", message)
+    barrier(name, timeout_s, what=what)
+    if process_index() == 0:
+        with _timed("kv"):
+            entries = client.key_value_dir_get(f"{name}/value/")
+        by_pid = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in entries}
+        got = [by_pid[p] for p in range(process_count())]
+        verdict = {"error": _disagreement(got, what), "first": got[0]["x"]}
+        with _timed("kv"):
+            client.key_value_set(f"{name}/verdict", json.dumps(verdict))
+        extras = [g["x"] for g in got]
+    else:
+        try:
+            with _timed("kv"):
+                verdict = json.loads(
+                    client.blocking_key_value_get(f"{name}/verdict", int(timeout_s * 1000))
+                )
+        except Exception as e:
+            raise CoordinationError(
+                f"{what + ': ' if what else ''}process 0 published no verdict for {name!r} "
+                f"within {timeout_s:g}s (this is process {process_index()}): {e}. It died or "
+                "hangs; check its log. Nothing was written"
+            ) from e
+        extras = None
+    if verdict["error"]:
+        raise CoordinationError(verdict["error"])
+    return Agreement(verdict["first"], extras)
+
+
+def _disagreement(got: list[dict], what: str) -> str | None:
     if len({g["h"] for g in got}) == 1:
-        return [g["x"] for g in got]
+        return None
     groups: dict[str, list[int]] = {}
     for pid, g in enumerate(got):
         groups.setdefault(g["h"], []).append(pid)
@@ -197,7 +240,7 @@ def agree(
         f"{got[pids[0]].get('leaves')} leaves, tree/shape/dtype hash {h}"
         for h, pids in groups.items()
     )
-    raise CoordinationError(
+    return (
         f"{what + ': ' if what else ''}processes disagree on what to save ({lines}); nothing "
         "was written. Every process must call save with the same step/path and the same tree "
         "structure, shapes and dtypes"
