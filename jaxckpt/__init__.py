@@ -5,7 +5,7 @@
 >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
 """
 
-from . import errors, export
+from . import errors, export, safetensors
 from .checkpoint import custom_metadata, metadata, save, user_metadata
 from .emergency import EmergencyCheckpointManager, EmergencyOptions, RecoveryReport
 from .manager import CheckpointManager
@@ -28,6 +28,7 @@ __all__ = [
     "FORMAT_VERSION",
     "errors",
     "export",
+    "safetensors",
     "metadata",
     "restore",
     "save",
