@@ -150,8 +150,9 @@ class WriteSplit:
 
     chunks: the zarr chunk shape; it divides every shard, so no chunk spans two shards.
     parts: each distinct shard index -> its parts, as (region, group): a region is a
-        chunk-aligned box inside the shard; group ``g`` is written by the process
-        ``procs[(g + salt) % len(procs)]`` (``salt``: the leaf's position in the tree).
+        chunk-aligned box inside the shard; group ``g`` of the ``k``-th shard (in sorted
+        order) is written by ``procs[(g + k + salt) % len(procs)]`` (``salt``: the leaf's
+        position in the tree).
     procs: each distinct shard index -> the processes holding a replica of it (sorted).
     """
 
@@ -161,7 +162,13 @@ class WriteSplit:
 
     def writer(self, index: Index, group: int, salt: int) -> int:
         procs = self.procs[index]
-        return procs[(group + salt) % len(procs)]
+        return procs[(group + self.ordinal[index] + salt) % len(procs)]
+
+    @functools.cached_property
+    def ordinal(self) -> dict[Index, int]:
+        """Each distinct shard's position in sorted order: whole small shards of one leaf
+        go to their holders in turn, not all to one."""
+        return {index: k for k, index in enumerate(sorted(self.procs))}
 
     @functools.cached_property
     def period(self) -> int:

@@ -1,0 +1,98 @@
+"""Worker: jaxckpt.safetensors across processes.
+
+usage: safetensors_job.py save DIR     saves a data-parallel + sharded tree; prints
+                                       ``IO <json>`` (this process's write_bytes)
+       safetensors_job.py load DIR     loads it onto (processes, 8/processes) with each
+                                       process needing half the rows; page cache dropped
+                                       first; prints ``IO <json>`` (rchar, and the bytes
+                                       its devices need) and checks the values
+"""
+
+import json
+import os
+import sys
+
+import multiproc
+
+multiproc.init()
+
+import jax  # noqa: E402
+import jax.experimental.multihost_utils  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxckpt  # noqa: E402
+
+
+def expected() -> dict:
+    return {
+        "w": np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024),
+        "e": (np.arange(256 * 512) % 251).astype(ml_dtypes.bfloat16).reshape(256, 512),
+        "b": np.arange(1024, dtype=np.int32),
+    }
+
+
+SAVE_SPECS = {"w": P(None, "model"), "e": P("data", "model"), "b": P()}  # w, b replicated over data
+LOAD_SPECS = {"w": P("data", "model"), "e": P("data", None), "b": P("data")}
+
+
+def io() -> dict:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def drop_page_cache(path: str) -> None:
+    for name in os.listdir(path):
+        fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main(mode: str, path: str) -> None:
+    n = jax.process_count()
+    mesh = jax.make_mesh((n, 8 // n), ("data", "model"))
+    exp = expected()
+    if mode == "save":
+        tree = {
+            k: jax.make_array_from_callback(
+                v.shape, NamedSharding(mesh, SAVE_SPECS[k]), lambda i, v=v: v[i]
+            )
+            for k, v in exp.items()
+        }
+        before = io()
+        jaxckpt.safetensors.save(path, tree, max_file_bytes=1 << 20)
+        print(
+            "IO",
+            json.dumps({"write_bytes": io()["write_bytes"] - before["write_bytes"]}),
+            flush=True,
+        )
+    else:
+        target = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, LOAD_SPECS[k]))
+            for k, v in exp.items()
+        }
+        if jax.process_index() == 0:
+            drop_page_cache(path)
+        jax.experimental.multihost_utils.sync_global_devices("dropped")
+        before = io()
+        out = jaxckpt.safetensors.load(path, target)
+        read = io()["rchar"] - before["rchar"]
+        need = 0
+        for k, v in out.items():
+            seen = set()
+            for shard in v.addressable_shards:
+                key = str(shard.index)
+                if key not in seen:
+                    seen.add(key)
+                    need += shard.data.nbytes
+                np.testing.assert_array_equal(np.asarray(shard.data), exp[k][shard.index])
+        print("IO", json.dumps({"rchar": read, "need": need}), flush=True)
+    print("ok", mode, jax.process_index(), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
