@@ -47,9 +47,9 @@ LLAMA_NAMES = [
 class Config:
     vocab: int = 256
     dim: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 16
+    heads: int = 8
+    kv_heads: int = 4
+    head_dim: int = 8
     ffn: int = 128
     layers: int = 2
 

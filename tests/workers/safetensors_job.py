@@ -1,7 +1,7 @@
 """Worker: jaxckpt.safetensors across processes.
 
 usage: safetensors_job.py save DIR     saves a data-parallel + sharded tree; prints
-                                       ``IO <json>`` (this process's write_bytes)
+                                       ``IO <json>`` (the bytes this process wrote: wchar)
        safetensors_job.py load DIR     loads it onto (processes, 8/processes) with each
                                        process needing half the rows; page cache dropped
                                        first; prints ``IO <json>`` (rchar, and the bytes
@@ -67,7 +67,9 @@ def main(mode: str, path: str) -> None:
         jaxckpt.safetensors.save(path, tree, max_file_bytes=1 << 20)
         print(
             "IO",
-            json.dumps({"write_bytes": io()["write_bytes"] - before["write_bytes"]}),
+            # wchar: bytes this process passed to write/pwrite (processes share pages of the
+            # files, so write_bytes, counted once per page dirtied, goes to whoever was first)
+            json.dumps({"wchar": io()["wchar"] - before["wchar"]}),
             flush=True,
         )
     else:

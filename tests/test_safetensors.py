@@ -1,0 +1,270 @@
+"""jaxckpt.safetensors against the reference implementation (the ``safetensors`` package)."""
+
+import json
+import os
+import sys
+
+import jax
+import ml_dtypes
+import multiproc
+import numpy as np
+import pytest
+from conftest import sharded
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import errors
+from jaxckpt.safetensors import Cast, SafetensorsError, Transpose
+from jaxckpt.safetensors_format import coalesce, runs
+
+snp = pytest.importorskip("safetensors.numpy")
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+import from_huggingface as hf  # noqa: E402
+
+DTYPES = [
+    np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.float16, ml_dtypes.bfloat16,
+    np.int32, np.uint32, np.float32, np.int64, np.uint64, np.float64,
+    ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+]  # fmt: skip
+
+
+def _values(dtype, shape, seed):
+    raw = np.random.default_rng(seed).integers(0, 100, size=shape)
+    return (raw % 2).astype(dtype) if dtype == np.bool_ else raw.astype(dtype)
+
+
+def _read_reference(directory) -> dict:
+    """Every tensor as the reference implementation parses it (``safetensors.deserialize``:
+    its NumPy loader has no float8 types), as NumPy arrays."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out |= _read_reference_file(os.path.join(directory, name))
+    return out
+
+
+def _read_reference_file(path) -> dict:
+    import safetensors
+
+    from jaxckpt.safetensors_format import DTYPES
+
+    with open(path, "rb") as f:
+        return {
+            tensor: np.frombuffer(bytes(t["data"]), DTYPES[t["dtype"]]).reshape(t["shape"])
+            for tensor, t in safetensors.deserialize(f.read())
+        }
+
+
+def _same(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+# --- pure logic ------------------------------------------------------------------------------
+
+
+def test_runs_and_coalescing():
+    assert runs((4, 6), 2, ((1, 3), (2, 4))) == [(16, 4), (28, 4)]  # a row slice each
+    assert runs((4, 6), 2, ((1, 3), (0, 6))) == [(12, 24)]  # whole rows: one run
+    assert runs((), 4, ()) == [(0, 4)]
+    # neighbours merge while what is read stays within 1.5x of what is needed
+    assert [g[:2] for g in coalesce([(0, 8), (10, 8), (100, 4)])] == [(0, 18), (100, 4)]
+
+
+# --- one process -----------------------------------------------------------------------------
+
+
+def test_round_trip_of_every_dtype_read_by_the_reference(mesh42, tmp_path):
+    tree = {"nested": {}, "host": np.arange(6, dtype=np.int64).reshape(2, 3)}
+    for k, dtype in enumerate(DTYPES):
+        name = np.dtype(dtype).name
+        tree["nested"][name] = sharded(_values(dtype, (8, 4), k), mesh42, ("data", "model"))
+    tree["scalar"] = jax.device_put(np.float32(2.5))
+    jaxckpt.safetensors.save(tmp_path / "m", tree, max_file_bytes=600, metadata={"format": "pt"})
+    files = sorted(os.listdir(tmp_path / "m"))
+    assert "model.safetensors.index.json" in files and len(files) > 3
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    ref = _read_reference(tmp_path / "m")
+    assert set(index["weight_map"]) == set(ref) and index["metadata"]["total_size"] == sum(
+        v.nbytes for v in ref.values()
+    )
+    for name, file in index["weight_map"].items():  # the index points at the right file
+        assert name in _read_reference_file(tmp_path / "m" / file)
+    for dtype in DTYPES:
+        name = np.dtype(dtype).name
+        assert _same(ref[f"nested.{name}"], np.asarray(tree["nested"][name])), name
+    assert _same(ref["host"], tree["host"]) and _same(ref["scalar"], np.float32(2.5))
+    # back onto another mesh, and as NumPy
+    other = jax.make_mesh((2, 4), ("data", "model"))
+    target = jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(other, P("model")))
+            if isinstance(x, jax.Array) and x.ndim
+            else x
+        ),
+        tree,
+    )
+    out = jaxckpt.safetensors.load(tmp_path / "m", target)
+    for name in tree["nested"]:
+        assert _same(out["nested"][name], tree["nested"][name]), name
+        assert out["nested"][name].sharding.mesh.devices.shape == (2, 4)
+    assert isinstance(out["host"], np.ndarray) and _same(out["host"], tree["host"])
+    info = jaxckpt.safetensors.metadata(tmp_path / "m")
+    assert info["nested.bfloat16"].shape == (8, 4) and info["__metadata__"] == {"format": "pt"}
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4), (2, 2)])
+def test_hf_llama_files_load_with_transposes_stacked_layers_and_renames(shape, tmp_path):
+    c = hf.Config()
+    original = hf.write_hf_model(str(tmp_path), c)
+    devices = jax.devices()[: shape[0] * shape[1]]
+    mesh = jax.make_mesh(shape, ("data", "model"), devices=devices)
+    transforms = hf.llama_transforms(c)
+    params = jaxckpt.safetensors.load(
+        tmp_path, hf.abstract_params(c, mesh), names=hf.LLAMA_NAMES, transforms=transforms
+    )
+    assert params["layers"]["attn"]["q"]["kernel"].sharding.mesh.devices.size == len(devices)
+    h, kv, hd, d = c.heads, c.kv_heads, c.head_dim, c.dim
+    for i in range(c.layers):
+        q = (
+            original[f"model.layers.{i}.self_attn.q_proj.weight"]
+            .reshape(h, hd, d)
+            .transpose(2, 0, 1)
+        )
+        assert _same(params["layers"]["attn"]["q"]["kernel"][i], q)
+        k = (
+            original[f"model.layers.{i}.self_attn.k_proj.weight"]
+            .reshape(kv, hd, d)
+            .transpose(2, 0, 1)
+        )
+        assert _same(params["layers"]["attn"]["k"]["kernel"][i], k)
+        o = (
+            original[f"model.layers.{i}.self_attn.o_proj.weight"]
+            .reshape(d, h, hd)
+            .transpose(1, 2, 0)
+        )
+        assert _same(params["layers"]["attn"]["o"]["kernel"][i], o)
+        up = original[f"model.layers.{i}.mlp.up_proj.weight"].T
+        assert _same(params["layers"]["mlp"]["up"]["kernel"][i], up)
+    assert _same(params["lm_head"]["kernel"], original["lm_head.weight"].T)
+    # and back: the reference reads exactly the original tensors
+    jaxckpt.safetensors.save(
+        tmp_path / "again", params, names=hf.LLAMA_NAMES, transforms=transforms
+    )
+    again = _read_reference(tmp_path / "again")
+    assert again.keys() == original.keys()
+    assert all(_same(again[k], original[k]) for k in original)
+
+
+def test_cast_on_save_and_across_kinds_on_load(mesh42, tmp_path):
+    x = sharded(np.arange(32, dtype=np.float32).reshape(8, 4), mesh42, ("data", None))
+    jaxckpt.safetensors.save(tmp_path / "m", {"x": x}, transforms=[("x", Cast("bfloat16"))])
+    assert snp.load_file(tmp_path / "m" / "model.safetensors")["x"].dtype == ml_dtypes.bfloat16
+    ints = jax.ShapeDtypeStruct((8, 4), np.int32, sharding=x.sharding)
+    with pytest.raises(SafetensorsError, match=r"'x' is bfloat16, leaf 'x' is int32; add a Cast"):
+        jaxckpt.safetensors.load(tmp_path / "m", {"x": ints})
+    out = jaxckpt.safetensors.load(tmp_path / "m", {"x": ints}, transforms=[("x", Cast("int32"))])
+    assert _same(out["x"], np.arange(32, dtype=np.int32).reshape(8, 4))
+
+
+def test_s3_round_trip(mesh42, s3_url):
+    tree = {"a": sharded(np.arange(64, dtype=np.float32).reshape(8, 8), mesh42, ("data", "model"))}
+    jaxckpt.safetensors.save(s3_url, tree)
+    out = jaxckpt.safetensors.load(
+        s3_url, {"a": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=tree["a"].sharding)}
+    )
+    assert _same(out["a"], tree["a"])
+    assert jaxckpt.safetensors.metadata(s3_url + "/model.safetensors")["a"].shape == (8, 8)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small(tmp_path):
+    snp.save_file(
+        {"model.w": np.ones((4, 2), np.float32), "model.b": np.zeros(2, np.float32)},
+        tmp_path / "model.safetensors",
+    )
+    return tmp_path
+
+
+def test_missing_tensor_names_leaf_tensor_and_close_names(small):
+    t = {"model": {"W": jax.ShapeDtypeStruct((4, 2), np.float32)}}
+    with pytest.raises(
+        errors.LeafNotFoundError, match=r"'model\.W'.*'model\.W'.*closest: \['model\.w'"
+    ):
+        jaxckpt.safetensors.load(small, t)
+
+
+def test_shape_mismatch_after_transforms(small):
+    t = {"model": {"w": jax.ShapeDtypeStruct((4, 2), np.float32)}}
+    with pytest.raises(
+        errors.ShapeMismatchError,
+        match=r"model\.safetensors.*\[4, 2\] gives leaf 'model\.w' shape \[2, 4\]",
+    ):
+        jaxckpt.safetensors.load(small, t, transforms=[("w", Transpose((1, 0)))])
+
+
+def test_corrupt_and_truncated_files_and_a_bad_index(small, tmp_path):
+    t = {"model": {"w": jax.ShapeDtypeStruct((4, 2), np.float32)}}
+    f = small / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(b"\xff" * 8 + data[8:])
+    with pytest.raises(
+        SafetensorsError, match=r"model\.safetensors: header length .* out of range"
+    ):
+        jaxckpt.safetensors.load(small, t)
+    f.write_bytes(data[:8] + b"{not json" + data[17:])
+    with pytest.raises(SafetensorsError, match="not valid JSON"):
+        jaxckpt.safetensors.load(small, t)
+    f.write_bytes(data[:-4])
+    with pytest.raises(SafetensorsError, match=r"model\.safetensors is truncated"):
+        jaxckpt.safetensors.load(small, t)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.w": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(SafetensorsError, match=r"model-00001-of-00002\.safetensors does not exist"):
+        jaxckpt.safetensors.load(small, t)
+
+
+def test_save_refusals(mesh42, tmp_path):
+    with pytest.raises(errors.UnsupportedLeafError, match="PRNG key"):
+        jaxckpt.safetensors.save(tmp_path / "k", {"key": jax.random.key(0)})
+    x = sharded(np.ones((8, 4), np.float32), mesh42, ("data", None))
+    with pytest.raises(SafetensorsError, match=r"several leaves map to tensor\(s\) \['w'\]"):
+        jaxckpt.safetensors.save(tmp_path / "d", {"a": x, "b": x}, names=[(r"^(a|b)$", "w")])
+    jaxckpt.safetensors.save(tmp_path / "m", {"x": x})
+    with pytest.raises(SafetensorsError, match="already exists"):
+        jaxckpt.safetensors.save(tmp_path / "m", {"x": x})
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # nothing half-written left
+
+
+# --- two processes -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_processes_save_balanced_and_load_only_what_they_need(tmp_path):
+    worker = os.path.join(HERE, "workers", "safetensors_job.py")
+    path = str(tmp_path / "m")
+
+    def io(res):
+        return [
+            json.loads(line.split(" ", 1)[1])
+            for out in res.check().outputs
+            for line in out.splitlines()
+            if line.startswith("IO ")
+        ]
+
+    written = [r["wchar"] for r in io(multiproc.run(worker, 2, args=["save", path]))]
+    assert max(written) <= 1.25 * sum(written) / 2, written
+    ref = _read_reference(path)  # the reference reads every tensor the processes wrote
+    sys.path.insert(0, os.path.join(HERE, "workers"))
+    assert ref.keys() == {"w", "e", "b"}
+    assert _same(ref["w"], np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024))
+    # each process reads (rchar, page cache dropped) at most 1.5x what its devices need
+    for r in io(multiproc.run(worker, 2, args=["load", path])):
+        assert r["rchar"] <= 1.5 * r["need"], r
