@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 READ_BUDGET_BYTES = 256 << 20
+WRITE_BLOCK_BYTES = 128 << 20  # a leaf's owned parts joined into one host block up to this
 
 
 # --- the declarative mapping -----------------------------------------------------------------
@@ -320,6 +321,21 @@ def _want(path, t, tensors, names, transforms, loc: Location) -> _Want:
     return _Want(m, shape, dtype, sharding, found)
 
 
+def _volume(box: Index) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def _bounding(boxes: list[Index]) -> Index | None:
+    """The box around ``boxes`` when they tile it with at most 1.5x its volume needed
+    elsewhere (replicas counted once), else None."""
+    if not boxes or not boxes[0]:
+        return None
+    box = tuple(
+        (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0]))
+    )
+    return box if _volume(box) <= 1.5 * sum(_volume(b) for b in set(boxes)) else None
+
+
 def _kind(dtype: np.dtype) -> str:
     if dtype == np.bool_:
         return "bool"
@@ -352,8 +368,30 @@ class _Reader:
             for device in rest:
                 placed[device] = jax.device_put(placed[first], device)
 
-        for index in by_index:
-            self._submit(w, index, lambda data, i=index: put(i, data))
+        block = _bounding(list(by_index))
+        itemsize = w.tensors[0].dtype.itemsize
+        whole = tuple((0, d) for d in w.shape)
+        if block == whole and _volume(block) * itemsize <= self.budget // 2:
+            # this process needs the whole leaf: one read, and jax slices it onto the devices
+            out: dict = {}
+            self._submit(
+                w, block, lambda data: out.__setitem__("v", jax.device_put(data, w.sharding))
+            )
+            return lambda: out["v"]
+        if block is not None and _volume(block) * itemsize <= self.budget // 2:
+            # the slices this process needs, read together (a few long runs, not one short
+            # run per row of every slice) and cut on the host
+            def cut(data, block=block):
+                for i in by_index:
+                    part = tuple(
+                        slice(a - s, b - s) for (a, b), (s, _) in zip(i, block, strict=True)
+                    )
+                    put(i, np.ascontiguousarray(data[part]))
+
+            self._submit(w, block, cut)
+        else:
+            for index in by_index:
+                self._submit(w, index, lambda data, i=index: put(i, data))
 
         def finish():
             singles = [placed[d] for d in index_map]
@@ -385,12 +423,20 @@ class _Reader:
         w, box, parts, consume, nbytes = self.pending.popleft()
         blocks = []
         for info, rbox, reads in parts:
-            buf = bytearray()
-            for fut, off, n, members in reads:
-                data = checked(fut.result(), info.file, info.begin + off, n, self.url)
-                for moff, mn in members:
-                    buf += data[moff - off : moff - off + mn]
             extent = tuple(b - a for a, b in rbox)
+            if len(reads) == 1 and len(reads[0][3]) == 1:  # one run: the read is the block
+                fut, off, n, _ = reads[0]
+                buf = checked(fut.result(), info.file, info.begin + off, n, self.url)
+            else:
+                buf = np.empty(math.prod(extent) * info.dtype.itemsize, np.uint8)
+                pos = 0
+                for fut, off, n, members in reads:
+                    data = checked(fut.result(), info.file, info.begin + off, n, self.url)
+                    for moff, mn in members:
+                        buf[pos : pos + mn] = np.frombuffer(
+                            data[moff - off : moff - off + mn], np.uint8
+                        )
+                        pos += mn
             block = np.frombuffer(buf, dtype=info.dtype).reshape(extent)
             blocks.append(_from_reshaped(w.m, block))
         data = np.stack(blocks) if w.m.stacked else blocks[0]
@@ -468,7 +514,7 @@ def save(
     fds = {f.name: os.open(os.path.join(work.url, f.name), os.O_WRONLY) for f in files}
     try:
         for salt, (m, v) in enumerate(leaves):
-            for box, data in _owned(v, salt):
+            for box, data in _blocks(_owned(v, salt), WRITE_BLOCK_BYTES):
                 for file, offset, chunk in _placements(m, box, data, placed):
                     os.pwrite(fds[file], chunk, offset)
         for fd in fds.values():
@@ -516,6 +562,25 @@ def _owned(v, salt: int):
                     slice(a - s, b - s) for (a, b), (s, _) in zip(region, index, strict=True)
                 )
                 yield region, np.asarray(v.addressable_data(position))[part]
+
+
+def _blocks(parts, budget: int):
+    """The owned ``(box, data)`` parts of a leaf, joined into one block when they tile a box
+    of at most ``budget`` bytes (one long write per row range, not one per row of each
+    part); else as they come."""
+    parts = list(parts)
+    block = _bounding([b for b, _ in parts]) if len(parts) > 1 else None
+    if block is None or _volume(block) != sum(_volume(b) for b, _ in parts):
+        yield from parts
+        return
+    dtype = parts[0][1].dtype
+    if _volume(block) * dtype.itemsize > budget:
+        yield from parts
+        return
+    out = np.empty(tuple(b - a for a, b in block), dtype)
+    for box, data in parts:
+        out[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(box, block, strict=True))] = data
+    yield block, out
 
 
 def _placements(m: LeafMap, box: Index, data: np.ndarray, placed):
