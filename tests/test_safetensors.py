@@ -263,7 +263,7 @@ def test_two_processes_save_balanced_and_load_only_what_they_need(tmp_path):
     assert max(written) <= 1.25 * sum(written) / 2, written
     ref = _read_reference(path)  # the reference reads every tensor the processes wrote
     sys.path.insert(0, os.path.join(HERE, "workers"))
-    assert ref.keys() == {"w", "e", "b"}
+    assert {"w", "e", "b", "d_float8_e4m3fn", "d_bool"} <= ref.keys() and len(ref) == 15
     assert _same(ref["w"], np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024))
     # each process reads (rchar, page cache dropped) at most 1.5x what its devices need
     for r in io(multiproc.run(worker, 2, args=["load", path])):

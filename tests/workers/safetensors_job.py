@@ -25,17 +25,27 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
 
+DTYPES = [
+    np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.float16, np.uint32, np.int64,
+    np.uint64, np.float64, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+]  # fmt: skip
+
 
 def expected() -> dict:
+    small = np.arange(8 * 16).reshape(8, 16) % 7
     return {
         "w": np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024),
         "e": (np.arange(256 * 512) % 251).astype(ml_dtypes.bfloat16).reshape(256, 512),
         "b": np.arange(1024, dtype=np.int32),
+        **{f"d_{np.dtype(t).name}": small.astype(t) for t in DTYPES},
     }
 
 
 SAVE_SPECS = {"w": P(None, "model"), "e": P("data", "model"), "b": P()}  # w, b replicated over data
 LOAD_SPECS = {"w": P("data", "model"), "e": P("data", None), "b": P("data")}
+for _t in DTYPES:
+    SAVE_SPECS[f"d_{np.dtype(_t).name}"] = P("data", "model")
+    LOAD_SPECS[f"d_{np.dtype(_t).name}"] = P(None, "data")
 
 
 def io() -> dict:
