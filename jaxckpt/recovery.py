@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from . import arrays, local
+from .placement import Placement
 from .restoring import Want, place_key
 from .sharding import Index, normalize_index
 
@@ -179,18 +180,7 @@ def assemble(w: Want, required: list[Index], data: dict) -> Any:
             key = jax.random.wrap_key_data(full, impl=rec.prng_impl)
             return key if w.sharding is None else place_key(full, w, rec)
         return full[()] if rec.kind == "numpy" and rec.scalar else full
-    index_map = w.sharding.addressable_devices_indices_map(shape)
-    by_index: dict[Index, list] = {}
-    for device, index in index_map.items():
-        by_index.setdefault(normalize_index(index, shape), []).append(device)
-    placed = {}
-    for index, (first, *rest) in by_index.items():
-        piece = fill(index, required, data, rec.name, saved).astype(want, copy=False)
-        # The first device may adopt the host buffer (zero-copy on CPU when it is aligned and
-        # nothing else uses it: ``data`` is dropped after the restore); replicas are
-        # device-to-device copies of it, so no two devices share memory.
-        placed[first] = jax.device_put(piece, first, may_alias=True)
-        for device in rest:
-            placed[device] = jax.device_put(placed[first], device)
-    singles = [placed[d] for d in index_map]
-    return jax.make_array_from_single_device_arrays(shape, w.sharding, singles)
+    out = Placement(w.sharding, shape, want)
+    for index in out.indices:  # ``data`` is dropped after the restore: buffers may be adopted
+        out.put(index, fill(index, required, data, rec.name, saved).astype(want, copy=False))
+    return out.array()

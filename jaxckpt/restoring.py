@@ -36,7 +36,8 @@ from .errors import (
     ShardingError,
 )
 from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
-from .sharding import bind_spec, mesh_by_position, normalize_index, saved_writers
+from .placement import Placement
+from .sharding import bind_spec, mesh_by_position, saved_writers
 from .storage import Location, location
 
 READ_BUDGET_BYTES = 128 << 20  # host memory for slices read but not yet on device
@@ -260,31 +261,13 @@ def _plan_leaf(w: Want, store_fut, reader: _BoundedReader) -> Callable[[], Any]:
 
         return finish
 
-    index_map = w.sharding.addressable_devices_indices_map(shape)
-    by_index: dict[tuple, list] = {}
-    for device, index in index_map.items():
-        by_index.setdefault(normalize_index(index, shape), []).append(device)
-    placed: dict = {}
-
-    def put(index, data):
-        # The first device may adopt the read buffer (zero-copy on CPU when aligned); the
-        # replicas are device-to-device copies of it, so no two devices share memory.
-        first, *rest = by_index[index]
-        placed[first] = jax.device_put(data, first, may_alias=True)
-        for device in rest:
-            placed[device] = jax.device_put(placed[first], device)
-
-    for index in by_index:
+    out = Placement(w.sharding, shape, want_dtype)
+    for index in out.indices:
         if store_fut is None or not math.prod(b - a for a, b in index):
-            put(index, np.zeros(tuple(b - a for a, b in index), want_dtype))
+            out.put(index, np.zeros(tuple(b - a for a, b in index), want_dtype))
         else:
-            reader.submit(store_fut, rec, index, lambda d, i=index: put(i, convert(d)))
-
-    def finish_sharded() -> jax.Array:
-        singles = [placed[d] for d in index_map]
-        return jax.make_array_from_single_device_arrays(shape, w.sharding, singles)
-
-    return finish_sharded
+            reader.submit(store_fut, rec, index, lambda d, i=index: out.put(i, convert(d)))
+    return out.array
 
 
 def place_key(data: np.ndarray, w: Want, rec: LeafRecord) -> jax.Array:

@@ -36,6 +36,7 @@ import tensorstore as ts
 from . import multihost
 from . import tree as tree_lib
 from .errors import LeafNotFoundError, ShapeMismatchError, UnsupportedLeafError
+from .placement import Placement
 from .safetensors_format import (
     INDEX_FILE,
     SafetensorsError,
@@ -48,7 +49,7 @@ from .safetensors_format import (
     read_range,
     runs,
 )
-from .sharding import Index, layout, normalize_index, write_split
+from .sharding import Index, layout, write_split
 from .storage import Location, fsync_dir, location, rename_dir
 
 __all__ = [
@@ -351,33 +352,22 @@ class _Reader:
         self.bytes = 0
 
     def leaf(self, w: _Want) -> Callable[[], Any]:
+        holder: dict = {}
         if w.sharding is None:
             whole = tuple((0, d) for d in w.shape)
-            holder: dict = {}
             self._submit(w, whole, lambda data: holder.__setitem__("v", data))
             return lambda: holder["v"]
-        index_map = w.sharding.addressable_devices_indices_map(w.shape)
-        by_index: dict = {}
-        for device, index in index_map.items():
-            by_index.setdefault(normalize_index(index, w.shape), []).append(device)
-        placed: dict = {}
-
-        def put(index, data):
-            first, *rest = by_index[index]
-            placed[first] = jax.device_put(data, first, may_alias=True)
-            for device in rest:
-                placed[device] = jax.device_put(placed[first], device)
-
-        block = _bounding(list(by_index))
+        out = Placement(w.sharding, w.shape, w.dtype)
+        put, by_index = out.put, out.indices
+        block = _bounding(by_index)
         itemsize = w.tensors[0].dtype.itemsize
         whole = tuple((0, d) for d in w.shape)
         if block == whole and _volume(block) * itemsize <= self.budget // 2:
             # this process needs the whole leaf: one read, and jax slices it onto the devices
-            out: dict = {}
             self._submit(
-                w, block, lambda data: out.__setitem__("v", jax.device_put(data, w.sharding))
+                w, block, lambda data: holder.__setitem__("v", jax.device_put(data, w.sharding))
             )
-            return lambda: out["v"]
+            return lambda: holder["v"]
         if block is not None and _volume(block) * itemsize <= self.budget // 2:
             # the slices this process needs, read together (a few long runs, not one short
             # run per row of every slice) and cut on the host
@@ -393,13 +383,7 @@ class _Reader:
             for index in by_index:
                 self._submit(w, index, lambda data, i=index: put(i, data))
 
-        def finish():
-            singles = [placed[d] for d in index_map]
-            return jax.make_array_from_single_device_arrays(
-                w.shape, w.sharding, singles, dtype=w.dtype
-            )
-
-        return finish
+        return out.array
 
     def _submit(self, w: _Want, box: Index, consume) -> None:
         parts = []

@@ -217,3 +217,15 @@ def test_data_parallel_state_is_written_by_every_process(tmp_path, n):
     multiproc.run(
         DATA_PARALLEL, other, devices_per_process=8 // other, args=["restore", path]
     ).check()
+
+
+@pytest.mark.slow
+def test_leaf_on_one_process_restores_everywhere(tmp_path):
+    """A leaf that lives only on process 0's devices (a pipeline stage) restores in a
+    2-process job through jaxckpt.restore, the manager and the emergency manager: the
+    process holding none of it builds its (empty) part too."""
+    worker = os.path.join(HERE, "workers", "submesh_leaf.py")
+    res = multiproc.run(worker, 2, devices_per_process=4, args=[str(tmp_path)]).check()
+    for pid, out in enumerate(res.outputs):
+        for how in ("jaxckpt.restore", "CheckpointManager", "EmergencyCheckpointManager"):
+            assert f"restored {how} {pid}" in out, out

@@ -1,0 +1,44 @@
+"""Host slices onto devices: the one way a restore (from a checkpoint, from local and peer
+copies, from safetensors files) turns the slices it read into a ``jax.Array``."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from .sharding import Index, normalize_index
+
+
+class Placement:
+    """One array of ``shape`` and ``dtype`` on ``sharding``, built slice by slice.
+
+    ``indices`` are the distinct slices this process's devices hold; ``put`` each one's host
+    data once. The first device of a slice may adopt the host buffer (zero-copy on CPU when
+    it is aligned and nothing else keeps it); its replicas are device-to-device copies, so
+    no two devices share memory. ``array`` works on a process that holds no slice at all
+    (a leaf that lives on other processes' devices).
+    """
+
+    def __init__(self, sharding: jax.sharding.Sharding, shape: tuple[int, ...], dtype):
+        self.sharding, self.shape, self.dtype = sharding, shape, np.dtype(dtype)
+        self.index_map = sharding.addressable_devices_indices_map(shape)
+        self.devices: dict[Index, list] = {}
+        for device, index in self.index_map.items():
+            self.devices.setdefault(normalize_index(index, shape), []).append(device)
+        self.placed: dict = {}
+
+    @property
+    def indices(self) -> list[Index]:
+        return list(self.devices)
+
+    def put(self, index: Index, data: np.ndarray) -> None:
+        first, *rest = self.devices[index]
+        self.placed[first] = jax.device_put(data, first, may_alias=True)
+        for device in rest:
+            self.placed[device] = jax.device_put(self.placed[first], device)
+
+    def array(self) -> jax.Array:
+        singles = [self.placed[d] for d in self.index_map]
+        return jax.make_array_from_single_device_arrays(
+            self.shape, self.sharding, singles, dtype=self.dtype
+        )
