@@ -130,7 +130,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\nstate {nbytes / 1e9:.3f} GB logical, {a.repeats} repeats, medians; peak RSS: worst")
-    print(f"{'operation':<8}{'library':<11}{'GB/s':>8}{'peak RSS+ GB':>14}{'over result GB':>16}")
+    print(f"{'operation':<10}{'library':<11}{'GB/s':>8}{'peak RSS+ GB':>14}{'over result GB':>16}")
     rows = {}
     for key, runs_ in res.items():
         op, lib = key.split("-", 1)
@@ -138,7 +138,7 @@ def main() -> None:
         peak = max(r["rss_over"] for r in runs_) / 1e9
         over = max(r["rss_over"] - r["result"] for r in runs_) / 1e9
         rows[key] = (gbs, peak, over)
-        print(f"{op:<8}{lib:<11}{gbs:>8.3f}{peak:>14.3f}{over:>16.3f}")
+        print(f"{op:<10}{lib:<11}{gbs:>8.3f}{peak:>14.3f}{over:>16.3f}")
     print("\ntargets")
     for op in ("load", "save"):
         ratio = rows[f"{op}-jaxckpt"][0] / rows[f"{op}-reference"][0]

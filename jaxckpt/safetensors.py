@@ -64,7 +64,7 @@ __all__ = [
     "save",
 ]
 
-READ_BUDGET_BYTES = 256 << 20
+READ_BUDGET_BYTES = 128 << 20
 WRITE_BLOCK_BYTES = 128 << 20  # a leaf's owned parts joined into one host block up to this
 
 
@@ -258,7 +258,7 @@ def load(
     ``.safetensors`` files), or a list of files; local, ``s3://`` or ``gs://``. ``target``
     leaves: ``jax.ShapeDtypeStruct`` with a sharding, ``jax.Array``, or NumPy arrays (NumPy
     results); other leaves are returned as they are. Each process reads only the byte
-    ranges its devices need, at most ``read_budget_bytes`` (default 256 MiB) in flight.
+    ranges its devices need, at most ``read_budget_bytes`` (default 128 MiB) in flight.
     """
     loc, files = _files(path)
     kv = ts.KvStore.open(loc.kvstore()).result()
