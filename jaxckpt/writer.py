@@ -74,12 +74,19 @@ class Writer:
             error, self._error = self._error, None
             raise error
 
+    def _wait_idle(self) -> bool:
+        """Waits for the job in flight. Its own waits (barriers, key-value rounds) are bounded
+        by the same ``timeout_s`` but started after ours, and their errors say more (which
+        process never arrived): so give it a second ``timeout_s`` to fail on its own."""
+        return self._idle.wait(self.timeout_s) or self._idle.wait(self.timeout_s)
+
     def wait(self, where: str) -> None:
         """Blocks until the job in flight is done; raises its error, or one on timeout."""
-        if not self._idle.wait(self.timeout_s):
+        if not self._wait_idle():
             raise BackgroundSaveError(
-                f"{where}: the background save did not finish within {self.timeout_s:g}s "
-                "(Options.timeout_s)"
+                f"{where}: the background save did not finish within 2 x {self.timeout_s:g}s "
+                "(Options.timeout_s); it may hang on storage. Check the storage, or raise "
+                "timeout_s"
             )
         self.raise_error()
 
@@ -89,9 +96,9 @@ class Writer:
     def close(self, where: str) -> None:
         """Waits for the job in flight, stops the thread, raises a pending error."""
         try:
-            if not self._idle.wait(self.timeout_s) and self._error is None:
+            if not self._wait_idle() and self._error is None:
                 self._error = BackgroundSaveError(
-                    f"{where}: close() gave up after {self.timeout_s:g}s (Options.timeout_s) "
+                    f"{where}: close() gave up after 2 x {self.timeout_s:g}s (Options.timeout_s) "
                     "with a save still writing; that step may not be committed. Raise "
                     "timeout_s or check the storage"
                 )

@@ -78,13 +78,17 @@ def test_manager_async_saves_then_restore_in_another_layout(tmp_path):
 
 
 @pytest.mark.slow
-def test_process_killed_mid_save(tmp_path):
-    """Survivors raise CoordinationError naming the dead process; the previous step restores."""
+@pytest.mark.parametrize("wait", ["", "1"], ids=["close", "wait_until_finished"])
+def test_process_killed_mid_save(tmp_path, wait):
+    """Survivors raise CoordinationError naming the dead process, whether they wait for the
+    async save at close() or right after save() (the wait outlives the writer's barrier);
+    the previous step restores."""
     d = str(tmp_path / "run")
     env = {
         "JAXCKPT_TEST_KILL_RANK": "1",
         "JAXCKPT_TEST_KILL_STEP": "2",
         "JAXCKPT_TEST_TIMEOUT": "3",
+        "JAXCKPT_TEST_WAIT": wait,
     }
     t = time.monotonic()
     res = multiproc.run(LOOP, 2, devices_per_process=4, args=["save", d, "2"], env=env)

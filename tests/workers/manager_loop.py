@@ -78,6 +78,8 @@ def main(mode: str, directory: str, arg: str | None) -> None:
         for step in range(1, int(arg) + 1):
             mgr.save(step, state(mesh, step))
             print("saving", step, flush=True)
+            if os.environ.get("JAXCKPT_TEST_WAIT"):  # wait right away, as the issue found
+                mgr.wait_until_finished()
         mgr.close()
     elif mode == "restore":
         assert mgr.latest_step() == int(arg), mgr.all_steps()
