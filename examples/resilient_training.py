@@ -67,19 +67,17 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
     ) as mgr:
         state = create_state(mesh)  # also the restore target: shapes and shardings
         start = 0
-        if True:  # every process calls restore (a collective), even with an empty disk
-            try:
-                state = mgr.restore(target=state)
-                rep = mgr.last_report
-                start = rep.step
-                print(
-                    f"[p{pid}] resumed from the {rep.tier} tier at step {rep.step}; "
-                    f"{len(rep.from_peers)} slices from peers; rejected: {list(rep.rejected)}; "
-                    f"checksum {checksum(state)}",
-                    flush=True,
-                )
-            except jaxckpt.errors.CheckpointNotFoundError:
-                pass
+        # agreed on every process: a replaced host with an empty disk resumes too
+        if mgr.latest_step() is not None:
+            state = mgr.restore(target=state)
+            rep = mgr.last_report
+            start = rep.step
+            print(
+                f"[p{pid}] resumed from the {rep.tier} tier at step {rep.step}; "
+                f"{len(rep.from_peers)} slices from peers; rejected: {list(rep.rejected)}; "
+                f"checksum {checksum(state)}",
+                flush=True,
+            )
         for step in range(start + 1, steps + 1):
             if step == kill_at and pid == count - 1:
                 print(f"[p{pid}] host failure at step {step}", flush=True)

@@ -191,7 +191,29 @@ class EmergencyCheckpointManager:
         return sorted(self._local_steps | set(self._remote.all_steps()))
 
     def latest_step(self) -> int | None:
-        return max(self.all_steps(), default=None)
+        """The step ``restore`` would use, the same on every process (None: nothing to
+        restore). A replaced host with an empty disk gets its peers' answer, so
+        ``if mgr.latest_step() is not None: state = mgr.restore(target=state)`` is right on
+        every process. With several processes it is one key-value round: every process
+        must call it, as it must call ``restore``. (A copy that fails its checksums during
+        ``restore`` can still send it to an older step.)"""
+        self.wait_until_finished()
+        if multihost.process_count() == 1:
+            return max(self.all_steps(), default=None)
+        self._remote.reload()
+        _, views = local_restore.publish_holdings(
+            self.local_directory,
+            self._remote.all_steps(),
+            tag=self._tag("latest"),
+            timeout_s=self.options.timeout_s,
+        )
+        newest_remote = max(views[0]["remote"], default=None)
+        for s in sorted({int(s) for v in views for s in v["steps"]}, reverse=True):
+            if newest_remote is not None and newest_remote > s:
+                break
+            if not uncovered(s, views):
+                return s
+        return newest_remote
 
     def reached_preemption(self, step: int) -> bool:
         return multihost.reached_preemption(step)

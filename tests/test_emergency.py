@@ -272,6 +272,21 @@ def test_replaced_host_restores_from_peer_copies(tmp_path):
 
 
 @pytest.mark.slow
+def test_readme_resume_recipe_on_a_replaced_host(tmp_path):
+    """``if mgr.latest_step() is not None: mgr.restore()``, literally: the replaced host
+    (empty disk, empty remote) gets the agreed step and its data from its peer."""
+    run(2, "save", tmp_path, 3)
+    shutil.rmtree(tmp_path / "host1")
+    r0, r1 = reports(run(2, "recipe", tmp_path))
+    assert (r0["tier"], r0["step"]) == (r1["tier"], r1["step"]) == ("local", 3)
+    assert r0["from_peers"] == [] and r1["from_peers"]
+    shutil.rmtree(tmp_path / "host0")  # nothing anywhere: both processes start fresh
+    shutil.rmtree(tmp_path / "host1")
+    res = run(2, "recipe", tmp_path)
+    assert all("REPORT null" in out for out in res.outputs), res.outputs
+
+
+@pytest.mark.slow
 def test_replaced_host_with_permuted_process_ids(tmp_path):
     run(4, "save", tmp_path, 3)
     shutil.rmtree(tmp_path / "host2")

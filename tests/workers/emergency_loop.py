@@ -1,6 +1,8 @@
 """Worker: an EmergencyCheckpointManager in a multi-process job.
 
 usage: emergency_loop.py save ROOT N           saves steps 1..N, then closes
+       emergency_loop.py recipe ROOT           the README's resume recipe: latest_step(),
+                                                restore if not None, check, ``REPORT``
        emergency_loop.py restore ROOT [TIER STEP]  restores (saved mesh by position, then a
                                                 target on another layout), checks the values
                                                 and, if given, the tier and step
@@ -104,6 +106,14 @@ def main(mode: str, root: str, rest: list[str]) -> None:
             kill_after_local_write(int(env("JAXCKPT_TEST_KILL_STEP")))
         for step in range(1, int(rest[0]) + 1):
             mgr.save(step, state(mesh, step))
+        mgr.close()
+    elif mode == "recipe":  # the README's resume recipe, as written there
+        if mgr.latest_step() is not None:
+            out = mgr.restore()
+            check(out, mgr.last_report.step)
+            print("REPORT", json.dumps(dataclasses.asdict(mgr.last_report)), flush=True)
+        else:
+            print("REPORT null", flush=True)
         mgr.close()
     else:
         out = mgr.restore()
