@@ -137,7 +137,15 @@ def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
         txn = ts.Transaction(atomic=False)
         opens = []
         for w in writes:
-            spec = {"driver": "zarr3", "kvstore": kv, "path": w.name + "/", "metadata": w.metadata}
+            spec = {
+                "driver": "zarr3",
+                "kvstore": kv,
+                "path": w.name + "/",
+                "metadata": w.metadata,
+                # every chunk on disk, zeros too: a missing chunk is then an error, never a
+                # silent zero (``jaxckpt verify`` checks that every chunk exists)
+                "store_data_equal_to_fill_value": True,
+            }
             spec.update(dict(create=True, open=False) if w.create else dict(assume_metadata=True))
             opens.append(ts.open(spec, context=ctx, transaction=txn))
         pending = []
