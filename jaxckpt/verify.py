@@ -64,8 +64,14 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
     report = Report(loc.url)
     db = arrays.database_dir(loc, None)
     ctx = arrays.new_context()
-    kv = ts.KvStore.open(arrays.kvstore_spec(db), context=ctx).result()
-    present = {k.decode() for k in kv.list().result()}
+    try:
+        kv = ts.KvStore.open(arrays.kvstore_spec(db), context=ctx).result()
+        present = {k.decode() for k in kv.list().result()}
+    except Exception as e:  # the B-tree itself is damaged or gone: nothing can be read
+        report.problems.append(
+            Problem("*", None, db.url, f"cannot list the arrays: {_first_line(e)}")
+        )
+        return report
     leaves = [r for r in manifest.leaves if r.has_array and math.prod(r.shape)]
     # before 1.3, chunks equal to the fill value (all zeros) were not stored
     every_chunk_stored = tuple(manifest.format_version) >= (1, 3)

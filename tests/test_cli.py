@@ -1,0 +1,166 @@
+"""The jaxckpt command, run as a user runs it: ``python -m jaxckpt`` in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import sharded
+
+import jaxckpt
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "jaxckpt", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def _state(mesh, scale=1.0):
+    rng = np.random.default_rng(0)
+    return {
+        "layer": {
+            "w": sharded(
+                rng.standard_normal((64, 32)).astype(np.float32) * scale, mesh, ("data", "model")
+            )
+        },
+        "b": sharded(np.arange(32, dtype=np.int32), mesh, ("model",)),
+        "step": 3,
+    }
+
+
+@pytest.fixture
+def ckpt(mesh42, tmp_path):
+    jaxckpt.save(tmp_path / "c", _state(mesh42), custom_metadata={"run": "a"})
+    return tmp_path / "c"
+
+
+def _flip_a_byte_in_the_biggest_data_file(path) -> str:
+    files = [
+        os.path.join(root, f)
+        for root, _, names in os.walk(os.path.join(path, "arrays"))
+        for f in names
+        if "/d" in root
+    ]
+    biggest = max(files, key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        f.seek(os.path.getsize(biggest) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return biggest
+
+
+def test_ls_marks_uncommitted_leftovers(mesh42, tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path / "run") as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(mesh42), metrics={"loss": 1.0 / step})
+    (tmp_path / "run" / "00000003.tmp-abcdef").mkdir()  # a save that never finished
+    (tmp_path / "run" / "00000004").mkdir()  # a step without its marker
+    res = cli("ls", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert any(ln.split()[0] == "1" and "remote" in ln and "'loss': 1.0" in ln for ln in lines), (
+        res.stdout
+    )
+    assert any(ln.split()[0] == "2" for ln in lines)
+    assert sum("uncommitted leftover" in ln for ln in lines) == 2, res.stdout
+
+
+def test_info_json_fields(ckpt):
+    res = cli("info", ckpt, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["format_version"] == list(jaxckpt.FORMAT_VERSION)
+    assert doc["custom_metadata"] == {"run": "a"} and doc["process_count"] == 1
+    assert doc["bytes"] == 64 * 32 * 4 + 32 * 4 and doc["bytes_per_process"] == [doc["bytes"]]
+    leaves = {leaf["path"]: leaf for leaf in doc["leaves"]}
+    w = leaves["layer/w"]
+    assert (w["shape"], w["dtype"], w["mesh"], w["spec"]) == (
+        [64, 32],
+        "float32",
+        {"data": 4, "model": 2},
+        ["data", "model"],
+    )
+    assert leaves["step"]["value"] == 3 and doc["writer"]["jaxckpt"]
+    text = cli("info", ckpt)
+    assert "layer/w" in text.stdout and "spec P('data', 'model')" in text.stdout
+
+
+def test_verify_good_corrupt_and_missing(ckpt, tmp_path, mesh42):
+    res = cli("verify", ckpt)
+    assert res.returncode == 0 and res.stdout.startswith("ok "), res.stdout + res.stderr
+    _flip_a_byte_in_the_biggest_data_file(ckpt)
+    res = cli("verify", ckpt)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "DAMAGED" in res.stdout and "leaf 'layer/w' chunk [" in res.stdout, res.stdout
+    assert "arrays/d/" in res.stdout, res.stdout  # where its bytes are
+    # every data file gone (one process: the B-tree lives there too): exit 1, named
+    for root, _, names in os.walk(ckpt / "arrays" / "d"):
+        for f in names:
+            os.remove(os.path.join(root, f))
+    res = cli("verify", ckpt)
+    assert res.returncode == 1 and "cannot list the arrays" in res.stdout, res.stdout
+
+
+@pytest.mark.slow
+def test_verify_names_the_chunks_of_a_lost_data_file(tmp_path):
+    """Process 1's data files of a 2-process save go missing: verify names every chunk
+    they held, with its leaf and the process whose files are gone."""
+    import multiproc
+
+    worker = os.path.join(os.path.dirname(__file__), "workers", "data_parallel.py")
+    multiproc.run(worker, 2, devices_per_process=4, args=["save", tmp_path / "c"]).check()
+    lost = tmp_path / "c" / "arrays" / "p1" / "d"
+    for f in os.listdir(lost):
+        os.remove(lost / f)
+    res = cli("verify", tmp_path / "c")
+    assert res.returncode == 1, res.stdout + res.stderr
+    damaged = [ln for ln in res.stdout.splitlines() if ln.startswith("DAMAGED")]
+    assert damaged and all("process 1's data files" in ln for ln in damaged), res.stdout
+    assert any("leaf 'params/w0' chunk [" in ln for ln in damaged), res.stdout
+
+
+def test_verify_all_steps(mesh42, tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path / "run") as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(mesh42))
+    res = cli("verify", tmp_path / "run", "--all")
+    assert res.returncode == 0 and res.stdout.count("ok ") == 2, res.stdout
+    _flip_a_byte_in_the_biggest_data_file(tmp_path / "run" / "00000002")
+    res = cli("verify", tmp_path / "run", "--all")
+    assert res.returncode == 1 and "00000002" in res.stdout and res.stdout.count("ok ") == 1
+
+
+def test_diff(mesh42, tmp_path, ckpt):
+    jaxckpt.save(tmp_path / "same", _state(mesh42))
+    assert cli("diff", ckpt, tmp_path / "same").returncode == 0
+    jaxckpt.save(tmp_path / "near", _state(mesh42, scale=1.0 + 1e-6))
+    res = cli("diff", ckpt, tmp_path / "near")
+    assert res.returncode == 1 and "layer/w: max abs diff" in res.stdout, res.stdout
+    res = cli("diff", ckpt, tmp_path / "near", "--rtol", "1e-5")
+    assert res.returncode == 0 and "within tolerance" in res.stdout, res.stdout
+    other = _state(mesh42)
+    other["extra"] = np.zeros(3)
+    other["b"] = sharded(np.arange(16, dtype=np.int32), mesh42, ("model",))
+    jaxckpt.save(tmp_path / "other", other)
+    res = cli("diff", ckpt, tmp_path / "other")
+    assert res.returncode == 1
+    assert (
+        "extra: only in" in res.stdout and "b: array (32,) int32 -> array (16,) int32" in res.stdout
+    )
+
+
+def test_user_mistakes_print_one_line_and_exit_2(tmp_path):
+    for args in (("info", tmp_path / "nope"), ("verify", tmp_path), ("ls", tmp_path)):
+        res = cli(*args)
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+        assert str(tmp_path) in res.stderr
