@@ -24,6 +24,7 @@ from . import arrays, multihost
 from . import tree as tree_lib
 from .errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest, array_info
+from .monitoring import Figures
 from .restoring import read_manifest
 from .restoring import restore as restore  # re-export: checkpoint.restore
 from .staging import StagedLeaf, describe
@@ -52,7 +53,7 @@ def save(
     chunk_bytes: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     metadata: Any = None,
-) -> None:
+) -> Figures:
     """Writes ``tree`` as one checkpoint directory at ``path``; blocks until committed.
 
     Every process must call it with the same tree structure. Each writes only the shards it
@@ -65,7 +66,9 @@ def save(
     touches. (``metadata=`` is the deprecated name of ``custom_metadata=``.)
 
     Shards held by several processes are written in parts, one part by each (see
-    ``sharding.write_split``), so save time falls with the number of hosts.
+    ``sharding.write_split``), so save time falls with the number of hosts. Returns this
+    process's figures (``monitoring.Figures``: phases, bytes, GB/s), also reported through
+    ``jax.monitoring``.
 
     >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
     """
@@ -83,7 +86,9 @@ def save(
         )
     if chunk_bytes is not None and chunk_bytes < 1:
         raise OptionsError(f"{loc.url}: chunk_bytes={chunk_bytes!r}; pass None or a positive size")
-    staged = describe(tree, compression=compression, chunk_bytes=chunk_bytes)
+    fig = Figures("save", loc.url)
+    with fig.phase("describe"):
+        staged = describe(tree, compression=compression, chunk_bytes=chunk_bytes)
     leaves, meshes = list(staged.leaves), staged.meshes
     _check_unique_names(leaves, loc)
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
@@ -114,31 +119,35 @@ def save(
         db.makedirs()
         if pid == 0:
             owner = hold_owner_lock(work)
-        arrays.write(db, writes)
-        multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url)
-        if pid == 0:
-            if count > 1:
-                arrays.merge(work, count)
-            manifest = _manifest(leaves, meshes, hosts, bytes_per_process, metadata, metrics)
-            work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
-            if work != loc:
-                if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
-                    if loc.exists(COMMIT_FILE):  # ...or another save committed meanwhile
-                        raise CheckpointExistsError(
-                            f"{loc.url} was committed by another save while this one was "
-                            "writing; nothing was overwritten. Save each checkpoint once"
-                        )
-                    loc.remove()
-                rename_dir(work, loc)
-            loc.write_bytes(COMMIT_FILE, b"", create_dir=False)
-            loc.delete_file(OWNER_FILE)
-        multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
+        with fig.phase("write"):
+            arrays.write(db, writes)
+        with fig.phase("commit"):
+            multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url)
+            if pid == 0:
+                if count > 1:
+                    arrays.merge(work, count)
+                manifest = _manifest(leaves, meshes, hosts, bytes_per_process, metadata, metrics)
+                work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
+                if work != loc:
+                    if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
+                        if loc.exists(COMMIT_FILE):  # ...or another save committed meanwhile
+                            raise CheckpointExistsError(
+                                f"{loc.url} was committed by another save while this one was "
+                                "writing; nothing was overwritten. Save each checkpoint once"
+                            )
+                        loc.remove()
+                    rename_dir(work, loc)
+                loc.write_bytes(COMMIT_FILE, b"", create_dir=False)
+                loc.delete_file(OWNER_FILE)
+            multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
     except BaseException:
         if pid == 0 and work != loc:
             work.remove()
         raise
     finally:
         release_owner_lock(owner)
+    fig.bytes = sum(w.nbytes for w in writes)
+    return fig.done()
 
 
 def check_json(value: Any, what: str, loc: Location) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from . import checkpoint, multihost
+from . import checkpoint, monitoring, multihost
 from .errors import (
     BackgroundSaveError,
     CheckpointError,
@@ -55,6 +55,11 @@ class CheckpointManager:
             )
         self._host = _HostCopies()
         self._writer = Writer("jaxckpt-writer", self.options.timeout_s)
+        # this process's figures (monitoring.Figures): the last committed save's phases,
+        # bytes and GB/s; the calling thread's part of the last save; the last restore
+        self.last_save_figures: monitoring.Figures | None = None
+        self.last_save_blocking_s: float | None = None
+        self.last_restore_figures: monitoring.Figures | None = None
         self._closed = False
         self._metrics: dict[int, dict | None] = {}
         if self.options.cleanup_tmp and multihost.process_index() == 0:
@@ -146,19 +151,25 @@ class CheckpointManager:
                 f"step {step} is already committed at {self.step_path(step).url}; delete it "
                 "first (mgr.delete(step)) or save another step"
             )
-        self.wait_until_finished()
-        opts = self.options
-        staged = state if isinstance(state, Staged) else None
-        if staged is None and opts.async_save and not self._over_budget(state):
-            staged = describe(
-                state, compression=opts.compression, host=self._host, chunk_bytes=opts.chunk_bytes
-            )
-        job = (step, staged if staged is not None else state, metrics, metadata)
-        what = f"saving step {step} to {self.directory.url}"
-        if staged is None or not opts.async_save:
-            self._writer.run_now(what, self._write, *job)
-        else:
-            self._writer.submit(what, self._write, *job)
+        fig = monitoring.Figures("manager_save", self.step_path(step).url)
+        with fig.phase("blocking"):
+            self.wait_until_finished()
+            opts = self.options
+            staged = state if isinstance(state, Staged) else None
+            if staged is None and opts.async_save and not self._over_budget(state):
+                staged = describe(
+                    state,
+                    compression=opts.compression,
+                    host=self._host,
+                    chunk_bytes=opts.chunk_bytes,
+                )
+            job = (step, staged if staged is not None else state, metrics, metadata)
+            what = f"saving step {step} to {self.directory.url}"
+            if staged is None or not opts.async_save:
+                self._writer.run_now(what, self._write, *job)
+            else:
+                self._writer.submit(what, self._write, *job)
+        self.last_save_blocking_s = fig.done().phases["blocking"]
         return True
 
     def _over_budget(self, state: Any) -> bool:
@@ -177,7 +188,7 @@ class CheckpointManager:
         return False
 
     def _write(self, step: int, state: Any, metrics: dict | None, metadata: Any) -> None:
-        checkpoint.save(
+        self.last_save_figures = checkpoint.save(
             self.step_path(step).url,
             state,
             custom_metadata=metadata,
@@ -273,12 +284,14 @@ class CheckpointManager:
     ) -> Any:
         """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`."""
         self.wait_until_finished()
-        return checkpoint.restore(
+        out = checkpoint.restore(
             self.step_path(self._step_or_latest(step)).url,
             target=target,
             mesh=mesh,
             read_budget_bytes=self.options.read_budget_bytes,
         )
+        self.last_restore_figures = monitoring.last("restore")
+        return out
 
     def _step_or_latest(self, step: int | None) -> int:
         if step is None:

@@ -36,6 +36,7 @@ from .errors import (
     ShardingError,
 )
 from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
+from .monitoring import Figures
 from .placement import Placement
 from .sharding import bind_spec, mesh_by_position, saved_writers
 from .storage import Location, location
@@ -68,16 +69,20 @@ def restore(
     >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
     """
     loc = location(path)
-    manifest = read_manifest(loc)
-    try:
-        wants = _wants(manifest, target, mesh, loc)
-    except ShardingError as e:  # bind_spec knows the leaf, not the path
-        raise ShardingError(f"{loc.url}: {e}") from e
+    fig = Figures("restore", loc.url)
+    with fig.phase("plan"):
+        manifest = read_manifest(loc)
+        try:
+            wants = _wants(manifest, target, mesh, loc)
+        except ShardingError as e:  # bind_spec knows the leaf, not the path
+            raise ShardingError(f"{loc.url}: {e}") from e
     if read_budget_bytes is not None and read_budget_bytes < 1:
         raise OptionsError(
             f"{loc.url}: read_budget_bytes={read_budget_bytes!r}; pass None or a positive size"
         )
-    values = _read_once(loc, wants, read_budget_bytes or READ_BUDGET_BYTES, manifest.meshes)
+    budget = read_budget_bytes or READ_BUDGET_BYTES
+    values = _read_once(loc, wants, budget, manifest.meshes, fig)
+    fig.done()
     if target is None:
         return tree_lib.unflatten_paths(
             [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
@@ -181,7 +186,9 @@ def want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Locatio
 # --- reading slices and placing them on devices --------------------------------------------
 
 
-def _read_once(loc: Location, wants: list[Want], budget: int, meshes: list[dict]) -> list[Any]:
+def _read_once(
+    loc: Location, wants: list[Want], budget: int, meshes: list[dict], fig: Figures
+) -> list[Any]:
     """``_read_all``, with leaves that processes share read once and moved (``read_once``)."""
     moves: dict[int, jax.sharding.Sharding] = {}
     wants = list(wants)
@@ -198,15 +205,21 @@ def _read_once(loc: Location, wants: list[Want], budget: int, meshes: list[dict]
         rs = read_once.read_sharding(w.sharding, tuple(rec.shape), tuple(rec.chunk_shape), hosts)
         if rs is not None:
             moves[i], wants[i] = w.sharding, dataclasses.replace(w, sharding=rs)
-    values = _read_all(loc, wants, budget, meshes)
-    moved = read_once.move([values[i] for i in moves], list(moves.values()))
+    with fig.phase("read"):  # and onto the devices: the two overlap
+        values = _read_all(loc, wants, budget, meshes, fig)
+    with fig.phase("move"):
+        moved = read_once.move([values[i] for i in moves], list(moves.values()))
     for i, v in zip(moves, moved, strict=True):
         values[i] = v
     return values
 
 
 def _read_all(
-    loc: Location, wants: list[Want], budget: int = READ_BUDGET_BYTES, meshes: list[dict] = ()
+    loc: Location,
+    wants: list[Want],
+    budget: int = READ_BUDGET_BYTES,
+    meshes: list[dict] = (),
+    fig: Figures | None = None,
 ) -> list[Any]:
     db = arrays.database_dir(loc, None)
     ctx = arrays.new_context()
@@ -225,6 +238,8 @@ def _read_all(
                 continue
             finishers.append(_plan_leaf(w, stores.get(rec.name), reader))
         reader.drain()
+        if fig is not None:
+            fig.bytes += reader.total
     finally:
         reader.close()  # also on errors: no placing thread outlives the call
     return [f() for f in finishers]
@@ -294,6 +309,7 @@ class _BoundedReader:
         self.reads: collections.deque = collections.deque()
         self.placing: collections.deque = collections.deque()
         self.bytes = 0
+        self.total = 0  # bytes read, for the figures
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxckpt-restore")
 
     def submit(self, store_fut, rec: LeafRecord, index, consume) -> None:
@@ -308,6 +324,7 @@ class _BoundedReader:
             raise self._error(e, rec) from e
         self.reads.append((fut, rec, consume, nbytes))
         self.bytes += nbytes
+        self.total += nbytes
 
     def _advance(self) -> None:
         """Hands the oldest read to a placing thread, or waits for the oldest placement."""

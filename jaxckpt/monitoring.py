@@ -1,0 +1,79 @@
+"""Run-time figures of saves and restores: per-phase seconds, bytes and GB/s.
+
+Reported through ``jax.monitoring`` (the channel JAX and Orbax use, so dashboards that
+listen there see them), at DEBUG level on the ``jaxckpt`` logger, and kept: the figures of
+this thread's last save and restore (``last``), and on a manager (``last_save_figures``,
+``last_restore_figures``). Event names (docs/CLI.md lists them):
+
+    /jaxckpt/<op>/<phase>_secs   durations (record_event_duration_secs)
+    /jaxckpt/<op>/total_secs
+    /jaxckpt/<op>/bytes          scalars (record_scalar): this process's bytes
+    /jaxckpt/<op>/gbps           this process's bytes / total seconds / 1e9
+
+with ``op`` ``save`` (phases ``describe``, ``write``, ``commit``), ``restore`` (``plan``,
+``read``, ``move``) or ``manager_save`` (``blocking``: the part of an async save on the
+calling thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import jax
+
+log = logging.getLogger("jaxckpt")
+_last = threading.local()
+
+
+@dataclass
+class Figures:
+    """One operation's figures on this process."""
+
+    op: str
+    path: str
+    bytes: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    total_s: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Times the block as phase ``name`` (added up if it runs several times)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+
+    def done(self) -> Figures:
+        """Stamps the total, reports the figures and keeps them as this thread's last."""
+        self.total_s = time.perf_counter() - self.started
+        for name, secs in self.phases.items():
+            jax.monitoring.record_event_duration_secs(f"/jaxckpt/{self.op}/{name}_secs", secs)
+        jax.monitoring.record_event_duration_secs(f"/jaxckpt/{self.op}/total_secs", self.total_s)
+        jax.monitoring.record_scalar(f"/jaxckpt/{self.op}/bytes", float(self.bytes))
+        jax.monitoring.record_scalar(f"/jaxckpt/{self.op}/gbps", self.gbps)
+        log.debug(
+            "jaxckpt %s %s: %d bytes in %.3f s (%.3f GB/s); %s",
+            self.op,
+            self.path,
+            self.bytes,
+            self.total_s,
+            self.gbps,
+            ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items()),
+        )
+        setattr(_last, self.op, self)
+        return self
+
+
+def last(op: str) -> Figures | None:
+    """This thread's last ``op`` ("save", "restore") figures."""
+    return getattr(_last, op, None)
