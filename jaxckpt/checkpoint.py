@@ -25,7 +25,7 @@ from . import tree as tree_lib
 from .errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest, array_info
 from .monitoring import Figures
-from .restoring import read_manifest
+from .restoring import any_manifest, read_manifest
 from .restoring import restore as restore  # re-export: checkpoint.restore
 from .staging import StagedLeaf, describe
 from .storage import (
@@ -227,8 +227,9 @@ def _version() -> str:
 
 
 def metadata(path: str | os.PathLike) -> Any:
-    """The tree of :class:`ArrayInfo` (shape, dtype, saved mesh and spec, bytes); no data read."""
-    manifest = read_manifest(path)
+    """The tree of :class:`ArrayInfo` (shape, dtype, saved mesh and spec, bytes); no data read.
+    Reads Orbax checkpoints too (``jaxckpt.orbax``)."""
+    _, manifest = any_manifest(location(path))
     items = [(leaf.path, array_info(leaf, manifest.meshes)) for leaf in manifest.leaves]
     return tree_lib.unflatten_paths(items)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import difflib
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import arrays, multihost, read_once
+from . import arrays, multihost, orbax, read_once
 from . import tree as tree_lib
 from .errors import (
     CheckpointNotFoundError,
@@ -71,7 +72,7 @@ def restore(
     loc = location(path)
     fig = Figures("restore", loc.url)
     with fig.phase("plan"):
-        manifest = read_manifest(loc)
+        source, manifest = any_manifest(loc)
         try:
             wants = _wants(manifest, target, mesh, loc)
         except ShardingError as e:  # bind_spec knows the leaf, not the path
@@ -81,7 +82,7 @@ def restore(
             f"{loc.url}: read_budget_bytes={read_budget_bytes!r}; pass None or a positive size"
         )
     budget = read_budget_bytes or READ_BUDGET_BYTES
-    values = _read_once(loc, wants, budget, manifest.meshes, fig)
+    values = _read_once(loc, wants, budget, manifest.meshes, fig, source)
     fig.done()
     if target is None:
         return tree_lib.unflatten_paths(
@@ -104,6 +105,15 @@ def _wants(manifest: Manifest, target: Any, mesh, loc: Location) -> list[Want]:
         else w
         for (_, t), w in zip(flat, wants, strict=True)
     ]
+
+
+def any_manifest(loc: Location) -> tuple[orbax.OrbaxCheckpoint | None, Manifest]:
+    """jaxckpt's manifest, or an Orbax checkpoint described as one (``jaxckpt.orbax``)."""
+    item = orbax.item_dir(loc)
+    if item is None:
+        return None, read_manifest(loc)
+    source = orbax.read(item)
+    return source, source.manifest
 
 
 def read_manifest(path: str | os.PathLike | Location) -> Manifest:
@@ -187,7 +197,12 @@ def want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Locatio
 
 
 def _read_once(
-    loc: Location, wants: list[Want], budget: int, meshes: list[dict], fig: Figures
+    loc: Location,
+    wants: list[Want],
+    budget: int,
+    meshes: list[dict],
+    fig: Figures,
+    source: orbax.OrbaxCheckpoint | None = None,
 ) -> list[Any]:
     """``_read_all``, with leaves that processes share read once and moved (``read_once``)."""
     moves: dict[int, jax.sharding.Sharding] = {}
@@ -206,7 +221,7 @@ def _read_once(
         if rs is not None:
             moves[i], wants[i] = w.sharding, dataclasses.replace(w, sharding=rs)
     with fig.phase("read"):  # and onto the devices: the two overlap
-        values = _read_all(loc, wants, budget, meshes, fig)
+        values = _read_all(loc, wants, budget, meshes, fig, source)
     with fig.phase("move"):
         moved = read_once.move([values[i] for i in moves], list(moves.values()))
     for i, v in zip(moves, moved, strict=True):
@@ -220,11 +235,16 @@ def _read_all(
     budget: int = READ_BUDGET_BYTES,
     meshes: list[dict] = (),
     fig: Figures | None = None,
+    source: orbax.OrbaxCheckpoint | None = None,
 ) -> list[Any]:
-    db = arrays.database_dir(loc, None)
     ctx = arrays.new_context()
+    if source is None:
+        db = arrays.database_dir(loc, None)
+        opener = functools.partial(arrays.open_leaf, db, ctx=ctx)
+    else:  # an Orbax checkpoint: its own layout, the same reads
+        db, opener = source.item, source.opener(ctx)
     stores = {
-        w.record.name: arrays.open_leaf(db, w.record.name, ctx)
+        w.record.name: opener(w.record.name)
         for w in wants
         if w.record.has_array and math.prod(w.record.shape)
     }
