@@ -4,6 +4,7 @@
     jaxckpt info PATH [--json]     what a checkpoint holds
     jaxckpt verify PATH [--all]    read every chunk, check every CRC32C (exit 1 on damage)
     jaxckpt diff A B [--atol X --rtol Y]   per-leaf differences (exit 1 when they differ)
+    jaxckpt convert SRC DST [--to jaxckpt|safetensors]   Orbax/safetensors <-> jaxckpt
 
 Paths may be local, ``s3://`` or ``gs://``. A user mistake prints one line and exits 2.
 (argparse: four subcommands need no dependency; the progress bar is tqdm's when it is
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="read every chunk and check its CRC32C")
     p.add_argument("path")
     p.add_argument("--all", action="store_true", help="every step of a manager directory")
+    p = sub.add_parser("convert", help="Orbax/safetensors -> jaxckpt, jaxckpt -> safetensors")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", choices=["jaxckpt", "safetensors"], default="jaxckpt")
     p = sub.add_parser("diff", help="per-leaf differences of two checkpoints")
     p.add_argument("a")
     p.add_argument("b")
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtol", type=float, default=0.0)
     args = parser.parse_args(argv)
     try:
-        return {"ls": ls, "info": info, "verify": verify, "diff": diff}[args.command](args)
+        commands = {"ls": ls, "info": info, "verify": verify, "diff": diff, "convert": convert}
+        return commands[args.command](args)
     except (errors.CheckpointError, OSError, ValueError) as e:
         print(f"jaxckpt {args.command}: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -217,6 +223,20 @@ class _progress:
     def __exit__(self, *exc):
         if self.bar is not None:
             self.bar.close()
+
+
+# --- convert -----------------------------------------------------------------------------------
+
+
+def convert(args) -> int:
+    from . import convert as conv
+
+    if args.to == "safetensors":
+        conv.to_safetensors(args.src, args.dst)
+    else:
+        conv.to_jaxckpt(args.src, args.dst)
+    print(f"converted {location(args.src).url} -> {location(args.dst).url} ({args.to})")
+    return 0
 
 
 # --- diff --------------------------------------------------------------------------------------

@@ -164,3 +164,38 @@ def test_user_mistakes_print_one_line_and_exit_2(tmp_path):
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
         assert str(tmp_path) in res.stderr
+
+
+def test_convert_orbax_to_jaxckpt_bit_exact(mesh42, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import orbax_states
+
+    state = orbax_states.train_state(mesh42)
+    ocp.StandardCheckpointer().save(tmp_path / "orbax", state)
+    ocp.StandardCheckpointer().wait_until_finished()
+    res = cli("convert", tmp_path / "orbax", tmp_path / "jx")
+    assert res.returncode == 0, res.stderr
+    out = jaxckpt.restore(tmp_path / "jx")
+    assert int(out["step"]) == int(state.step)
+    for name in ("Dense_0", "Dense_1"):
+        for leaf in ("kernel", "bias"):
+            got = np.asarray(out["params"][name][leaf])
+            assert got.tobytes() == np.asarray(state.params[name][leaf]).tobytes()
+            mu = np.asarray(out["opt_state"][0]["mu"][name][leaf])
+            assert mu.tobytes() == np.asarray(state.opt_state[0].mu[name][leaf]).tobytes()
+
+
+def test_convert_jaxckpt_to_safetensors_and_back(ckpt, tmp_path):
+    from safetensors.numpy import load_file
+
+    res = cli("convert", ckpt, tmp_path / "st", "--to", "safetensors")
+    assert res.returncode == 0, res.stderr
+    ref = load_file(tmp_path / "st" / "model.safetensors")  # the reference reads it
+    want = jaxckpt.restore(ckpt)
+    assert ref.keys() == {"layer.w", "b"}
+    assert ref["layer.w"].tobytes() == np.asarray(want["layer"]["w"]).tobytes()
+    assert ref["b"].tobytes() == np.asarray(want["b"]).tobytes()
+    res = cli("convert", tmp_path / "st", tmp_path / "back")
+    assert res.returncode == 0, res.stderr
+    back = jaxckpt.restore(tmp_path / "back")
+    assert np.asarray(back["layer.w"]).tobytes() == ref["layer.w"].tobytes()
