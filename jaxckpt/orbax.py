@@ -5,7 +5,7 @@ checkpoint: a ``StandardSave``/``PyTreeSave`` item directory (``_METADATA``), or
 step directory holding one item. Its ``_METADATA`` (the tree: key paths and value types),
 ``_sharding`` (each leaf's sharding, keyed by the base64 of its name) and the arrays' zarr
 metadata become a jaxckpt :class:`Manifest`, so the restore onto any mesh, device count or
-as NumPy is jaxckpt's own. Covered (docs/ORBAX.md): orbax-checkpoint 0.11 and 0.12, OCDBT
+as NumPy is jaxckpt's own. Covered (docs/ORBAX.md): orbax-checkpoint 0.12 (0.11 untested), OCDBT
 (one process or several: the root ``manifest.ocdbt`` references every process's database)
 and per-array directories (``use_ocdbt=False``), zarr v2 and v3, ``jax.Array``,
 ``np.ndarray`` and scalar leaves.
