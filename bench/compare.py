@@ -54,6 +54,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+)
+from iostats import drop_page_cache  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -222,17 +227,6 @@ class PeakRss:
     @property
     def over(self) -> int:
         return self.peak - self.baseline
-
-
-def drop_page_cache(path: str) -> None:
-    """Evicts the files under ``path`` from the page cache (they are clean after fsync)."""
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def count_files(path: str) -> int:

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import multiproc  # noqa: E402
+from iostats import drop_page_cache, io, ts_file_bytes_read  # noqa: E402
 
 
 def _state(gib: float):
@@ -64,28 +65,6 @@ def _state(gib: float):
     }
     logical = sum(x.nbytes for x in jax.tree.leaves(tree))
     return tree, logical
-
-
-def _io() -> dict:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(": ") for line in f)}
-
-
-def _ts_read() -> int:
-    import tensorstore as ts
-
-    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    return found[0]["values"][0]["value"] if found else 0
-
-
-def _drop_cache(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def worker(phase: str, directory: str, gib: float, repeats: int) -> None:
@@ -133,17 +112,17 @@ def worker(phase: str, directory: str, gib: float, repeats: int) -> None:
             path = os.path.join(directory, f"{lib}-{r}")
             multihost.barrier(f"dp/{phase}/{lib}/{r}", 600)
             if phase == "save":
-                io0, t = _io(), time.perf_counter()
+                io0, t = io(), time.perf_counter()
                 save(lib, path)
                 out[lib]["save"].append(time.perf_counter() - t)
-                out[lib]["written"].append(_io()["write_bytes"] - io0["write_bytes"])
+                out[lib]["written"].append(io()["write_bytes"] - io0["write_bytes"])
                 continue
-            _drop_cache(path)
+            drop_page_cache(path)
             multihost.barrier(f"dp/dropped/{lib}/{r}", 600)
-            ts0, t = _ts_read(), time.perf_counter()
+            ts0, t = ts_file_bytes_read(), time.perf_counter()
             jax.block_until_ready(restore(lib, path))
             out[lib]["restore"].append(time.perf_counter() - t)
-            out[lib]["read"].append(_ts_read() - ts0)
+            out[lib]["read"].append(ts_file_bytes_read() - ts0)
     print("RESULT", json.dumps({"logical": logical, **out}), flush=True)
 
 

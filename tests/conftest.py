@@ -45,6 +45,22 @@ def assert_tree_equal(a, b):
             assert type(x) is type(y) and x == y, (x, y)
 
 
+def flip_a_byte_in_the_biggest_data_file(path) -> str:
+    """Corrupts a checkpoint at ``path``: one byte in the middle of its biggest data file."""
+    files = [
+        os.path.join(root, f)
+        for root, _, names in os.walk(os.path.join(path, "arrays"))
+        for f in names
+    ]
+    biggest = max(files, key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        f.seek(os.path.getsize(biggest) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return biggest
+
+
 # --- S3: a moto server on 127.0.0.1 -----------------------------------------------------------
 
 S3_BUCKET = "jaxckpt-test"

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import sharded
+from conftest import flip_a_byte_in_the_biggest_data_file, sharded
 
 import jaxckpt
 
@@ -40,22 +40,6 @@ def _state(mesh, scale=1.0):
 def ckpt(mesh42, tmp_path):
     jaxckpt.save(tmp_path / "c", _state(mesh42), custom_metadata={"run": "a"})
     return tmp_path / "c"
-
-
-def _flip_a_byte_in_the_biggest_data_file(path) -> str:
-    files = [
-        os.path.join(root, f)
-        for root, _, names in os.walk(os.path.join(path, "arrays"))
-        for f in names
-        if "/d" in root
-    ]
-    biggest = max(files, key=os.path.getsize)
-    with open(biggest, "r+b") as f:
-        f.seek(os.path.getsize(biggest) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return biggest
 
 
 def test_ls_marks_uncommitted_leftovers(mesh42, tmp_path):
@@ -97,7 +81,7 @@ def test_info_json_fields(ckpt):
 def test_verify_good_corrupt_and_missing(ckpt, tmp_path, mesh42):
     res = cli("verify", ckpt)
     assert res.returncode == 0 and res.stdout.startswith("ok "), res.stdout + res.stderr
-    _flip_a_byte_in_the_biggest_data_file(ckpt)
+    flip_a_byte_in_the_biggest_data_file(ckpt)
     res = cli("verify", ckpt)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "DAMAGED" in res.stdout and "leaf 'layer/w' chunk [" in res.stdout, res.stdout
@@ -134,7 +118,7 @@ def test_verify_all_steps(mesh42, tmp_path):
             mgr.save(step, _state(mesh42))
     res = cli("verify", tmp_path / "run", "--all")
     assert res.returncode == 0 and res.stdout.count("ok ") == 2, res.stdout
-    _flip_a_byte_in_the_biggest_data_file(tmp_path / "run" / "00000002")
+    flip_a_byte_in_the_biggest_data_file(tmp_path / "run" / "00000002")
     res = cli("verify", tmp_path / "run", "--all")
     assert res.returncode == 1 and "00000002" in res.stdout and res.stdout.count("ok ") == 1
 

@@ -1,7 +1,6 @@
 """restore of one checkpoint: targets, other meshes, dtype casts, partial restores, read errors."""
 
 import collections
-import glob
 import json
 import os
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_tree_equal, sharded
+from conftest import assert_tree_equal, flip_a_byte_in_the_biggest_data_file, sharded
 from flax.training import train_state
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -241,17 +240,7 @@ def test_corrupted_chunk_is_detected_and_named(mesh42, tmp_path):
         np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32), mesh42, ("data",)
     )
     jaxckpt.save(tmp_path / "c", {"layer": {"w": x}})
-    files = [
-        f
-        for f in glob.glob(str(tmp_path / "c" / "arrays" / "**"), recursive=True)
-        if os.path.isfile(f)
-    ]
-    biggest = max(files, key=os.path.getsize)
-    with open(biggest, "r+b") as f:
-        f.seek(os.path.getsize(biggest) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_a_byte_in_the_biggest_data_file(tmp_path / "c")
     with pytest.raises(errors.ChecksumError, match=r"layer/w.*process 0"):
         jaxckpt.restore(tmp_path / "c")
 

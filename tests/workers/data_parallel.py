@@ -13,6 +13,7 @@ import os
 import sys
 
 import multiproc
+from iostats import drop_page_cache, io, ts_file_bytes_read
 
 multiproc.init()
 
@@ -58,28 +59,6 @@ def state(mesh) -> dict:
     return {**out, "host": exp["host"], "step": exp["step"]}
 
 
-def io() -> dict:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(": ") for line in f)}
-
-
-def ts_bytes_read() -> int:
-    import tensorstore as ts
-
-    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    return found[0]["values"][0]["value"] if found else 0
-
-
-def drop_page_cache(path: str) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def check(out: dict) -> None:
     exp = expected()
     for (path, want), got in zip(
@@ -107,11 +86,11 @@ def main(mode: str, path: str) -> None:
     else:
         drop_page_cache(path)
         jax.experimental.multihost_utils.sync_global_devices("dropped")
-        before, ts_before = io(), ts_bytes_read()
+        before, ts_before = io(), ts_file_bytes_read()
         out = jaxckpt.restore(path)
         after = io()
         delta = {k: after[k] - before[k] for k in after}
-        delta["ts_file_bytes_read"] = ts_bytes_read() - ts_before
+        delta["ts_file_bytes_read"] = ts_file_bytes_read() - ts_before
         print("IO", json.dumps(delta), flush=True)
         check(out)
         other = jax.make_mesh((8 // n, n), ("data", "model"))

@@ -9,10 +9,10 @@ usage: safetensors_job.py save DIR     saves a data-parallel + sharded tree; pri
 """
 
 import json
-import os
 import sys
 
 import multiproc
+from iostats import drop_page_cache, io
 
 multiproc.init()
 
@@ -46,20 +46,6 @@ LOAD_SPECS = {"w": P("data", "model"), "e": P("data", None), "b": P("data")}
 for _t in DTYPES:
     SAVE_SPECS[f"d_{np.dtype(_t).name}"] = P("data", "model")
     LOAD_SPECS[f"d_{np.dtype(_t).name}"] = P(None, "data")
-
-
-def io() -> dict:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(": ") for line in f)}
-
-
-def drop_page_cache(path: str) -> None:
-    for name in os.listdir(path):
-        fd = os.open(os.path.join(path, name), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def main(mode: str, path: str) -> None:
