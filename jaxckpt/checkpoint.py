@@ -126,7 +126,7 @@ def save(
             if pid == 0:
                 if count > 1:
                     arrays.merge(work, count)
-                manifest = _manifest(leaves, meshes, hosts, bytes_per_process, metadata, metrics)
+                manifest = manifest_of(leaves, meshes, hosts, bytes_per_process, metadata, metrics)
                 work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
                 if work != loc:
                     if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
@@ -183,7 +183,7 @@ def _check_unique_names(leaves: list[StagedLeaf], loc: Location) -> None:
             )
 
 
-def _manifest(
+def manifest_of(
     leaves: list[StagedLeaf],
     meshes: list[dict],
     hosts: list[str],

@@ -1,9 +1,8 @@
 """Converting checkpoints: Orbax or safetensors to jaxckpt, jaxckpt to safetensors.
 
-``to_safetensors`` streams: it lays out the files from the manifest, then reads and writes
-one leaf at a time, so host memory is the largest leaf. ``to_jaxckpt`` restores the source
-on the host and saves it (host memory: the state), since one jaxckpt save commits the
-whole tree in one transaction.
+Both stream: ``to_safetensors`` lays out the files from the manifest, then reads and writes
+one leaf at a time (host memory: the largest leaf); ``to_jaxckpt`` reads and writes a few
+leaves at a time (``BATCH_BYTES``, or the largest leaf).
 """
 
 from __future__ import annotations
@@ -14,29 +13,83 @@ import uuid
 import jax
 import numpy as np
 
-from . import checkpoint, orbax
+from . import arrays, checkpoint, multihost, orbax
 from . import safetensors as st
 from . import tree as tree_lib
 from .errors import CheckpointExistsError, UnsupportedLeafError
+from .manifest import COMMIT_FILE, MANIFEST_FILE
 from .restoring import read_manifest, restore
 from .safetensors_format import INDEX_FILE, SafetensorsError, index_json, plan
+from .staging import describe
 from .storage import fsync_dir, location, rename_dir
+
+BATCH_BYTES = 256 << 20  # host memory of a conversion: leaves read and written together
 
 
 def to_jaxckpt(src, dst) -> None:
-    """An Orbax checkpoint, or safetensors files, as a jaxckpt checkpoint at ``dst``."""
-    s = location(src)
-    if orbax.item_dir(s) is not None:
-        tree = restore(s, target=_host_target(orbax.read(orbax.item_dir(s)).manifest))
+    """An Orbax checkpoint, or safetensors files, as a jaxckpt checkpoint at ``dst``: a few
+    leaves at a time (at most ``BATCH_BYTES`` of them in memory), each batch one OCDBT
+    transaction, then the manifest and the commit (one process)."""
+    s, d = location(src), location(dst)
+    item = orbax.item_dir(s)
+    if item is not None:
+        source = orbax.read(item)
+        leaves = [(r.path, r) for r in source.manifest.leaves]
+        custom = source.manifest.metadata
+
+        def read(batch):
+            return restore(s, target=_host_target([r for _, r in batch]))
     else:
-        info = st.metadata(s)
-        target = {
-            name: _numpy_spec(jax.ShapeDtypeStruct(t.shape, t.dtype))
-            for name, t in info.items()
-            if name != "__metadata__"
-        }
-        tree = st.load(s, target)
-    checkpoint.save(dst, tree)
+        info = {k: t for k, t in st.metadata(s).items() if k != "__metadata__"}
+        leaves = [([["k", name]], t) for name, t in info.items()]
+        custom = None
+
+        def read(batch):
+            return st.load(
+                s, {p[0][1]: _numpy_spec(jax.ShapeDtypeStruct(t.shape, t.dtype)) for p, t in batch}
+            )
+
+    if d.exists(COMMIT_FILE) or os.path.exists(d.url):
+        raise CheckpointExistsError(f"{d.url} already exists; choose a new path or delete it")
+    work = d.parent().join(f"{d.name}.tmp-{uuid.uuid4().hex[:12]}") if d.is_local else d
+    db = arrays.database_dir(work, None)
+    db.makedirs()
+    staged, total = [], 0
+    try:
+        for batch in _batches(leaves):
+            tree = read(batch)
+            described = describe(tree).leaves
+            arrays.write(db, [leaf.write for leaf in described if leaf.write is not None])
+            staged += described
+            total += sum(leaf.write.nbytes for leaf in described if leaf.write is not None)
+            del tree
+        order = {tree_lib.path_name(p): k for k, (p, _) in enumerate(leaves)}
+        staged.sort(key=lambda leaf: order[leaf.record.name])
+        manifest = checkpoint.manifest_of(
+            staged, [], [multihost.host_name()], [total], custom, None
+        )
+        work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
+        if work != d:
+            rename_dir(work, d)
+        d.write_bytes(COMMIT_FILE, b"", create_dir=False)
+    except BaseException:
+        if work != d:
+            work.remove()
+        raise
+
+
+def _batches(leaves):
+    """Consecutive leaves of at most BATCH_BYTES together (a larger one alone)."""
+    batch, size = [], 0
+    for path, rec in leaves:
+        nbytes = getattr(rec, "nbytes", 0)
+        if batch and size + nbytes > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append((path, rec))
+        size += nbytes
+    if batch:
+        yield batch
 
 
 def _numpy_spec(sds: jax.ShapeDtypeStruct) -> np.ndarray:
@@ -44,10 +97,10 @@ def _numpy_spec(sds: jax.ShapeDtypeStruct) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(np.zeros(1, sds.dtype), sds.shape, (0,) * len(sds.shape))
 
 
-def _host_target(manifest):
-    """A target that restores every leaf on the host (NumPy), whatever the saved mesh."""
+def _host_target(records):
+    """A target that restores these leaves on the host (NumPy), whatever the saved mesh."""
     items = []
-    for rec in manifest.leaves:
+    for rec in records:
         if rec.kind in ("array", "numpy"):
             spec = jax.ShapeDtypeStruct(tuple(rec.shape), jax.numpy.dtype(rec.dtype))
             items.append((rec.path, _numpy_spec(spec)))
