@@ -20,7 +20,6 @@ next older step when it proves unusable, and fall back to the remote tier.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -39,11 +38,11 @@ from . import tree as tree_lib
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import CheckpointManager
 from .manifest import LeafRecord
-from .options import Options, OptionsError
+from .options import Options, OptionsError, known_options, option_file
 from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
 from .recovery import RecoveryReport, StepUnusable, uncovered
 from .sharding import layout
-from .staging import PY_TYPES, _HostCopies, check_numpy, unsupported
+from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
 from .storage import location
 from .writer import Writer
 
@@ -108,17 +107,8 @@ class EmergencyOptions:
     @classmethod
     def from_file(cls, path: str | os.PathLike, **overrides: Any) -> EmergencyOptions:
         """Reads a TOML option file (see ``configs/emergency_gpu.toml``)."""
-        import tomllib
-
-        with open(path, "rb") as f:
-            try:
-                doc = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise OptionsError(f"{os.fspath(path)}: not valid TOML: {e}") from e
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(doc) - fields)
-        if unknown:
-            raise OptionsError(f"{os.fspath(path)}: unknown option(s) {unknown}")
+        doc = option_file(path)
+        known_options(cls, doc, where=os.fspath(path))
         return cls(**{**doc, **overrides})
 
 
@@ -164,7 +154,7 @@ class EmergencyCheckpointManager:
         )
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(local.committed_steps(self.local_directory))
-        self._host = _HostCopies()  # reused host buffers of NumPy leaves and device shards
+        self._host = HostCopies()  # reused host buffers of NumPy leaves and device shards
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
@@ -417,7 +407,7 @@ class EmergencyCheckpointManager:
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
-        self._host = _HostCopies()
+        self._host = HostCopies()
         self._pack_buffer = self._received = None
         timeout = self.options.timeout_s
         tag = self._tag("restore")

@@ -148,7 +148,7 @@ def write_step(
     for rec in records:
         if not rec.has_array or not math.prod(rec.shape):
             continue
-        stored = rec.stored_dtype or (rec.dtype if rec.kind != "prng_key" else "uint32")
+        stored = rec.storage_dtype.name
         chunks = local_chunks(rec.chunk_shape, jnp.dtype(stored).itemsize)
         meta = arrays.zarr_metadata(rec.shape, stored, chunks, None)
         pieces = by_leaf.get(rec.name, [])
@@ -323,7 +323,7 @@ def pack_layout(
 
 def stored_dtype(rec: LeafRecord) -> np.dtype:
     """The dtype a leaf's slices are stored (and held) in."""
-    return jnp.dtype(rec.stored_dtype or (rec.dtype if rec.kind != "prng_key" else "uint32"))
+    return rec.storage_dtype
 
 
 def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:

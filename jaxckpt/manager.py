@@ -25,7 +25,7 @@ from .errors import (
 )
 from .manifest import COMMIT_FILE
 from .options import Options
-from .staging import Staged, _HostCopies, describe
+from .staging import HostCopies, Staged, describe
 from .storage import Location, being_written, location
 from .writer import Writer
 
@@ -53,7 +53,7 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"{self.directory.url} does not exist; create it or pass Options(create=True)"
             )
-        self._host = _HostCopies()
+        self._host = HostCopies()
         self._writer = Writer("jaxckpt-writer", self.options.timeout_s)
         # this process's figures (monitoring.Figures): the last committed save's phases,
         # bytes and GB/s; the calling thread's part of the last save; the last restore

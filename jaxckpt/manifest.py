@@ -49,6 +49,18 @@ class LeafRecord:
     def has_array(self) -> bool:
         return self.kind in ("array", "numpy", "prng_key")
 
+    @property
+    def data_dtype(self) -> np.dtype:
+        """The dtype of the leaf's data (a PRNG key's: its uint32 key data)."""
+        if self.kind == "prng_key":
+            return np.dtype(np.uint32)
+        return np.dtype(_dtype_or_none(self.dtype))
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The zarr dtype the data is stored as (unsigned bits where zarr lacks the dtype)."""
+        return np.dtype(_dtype_or_none(self.stored_dtype)) if self.stored_dtype else self.data_dtype
+
     @classmethod
     def from_dict(cls, doc: dict) -> LeafRecord:
         """The record in ``doc``, ignoring fields a newer minor version added."""

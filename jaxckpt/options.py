@@ -80,24 +80,13 @@ class Options:
 
         >>> Options.from_file("configs/default.toml", max_to_keep=3)
         """
-        with open(path, "rb") as f:
-            try:
-                doc = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise OptionsError(f"{os.fspath(path)}: not valid TOML: {e}") from e
-        return cls.from_dict(doc, where=os.fspath(path), **overrides)
+        return cls.from_dict(option_file(path), where=os.fspath(path), **overrides)
 
     @classmethod
     def from_dict(cls, doc: dict, *, where: str = "options", **overrides: Any) -> Options:
         doc = dict(doc)
-        fields = {f.name for f in dataclasses.fields(cls)} - {"best_fn"}
+        known_options(cls, doc, where=where, extra=("best_metric",), exclude=("best_fn",))
         metric = doc.pop("best_metric", None)
-        unknown = sorted(set(doc) - fields)
-        if unknown:
-            raise OptionsError(
-                f"{where}: unknown option(s) {unknown}; known options are {sorted(fields)} "
-                "and best_metric"
-            )
         if metric is not None:
             doc["best_fn"] = _metric_getter(str(metric))
         doc.update(overrides)
@@ -113,3 +102,25 @@ def _metric_getter(name: str) -> Callable[[dict], float]:
 
     get.__name__ = f"metric[{name!r}]"
     return get
+
+
+def option_file(path: str | os.PathLike) -> dict:
+    """The table of a TOML option file (``Options`` and ``EmergencyOptions`` read theirs here)."""
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise OptionsError(f"{os.fspath(path)}: not valid TOML: {e}") from e
+
+
+def known_options(
+    cls, doc: dict, *, where: str, extra: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+) -> None:
+    """Refuses keys of ``doc`` that are not fields of the options class ``cls`` (plus
+    ``extra``, less ``exclude``: fields a file cannot set)."""
+    known = ({f.name for f in dataclasses.fields(cls)} | set(extra)) - set(exclude)
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise OptionsError(
+            f"{where}: unknown option(s) {unknown}; known options are {sorted(known)}"
+        )

@@ -171,7 +171,7 @@ def assemble(w: Want, required: list[Index], data: dict) -> Any:
     if not rec.has_array:
         return rec.value
     shape = tuple(rec.shape)
-    saved = jax.numpy.dtype(rec.dtype) if rec.kind != "prng_key" else np.dtype(np.uint32)
+    saved = rec.data_dtype
     want = w.dtype or saved
     whole = tuple((0, d) for d in shape)
     if rec.kind == "prng_key" or w.sharding is None:

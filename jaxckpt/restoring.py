@@ -268,7 +268,7 @@ def _read_all(
 def _plan_leaf(w: Want, store_fut, reader: _BoundedReader) -> Callable[[], Any]:
     rec = w.record
     shape = tuple(rec.shape)
-    saved = jax.numpy.dtype(rec.dtype) if rec.kind != "prng_key" else np.dtype(np.uint32)
+    saved = rec.data_dtype
     want_dtype = w.dtype or saved
 
     def convert(data: np.ndarray) -> np.ndarray:

@@ -157,7 +157,7 @@ def _describe(
     leaf: Any,
     meshes: list[dict],
     compression: str | None,
-    host: _HostCopies | None,
+    host: HostCopies | None,
     chunk_bytes: int | None,
     salt: int,
 ) -> StagedLeaf:
@@ -186,7 +186,7 @@ def _describe(
     return StagedLeaf(record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes))
 
 
-class _HostCopies:
+class HostCopies:
     """Reusable host buffers keyed by (leaf, shard index); one set per manager."""
 
     def __init__(self) -> None:
@@ -228,7 +228,7 @@ def _writers(
 
 
 def _shard_getter(
-    data: jax.Array, host: _HostCopies | None, name: str, index, region
+    data: jax.Array, host: HostCopies | None, name: str, index, region
 ) -> Callable[[], np.ndarray]:
     """The part ``region`` (global coordinates) of the shard ``data`` at ``index``."""
     part = tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(region, index, strict=True))
@@ -248,7 +248,7 @@ def _shard_getter(
     return lambda: buf
 
 
-def _numpy_getter(arr: np.ndarray, host: _HostCopies | None, name: str) -> Callable[[], np.ndarray]:
+def _numpy_getter(arr: np.ndarray, host: HostCopies | None, name: str) -> Callable[[], np.ndarray]:
     if host is None:
         return lambda: np.array(arr, order="C", copy=not arr.flags.c_contiguous)
     buf = host.buffer((name, None), arr.shape, arr.dtype)
@@ -260,7 +260,7 @@ def describe(
     tree: Any,
     *,
     compression: str | None = None,
-    host: _HostCopies | None = None,
+    host: HostCopies | None = None,
     chunk_bytes: int | None = None,
 ) -> Staged:
     """Describes ``tree`` for writing; with ``host``, also snapshots the owned shards."""
@@ -283,7 +283,6 @@ def stage(
     *,
     compression: str | None = None,
     chunk_bytes: int | None = None,
-    buffers: _HostCopies | None = None,
 ) -> Staged:
     """Starts device->host copies of the shards this process owns and returns a handle.
 
@@ -293,6 +292,4 @@ def stage(
     >>> staged = jaxckpt.stage(state)
     >>> mgr.save(step, staged)
     """
-    return describe(
-        tree, compression=compression, host=buffers or _HostCopies(), chunk_bytes=chunk_bytes
-    )
+    return describe(tree, compression=compression, host=HostCopies(), chunk_bytes=chunk_bytes)
