@@ -1,0 +1,82 @@
+"""The emergency restore's planner as pure logic, table-driven: which step can be assembled,
+who sends which slice to whom, in which ppermute rounds, and how a slice is cut out of the
+saved ones. (The multi-process runs are in tests/test_emergency.py.)"""
+
+import numpy as np
+import pytest
+
+from jaxckpt.recovery import StepUnusable, fill, intersect, plan_sends, shift_rounds, uncovered
+
+S = 7  # the step
+
+
+def view(held: dict[str, list[str]], need=None, digest="d") -> dict:
+    """What a process publishes it holds of step S (as local_restore.publish_holdings)."""
+    need = need or {"w": 4}
+    return {"remote": [], "steps": {str(S): {"digest": digest, "need": need, "held": held}}}
+
+
+ALL = ["0:2", "2:4", "4:6", "6:8"]
+
+
+@pytest.mark.parametrize(
+    "views, why",
+    [
+        ([view({"w": ALL[:2]}), view({"w": ALL[2:]})], None),  # together: complete
+        ([view({"w": ALL[:2]}), view({"w": ALL[1:3]})], "1 of 4 slices of leaf 'w'"),
+        ([view({"w": ALL}), view({"w": ALL}, digest="other")], "different trees"),
+        ([view({"w": ALL})], None),  # fewer processes than at save time: one holds it all
+    ],
+)
+def test_uncovered(views, why):
+    got = uncovered(S, views)
+    assert got is None if why is None else why in got
+
+
+@pytest.mark.parametrize(
+    "held, needs, bad, sends",
+    [
+        # process 1 lost its disk: process 0 (its peer copy) sends it everything it needs
+        ([ALL, []], [{"w": ALL[:2]}, {"w": ALL[2:]}], set(), {(0, 1): {("w", k) for k in ALL[2:]}}),
+        # both hold copies: the lowest holder sends, nobody sends what the receiver has
+        ([ALL, ALL[:2], ALL], [{}, {"w": ALL}, {}], set(), {(0, 1): {("w", k) for k in ALL[2:]}}),
+        # process 0's copy of 4:6 is bad: the next holder (2) sends that one
+        (
+            [ALL, [], ALL],
+            [{}, {"w": ["2:4", "4:6"]}, {}],
+            {(0, "w", "4:6")},
+            {(0, 1): {("w", "2:4")}, (2, 1): {("w", "4:6")}},
+        ),
+        # permuted process ids: only what is held counts, not who saved it
+        ([[], ALL], [{"w": ALL[:1]}, {}], set(), {(1, 0): {("w", "0:2")}}),
+    ],
+)
+def test_plan_sends(held, needs, bad, sends):
+    views = [view({"w": h}) for h in held]
+    holders = [p for p, h in enumerate(held) if h]
+    assert plan_sends(S, views, holders, needs, bad, sorted(bad)) == sends
+
+
+def test_a_slice_nobody_holds_verified_makes_the_step_unusable():
+    views = [view({"w": ALL}), view({"w": []})]
+    with pytest.raises(StepUnusable, match=r"no verified copy of w\[6:8\]"):
+        plan_sends(S, views, [0], [{}, {"w": ["6:8"]}], {(0, "w", "6:8")}, [(0, "w", "6:8", "crc")])
+
+
+def test_shift_rounds_are_partial_permutations_in_order():
+    sends = {(0, 1): {("w", "a")}, (2, 3): {("w", "b")}, (3, 1): {("w", "c")}, (1, 0): set()}
+    rounds = shift_rounds(sends, 4)
+    assert rounds == [(1, ((0, 1), (2, 3))), (2, ((3, 1),))]
+    for _, pairs in rounds:  # each process sends and receives at most once a round
+        assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+
+
+def test_fill_cuts_a_region_out_of_the_saved_slices():
+    a = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    saved = [((0, 4), (0, 4)), ((4, 8), (0, 4))]
+    data = {("w", s): a[s[0][0] : s[0][1], s[1][0] : s[1][1]] for s in saved}
+    assert intersect(((0, 4), (0, 4)), ((2, 6), (1, 3))) == ((2, 4), (1, 3))
+    assert intersect(((0, 4),), ((4, 8),)) is None
+    region = ((2, 6), (1, 3))  # straddles both saved slices
+    np.testing.assert_array_equal(fill(region, saved, data, "w", np.float32), a[2:6, 1:3])
+    assert fill(saved[1], saved, data, "w", np.float32) is data[("w", saved[1])]  # no copy
