@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from . import arrays, multihost
+from . import arrays, multihost, steps
 from . import tree as tree_lib
 from .errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest, array_info
@@ -29,12 +29,10 @@ from .restoring import any_manifest, read_manifest
 from .restoring import restore as restore  # re-export: checkpoint.restore
 from .staging import StagedLeaf, describe
 from .storage import (
-    OWNER_FILE,
     Location,
     hold_owner_lock,
     location,
     release_owner_lock,
-    rename_dir,
 )
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -128,17 +126,7 @@ def save(
                     arrays.merge(work, count)
                 manifest = manifest_of(leaves, meshes, hosts, bytes_per_process, metadata, metrics)
                 work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
-                if work != loc:
-                    if os.path.exists(loc.url):  # an uncommitted leftover of an earlier crash
-                        if loc.exists(COMMIT_FILE):  # ...or another save committed meanwhile
-                            raise CheckpointExistsError(
-                                f"{loc.url} was committed by another save while this one was "
-                                "writing; nothing was overwritten. Save each checkpoint once"
-                            )
-                        loc.remove()
-                    rename_dir(work, loc)
-                loc.write_bytes(COMMIT_FILE, b"", create_dir=False)
-                loc.delete_file(OWNER_FILE)
+                steps.publish(work, loc)
             multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
     except BaseException:
         if pid == 0 and work != loc:

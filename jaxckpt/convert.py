@@ -13,7 +13,7 @@ import uuid
 import jax
 import numpy as np
 
-from . import arrays, checkpoint, multihost, orbax
+from . import arrays, checkpoint, multihost, orbax, steps
 from . import safetensors as st
 from . import tree as tree_lib
 from .errors import CheckpointExistsError, UnsupportedLeafError
@@ -69,9 +69,7 @@ def to_jaxckpt(src, dst) -> None:
             staged, [], [multihost.host_name()], [total], custom, None
         )
         work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
-        if work != d:
-            rename_dir(work, d)
-        d.write_bytes(COMMIT_FILE, b"", create_dir=False)
+        steps.publish(work, d)
     except BaseException:
         if work != d:
             work.remove()

@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import struct
 import uuid
 from collections.abc import Iterable
@@ -28,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from . import arrays
+from . import arrays, steps
 from .errors import ManifestError
 from .manifest import COMMIT_FILE, FORMAT_VERSION, LeafRecord, check_format_version
 from .sharding import Index
-from .storage import Location, rename_dir
+from .storage import Location, hold_owner_lock, release_owner_lock
 
 log = logging.getLogger("jaxckpt")
 
@@ -99,11 +98,7 @@ def step_dir(directory: Location, step: int) -> Location:
 
 
 def committed_steps(directory: Location) -> list[int]:
-    return sorted(
-        int(n)
-        for n in directory.list_children()
-        if n.isdigit() and directory.join(n).exists(COMMIT_FILE)
-    )
+    return steps.committed(directory)
 
 
 def read_step(directory: Location, step: int) -> LocalStep | None:
@@ -154,6 +149,7 @@ def write_step(
         pieces = by_leaf.get(rec.name, [])
         nbytes = sum(get().nbytes for _, get in pieces)
         writes.append(arrays.ArrayWrite(rec.name, meta, pieces, True, nbytes))
+    owner = hold_owner_lock(work)  # a manager starting meanwhile leaves this save alone
     try:
         arrays.write(db, writes)
         held: dict[str, dict[str, int]] = {}
@@ -171,13 +167,12 @@ def write_step(
             **extra,
         }
         work.write_bytes(LOCAL_FILE, json.dumps(doc).encode())
-        if os.path.exists(final.url):  # an uncommitted leftover of a crash
-            final.remove()
-        rename_dir(work, final)
-        final.write_bytes(COMMIT_FILE, b"")
+        steps.publish(work, final, replace_committed=True)  # a step saved again replaces it
     except BaseException:
         work.remove()
         raise
+    finally:
+        release_owner_lock(owner)
     return final
 
 
@@ -196,21 +191,12 @@ def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
 
 
 def delete_step(directory: Location, step: int) -> None:
-    path = step_dir(directory, step)
-    path.delete_file(COMMIT_FILE)  # marker first: a half-deleted step is invisible
-    path.remove()
+    steps.delete(step_dir(directory, step))
 
 
-def cleanup(directory: Location) -> list[str]:
+def cleanup(directory: Location, grace_s: float = 600.0) -> list[str]:
     """Removes temporary and uncommitted step directories; returns their names."""
-    removed = []
-    for name in directory.list_children():
-        child = directory.join(name)
-        if ".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE)):
-            log.info("jaxckpt: removing leftover local step %s", child.url)
-            child.remove()
-            removed.append(name)
-    return removed
+    return steps.clean_leftovers(directory, grace_s=grace_s)
 
 
 def read_slices(

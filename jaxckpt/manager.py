@@ -16,17 +16,16 @@ from typing import Any
 
 import jax
 
-from . import checkpoint, monitoring, multihost
+from . import checkpoint, monitoring, multihost, steps
 from .errors import (
     BackgroundSaveError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
 )
-from .manifest import COMMIT_FILE
 from .options import Options
 from .staging import HostCopies, Staged, describe
-from .storage import Location, being_written, location
+from .storage import Location, location
 from .writer import Writer
 
 __all__ = ["BackgroundSaveError", "CheckpointManager"]
@@ -73,12 +72,9 @@ class CheckpointManager:
 
     def reload(self) -> None:
         """Re-reads the directory: sees steps another process committed or deleted."""
-        steps: dict[int, dict | None] = {}
-        for name in self.directory.list_children():
-            if name.isdigit() and self.directory.join(name).exists(COMMIT_FILE):
-                step = int(name)
-                steps[step] = self._metrics.get(step, _NOT_READ)
-        self._metrics = steps
+        self._metrics = {
+            s: self._metrics.get(s, _NOT_READ) for s in steps.committed(self.directory)
+        }
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -257,9 +253,7 @@ class CheckpointManager:
             self._metrics.pop(step, None)
 
     def _delete(self, step: int) -> None:
-        path = self.step_path(step)
-        path.delete_file(COMMIT_FILE)
-        path.remove()
+        steps.delete(self.step_path(step))
         self._metrics.pop(step, None)
 
     def _cleanup(self) -> None:
@@ -268,14 +262,7 @@ class CheckpointManager:
         A save still in progress (another manager on this directory) is left alone: its
         writer holds the lock on its owner file (see ``storage.being_written``).
         """
-        for name in self.directory.list_children():
-            child = self.directory.join(name)
-            if ".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE)):
-                if being_written(child, self.options.timeout_s):
-                    log.info("jaxckpt: leaving %s alone: a save is writing it", child.url)
-                    continue
-                log.info("jaxckpt: removing leftover %s", child.url)
-                child.remove()
+        steps.clean_leftovers(self.directory, grace_s=self.options.timeout_s)
 
     # --- restore -------------------------------------------------------------------------
 

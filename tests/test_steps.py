@@ -1,0 +1,45 @@
+"""Step directories, for both tiers: publish, list, delete, clean leftovers."""
+
+import os
+
+import pytest
+
+from jaxckpt import errors, steps
+from jaxckpt.storage import hold_owner_lock, location, release_owner_lock
+
+
+def _dir(loc, name, *, marker=False):
+    d = loc.join(name)
+    d.makedirs()
+    d.write_bytes("data", b"x")
+    if marker:
+        d.write_bytes("COMMITTED", b"")
+    return d
+
+
+def test_publish_lists_and_deletes(tmp_path):
+    root = location(tmp_path)
+    _dir(root, "00000003")  # a leftover without its marker: replaced by the publish
+    steps.publish(_dir(root, "00000003.tmp-a"), root.join("00000003"))
+    assert steps.committed(root) == [3] and not os.path.exists(root.join("00000003.tmp-a").url)
+    with pytest.raises(errors.CheckpointExistsError, match="nothing was overwritten"):
+        steps.publish(_dir(root, "00000003.tmp-b"), root.join("00000003"))
+    steps.publish(root.join("00000003.tmp-b"), root.join("00000003"), replace_committed=True)
+    assert steps.committed(root) == [3]
+    steps.delete(root.join("00000003"))
+    assert steps.committed(root) == [] and not os.path.exists(root.join("00000003").url)
+
+
+def test_clean_leftovers_spares_a_save_in_progress(tmp_path):
+    root = location(tmp_path)
+    _dir(root, "00000001", marker=True)
+    _dir(root, "00000002")  # unmarked
+    _dir(root, "00000003.tmp-x")  # interrupted
+    live = _dir(root, "00000004.tmp-y")
+    fd = hold_owner_lock(live)  # a save still writing
+    try:
+        removed = steps.clean_leftovers(root, grace_s=60)
+    finally:
+        release_owner_lock(fd)
+    assert sorted(removed) == ["00000002", "00000003.tmp-x"]
+    assert sorted(os.listdir(tmp_path)) == ["00000001", "00000004.tmp-y"]
