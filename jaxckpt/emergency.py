@@ -40,7 +40,7 @@ from .manager import CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError, known_options, option_file
 from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
-from .recovery import RecoveryReport, StepUnusable, uncovered
+from .recovery import BadCopy, RecoveryReport, Rejected, StepUnusable, uncovered
 from .sharding import layout
 from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
 from .storage import location
@@ -419,15 +419,15 @@ class EmergencyCheckpointManager:
         steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
         if step is not None:
             steps = [s for s in steps if s == step]
-        rejected: list[tuple[int, str]] = []
-        bad_all: list[tuple[int, str, str, str]] = []
+        rejected: list[Rejected] = []
+        bad_all: list[BadCopy] = []
         for s in steps:
             if step is None and newest_remote is not None and newest_remote > s:
-                rejected.append((s, f"the remote tier has a newer step {newest_remote}"))
+                rejected.append(Rejected(s, f"the remote tier has a newer step {newest_remote}"))
                 break
             why = uncovered(s, views)
             if why:
-                rejected.append((s, why))
+                rejected.append(Rejected(s, why))
                 continue
             try:
                 got = local_restore.restore_step(
@@ -439,12 +439,13 @@ class EmergencyCheckpointManager:
                     mesh,
                     tag=tag,
                     timeout_s=timeout,
-                    timings=self.timings,
-                    bad_copies=bad_all,
                 )
             except StepUnusable as e:
-                rejected.append((s, str(e)))
+                rejected.append(Rejected(s, str(e)))
+                bad_all.extend(e.bad_copies)
                 continue
+            bad_all.extend(got.bad_copies)
+            self.timings.update(got.timings)
             self.last_report = RecoveryReport(
                 "local",
                 s,

@@ -26,6 +26,8 @@ from . import tree as tree_lib
 from .manifest import LeafRecord
 from .peers import send_rows
 from .recovery import (
+    BadCopy,
+    PeerSlice,
     SavedMeshes,
     StepUnusable,
     assemble,
@@ -52,7 +54,9 @@ class Restored:
 
     state: Any
     saved_process_count: int | None
-    from_peers: tuple[tuple[str, str, int, int], ...]
+    from_peers: tuple[PeerSlice, ...]
+    bad_copies: tuple[BadCopy, ...]  # copies that failed on the way, from any process
+    timings: dict[str, float]  # restore_plan_s, restore_read_s, restore_move_s, restore_place_s
 
 
 def publish_holdings(
@@ -97,21 +101,20 @@ def restore_step(
     *,
     tag: str,
     timeout_s: float,
-    timings: dict[str, float],
-    bad_copies: list[tuple[int, str, str, str]],
 ) -> Restored:
     """Restores step ``s`` from the processes' local copies; every process calls it.
 
     ``views``: what each process published it holds; ``mine``: this process's copy of ``s``
     in ``directory`` (None: it has none). ``tag`` names the key-value exchanges (the same on
-    every process). Cumulative times go into ``timings`` (``restore_plan_s``,
-    ``restore_read_s``, ``restore_move_s``, ``restore_place_s``); copies that fail to read or
-    verify are appended to ``bad_copies`` as (process, leaf, index, why). Raises
-    :class:`StepUnusable` when the step cannot be assembled after all.
+    every process). Returns the state with where its slices came from, the copies that
+    failed to verify and the phases' cumulative times. Raises :class:`StepUnusable` (with
+    the bad copies) when the step cannot be assembled after all.
     """
     pid = multihost.process_index()
     tag = f"{tag}/{s}"
     t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    bad_copies: list[BadCopy] = []
     holders = [p for p, v in enumerate(views) if str(s) in v["steps"]]
     elected = holders[0]
     docs = multihost.all_gather(
@@ -159,7 +162,7 @@ def restore_step(
         for p, text in enumerate(gathered):
             for name, key, why in json.loads(text):
                 bad_set.add((p, name, key))
-                bad_copies.append((p, name, key, why))
+                bad_copies.append(BadCopy(p, name, key, why))
         sends = plan_sends(s, views, holders, all_needs, bad_set, bad_copies)
         unread = [sent_by(sends, p) - read_by[p] for p in range(len(views))]
         if not any(unread):
@@ -168,7 +171,7 @@ def restore_step(
         for p, more in enumerate(unread):
             read_by[p] |= more
     else:
-        raise StepUnusable("copies kept failing verification")
+        raise StepUnusable("copies kept failing verification", tuple(bad_copies))
     timings["restore_read_s"] = time.perf_counter() - t0
     origins_mine = {
         (name, local.parse_index(k)): w
@@ -198,7 +201,11 @@ def restore_step(
     return Restored(
         result,
         doc.get("process_count"),
-        tuple(sorted((n, local.index_key(i), h, w) for (n, i), (h, w) in used_from.items())),
+        tuple(
+            sorted(PeerSlice(n, local.index_key(i), h, w) for (n, i), (h, w) in used_from.items())
+        ),
+        tuple(bad_copies),
+        timings,
     )
 
 

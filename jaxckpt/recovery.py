@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -21,8 +21,37 @@ from .restoring import Want, place_key
 from .sharding import Index, normalize_index
 
 
+class PeerSlice(NamedTuple):
+    """A slice this process used that it did not read from a copy it wrote itself."""
+
+    leaf: str
+    index: str  # the global index, "0:16,0:8"
+    holder: int  # the process that read it from its local directory
+    writer: int  # the process that held it at save time
+
+
+class Rejected(NamedTuple):
+    """A newer step that was not used, and why."""
+
+    step: int
+    why: str
+
+
+class BadCopy(NamedTuple):
+    """A local copy that failed to read or verify."""
+
+    process: int
+    leaf: str
+    index: str
+    why: str
+
+
 class StepUnusable(Exception):
     """A local step cannot be assembled after verification; try the next one."""
+
+    def __init__(self, why: str, bad_copies: tuple[BadCopy, ...] = ()):
+        super().__init__(why)
+        self.bad_copies = bad_copies
 
 
 @dataclass(frozen=True)
@@ -30,21 +59,22 @@ class RecoveryReport:
     """What the last :meth:`EmergencyCheckpointManager.restore` used (this process's view;
     tier and step agree everywhere).
 
-    from_peers: (leaf, index, holder, writer) for each slice this process used that it did not
-        read from a copy it wrote itself: ``holder`` is the process that read it from its
-        local directory (this one, for a peer copy on its own disk), ``writer`` the process
-        that held it at save time.
-    rejected: (step, why) for each newer step that was not used.
-    bad_copies: (process, leaf, index, why) for local copies that failed to read / verify.
+    from_peers: a :class:`PeerSlice` (leaf, index, holder, writer) for each slice this
+        process used that it did not read from a copy it wrote itself: ``holder`` read it
+        from its local directory (this process, for a peer copy on its own disk), ``writer``
+        held it at save time.
+    rejected: a :class:`Rejected` (step, why) for each newer step that was not used.
+    bad_copies: a :class:`BadCopy` (process, leaf, index, why) for each local copy that
+        failed to read or verify.
     """
 
     tier: str
     step: int
     process_count: int
     saved_process_count: int | None = None
-    from_peers: tuple[tuple[str, str, int, int], ...] = ()
-    rejected: tuple[tuple[int, str], ...] = ()
-    bad_copies: tuple[tuple[int, str, str, str], ...] = ()
+    from_peers: tuple[PeerSlice, ...] = ()
+    rejected: tuple[Rejected, ...] = ()
+    bad_copies: tuple[BadCopy, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,7 +112,8 @@ def plan_sends(s, views, holders, all_needs, bad_set, bad_all) -> Moves:
                 if not ok:
                     raise StepUnusable(
                         f"no verified copy of {name}[{key}] is left (bad copies: "
-                        f"{sorted(b[:3] for b in bad_all)})"
+                        f"{sorted(b[:3] for b in bad_all)})",
+                        tuple(bad_all),
                     )
                 sends.setdefault((ok[0], q), set()).add((name, key))
     return sends

@@ -126,9 +126,11 @@ def test_corrupt_chunk_is_never_restored(tmp_path, mesh42):
         assert_tree_equal(out, make_state(mesh42, 1))
         rep = mgr.last_report
         assert (rep.tier, rep.step) == ("local", 1)
-        assert rep.rejected[0][0] == 2 and "no verified copy of w[16:32,0:16]" in rep.rejected[0][1]
-        assert rep.bad_copies[0][:3] == (0, "w", "16:32,0:16")
-        assert "CRC32C" in rep.bad_copies[0][3]
+        assert (
+            rep.rejected[0].step == 2 and "no verified copy of w[16:32,0:16]" in rep.rejected[0].why
+        )
+        bad = rep.bad_copies[0]
+        assert (bad.process, bad.leaf, bad.index) == (0, "w", "16:32,0:16") and "CRC32C" in bad.why
 
 
 def test_remote_tier_when_newer_or_local_gone(tmp_path, mesh42):
@@ -141,6 +143,7 @@ def test_remote_tier_when_newer_or_local_gone(tmp_path, mesh42):
         assert_tree_equal(mgr.restore(), make_state(mesh42, 3))
         assert mgr.last_report.tier == "remote" and mgr.last_report.step == 3
         assert mgr.last_report.rejected == ((2, "the remote tier has a newer step 3"),)
+        assert mgr.last_report.rejected[0].why.startswith("the remote tier")  # named fields
         assert_tree_equal(mgr.restore(step=2), make_state(mesh42, 2))
         assert mgr.last_report.tier == "local"
     shutil.rmtree(tmp_path / "l")
