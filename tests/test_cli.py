@@ -183,3 +183,19 @@ def test_convert_jaxckpt_to_safetensors_and_back(ckpt, tmp_path):
     assert res.returncode == 0, res.stderr
     back = jaxckpt.restore(tmp_path / "back")
     assert np.asarray(back["layer.w"]).tobytes() == ref["layer.w"].tobytes()
+
+
+def test_ls_info_verify_on_s3(mesh42, s3_url):
+    """The command on an object store (moto on 127.0.0.1; the AWS_* settings the fixture
+    put in the environment reach the subprocess)."""
+    with jaxckpt.CheckpointManager(s3_url) as mgr:
+        mgr.save(1, _state(mesh42))
+    res = cli("ls", s3_url)
+    assert res.returncode == 0 and any(ln.split()[:1] == ["1"] for ln in res.stdout.splitlines()), (
+        res
+    )
+    step = f"{s3_url}/00000001"
+    res = cli("info", step, "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["bytes"] == 64 * 32 * 4 + 32 * 4, res
+    res = cli("verify", step)
+    assert res.returncode == 0 and res.stdout.startswith("ok "), res.stdout + res.stderr
