@@ -16,10 +16,10 @@ import numpy as np
 from . import arrays, checkpoint, multihost, orbax, steps
 from . import safetensors as st
 from . import tree as tree_lib
-from .errors import CheckpointExistsError, UnsupportedLeafError
+from .errors import CheckpointExistsError, SafetensorsError, UnsupportedLeafError
 from .manifest import COMMIT_FILE, MANIFEST_FILE
 from .restoring import read_manifest, restore
-from .safetensors_format import INDEX_FILE, SafetensorsError, index_json, plan
+from .safetensors_format import INDEX_FILE, index_json, plan
 from .staging import describe
 from .storage import fsync_dir, location, rename_dir
 

@@ -76,3 +76,12 @@ class ExportChecksumError(ExportError, ChecksumError):
 
 class OptionsError(CheckpointError, ValueError):
     """An option file or value is invalid."""
+
+
+class SafetensorsError(CheckpointError):
+    """A safetensors file or index is missing, truncated or malformed, or a tree cannot be
+    written as one."""
+
+
+class OrbaxFormatError(ManifestError):
+    """An Orbax checkpoint jaxckpt cannot read (a layout or value type it does not know)."""

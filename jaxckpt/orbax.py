@@ -24,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from . import tree as tree_lib
-from .errors import CheckpointNotFoundError, ManifestError
+from .errors import CheckpointNotFoundError, OrbaxFormatError
 from .manifest import MANIFEST_FILE, LeafRecord, Manifest
 from .storage import Location
 
@@ -32,10 +32,6 @@ METADATA = "_METADATA"
 SHARDING = "_sharding"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 _KINDS = {"jax.Array": "array", "np.ndarray": "numpy", "scalar": "python", "None": "none"}
-
-
-class OrbaxFormatError(ManifestError):
-    """An Orbax checkpoint jaxckpt cannot read (a layout or value type it does not know)."""
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,10 @@ import numpy as np
 import tensorstore as ts
 
 from . import tree as tree_lib
-from .errors import LeafNotFoundError, ShapeMismatchError
+from .errors import LeafNotFoundError, SafetensorsError, ShapeMismatchError
 from .placement import Placement
 from .safetensors_format import (
     INDEX_FILE,
-    SafetensorsError,
     TensorInfo,
     checked,
     coalesce,

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from .errors import CheckpointError
+from .errors import SafetensorsError
 from .sharding import Index
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,10 +49,6 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
-
-
-class SafetensorsError(CheckpointError):
-    """A safetensors file or index is missing, truncated or malformed."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .safetensors_format import SafetensorsError
+from .errors import SafetensorsError
 from .sharding import Index
 
 # --- the declarative mapping -----------------------------------------------------------------

@@ -14,8 +14,8 @@ import tensorstore as ts
 
 from . import multihost
 from . import tree as tree_lib
-from .errors import UnsupportedLeafError
-from .safetensors_format import INDEX_FILE, SafetensorsError, index_json, plan, runs
+from .errors import SafetensorsError, UnsupportedLeafError
+from .safetensors_format import INDEX_FILE, index_json, plan, runs
 from .safetensors_map import (
     LeafMap,
     Names,

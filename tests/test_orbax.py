@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt.orbax import OrbaxFormatError
+from jaxckpt.errors import OrbaxFormatError
 
 ocp = pytest.importorskip("orbax.checkpoint")
 HERE = os.path.dirname(__file__)
