@@ -40,7 +40,8 @@ from .manager import CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError, known_options, option_file
 from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
-from .recovery import BadCopy, RecoveryReport, Rejected, StepUnusable, uncovered
+from .planner import BadCopy, Rejected, StepUnusable, uncovered
+from .recovery import RecoveryReport
 from .sharding import layout
 from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
 from .storage import location

@@ -25,19 +25,8 @@ from . import local, multihost
 from . import tree as tree_lib
 from .manifest import LeafRecord
 from .peers import send_rows
-from .recovery import (
-    BadCopy,
-    PeerSlice,
-    SavedMeshes,
-    StepUnusable,
-    assemble,
-    needed_slices,
-    plan_sends,
-    read_held,
-    sent_by,
-    shift_rounds,
-    verified,
-)
+from .planner import BadCopy, PeerSlice, StepUnusable, plan_sends, sent_by, shift_rounds, verified
+from .recovery import SavedMeshes, assemble, needed_slices, read_held
 from .restoring import want_saved, want_target
 from .sharding import Index
 from .storage import Location

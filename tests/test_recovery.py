@@ -5,7 +5,8 @@ saved ones. (The multi-process runs are in tests/test_emergency.py.)"""
 import numpy as np
 import pytest
 
-from jaxckpt.recovery import StepUnusable, fill, intersect, plan_sends, shift_rounds, uncovered
+from jaxckpt.planner import StepUnusable, intersect, plan_sends, shift_rounds, uncovered
+from jaxckpt.recovery import fill
 
 S = 7  # the step
 
@@ -69,6 +70,28 @@ def test_shift_rounds_are_partial_permutations_in_order():
     assert rounds == [(1, ((0, 1), (2, 3))), (2, ((3, 1),))]
     for _, pairs in rounds:  # each process sends and receives at most once a round
         assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+
+
+def test_the_planner_imports_no_jax():
+    import ast
+    import os
+
+    import jaxckpt
+
+    path = os.path.join(os.path.dirname(jaxckpt.__file__), "planner.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    } | {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert not imported & {"jax", "jaxlib", "numpy", "tensorstore"}, imported
 
 
 def test_fill_cuts_a_region_out_of_the_saved_slices():
