@@ -73,6 +73,10 @@ def test_orbax_train_state_restores_onto_other_meshes_and_as_numpy(saved, layout
             "data", "model"
         )
         assert int(out.step) == int(state.step)
+        bound = jaxckpt.restore(path, mesh=mesh)  # no target: the saved specs on this mesh
+        kernel = bound["params"]["Dense_0"]["kernel"]  # a dict: compare leaf by leaf name
+        _assert_same(bound["params"], state.params)
+        assert kernel.sharding.mesh.devices.shape == shape
     as_numpy = jaxckpt.restore(path, target=jax.tree.map(np.asarray, state))
     _assert_same(as_numpy, state)
     assert isinstance(as_numpy.params["Dense_1"]["kernel"], np.ndarray)
