@@ -90,6 +90,7 @@ def save(
     leaves, meshes = list(staged.leaves), staged.meshes
     _check_unique_names(leaves, loc)
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
+    fig.bytes = sum(w.nbytes for w in writes)
     pid, count = multihost.process_index(), multihost.process_count()
     # One round before anything is written: the same path, tree, shapes and dtypes on every
     # process? Who runs where, and process 0's id for this save (temporary directory and
@@ -99,7 +100,7 @@ def save(
         _summary(loc, leaves),
         timeout_s,
         what=loc.url,
-        extra=f"{multihost.host_name()} {uuid.uuid4().hex[:12]} {sum(w.nbytes for w in writes)}",
+        extra=f"{multihost.host_name()} {uuid.uuid4().hex[:12]} {fig.bytes}",
     )
     save_id = extras.first.rsplit(" ", 2)[1]
     hosts = [e.rsplit(" ", 2)[0] for e in extras.all or []]  # process 0 only
@@ -134,7 +135,6 @@ def save(
         raise
     finally:
         release_owner_lock(owner)
-    fig.bytes = sum(w.nbytes for w in writes)
     return fig.done()
 
 

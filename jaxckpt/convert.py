@@ -1,8 +1,8 @@
 """Converting checkpoints: Orbax or safetensors to jaxckpt, jaxckpt to safetensors.
 
-Both stream: ``to_safetensors`` lays out the files from the manifest, then reads and writes
-one leaf at a time (host memory: the largest leaf); ``to_jaxckpt`` reads and writes a few
-leaves at a time (``BATCH_BYTES``, or the largest leaf).
+Both stream a few leaves at a time (``BATCH_BYTES``, or the largest leaf, in host memory):
+``to_safetensors`` lays out the files from the manifest first, then fills them;
+``to_jaxckpt`` writes each batch in one OCDBT transaction, then the manifest.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def to_jaxckpt(src, dst) -> None:
         custom = source.manifest.metadata
 
         def read(batch):
-            return restore(s, target=_host_target([r for _, r in batch]))
+            return tree_lib.unflatten_paths(
+                [(r.path, v) for r, v in host_leaves(s, [r for _, r in batch])]
+            )
     else:
         info = {k: t for k, t in st.metadata(s).items() if k != "__metadata__"}
         leaves = [([["k", name]], t) for name, t in info.items()]
@@ -102,14 +104,31 @@ def _host_target(records):
         if rec.kind in ("array", "numpy"):
             spec = jax.ShapeDtypeStruct(tuple(rec.shape), jax.numpy.dtype(rec.dtype))
             items.append((rec.path, _numpy_spec(spec)))
+        elif rec.kind == "prng_key":  # the target has the key's shape, the record its data's
+            spec = jax.ShapeDtypeStruct(tuple(rec.shape[:-1]), np.uint32)
+            items.append((rec.path, _numpy_spec(spec)))
         else:
             items.append((rec.path, rec.value))
     return tree_lib.unflatten_paths(items)
 
 
+def host_leaves(src, records):
+    """``(record, value)`` for each of ``records`` (of the checkpoint at ``src``), in order,
+    restored on the host a batch (``BATCH_BYTES``) at a time: arrays as NumPy, PRNG keys as
+    their key data, Python values as they are."""
+    loc = location(src)
+    for batch in _batches([(r.path, r) for r in records]):
+        recs = [r for _, r in batch]
+        tree = restore(loc, target=_host_target(recs))
+        values = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(tree)}
+        for r in recs:
+            v = values[r.name]
+            yield r, np.asarray(jax.random.key_data(v)) if r.kind == "prng_key" else v
+
+
 def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
     """A jaxckpt checkpoint as safetensors files at ``dst`` (HF layout, tensor names: the
-    leaf paths joined by "."), one leaf in memory at a time."""
+    leaf paths joined by "."), a batch of leaves (``BATCH_BYTES``) in memory at a time."""
     s, d = location(src), location(dst)
     if not d.is_local:
         raise SafetensorsError(f"{d.url}: convert writes to a local or shared filesystem")
@@ -132,12 +151,8 @@ def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
             with open(os.path.join(work.url, f.name), "wb") as fh:
                 fh.write(f.header)
                 fh.truncate(f.size)
-        for rec in leaves:
+        for rec, data in host_leaves(s, leaves):
             t = placed[names[rec.name]]
-            target = tree_lib.unflatten_paths(
-                [(rec.path, _numpy_spec(jax.ShapeDtypeStruct(t.shape, t.dtype)))]
-            )
-            (data,) = jax.tree.leaves(restore(s, target=target))
             with open(os.path.join(work.url, t.file), "r+b") as fh:
                 fh.seek(t.begin)
                 fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8))

@@ -40,7 +40,7 @@ from .manager import CheckpointManager
 from .manifest import LeafRecord
 from .options import Options, OptionsError, known_options, option_file
 from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
-from .planner import BadCopy, Rejected, StepUnusable, uncovered
+from .planner import BadCopy, Rejected, StepUnusable, candidates
 from .recovery import RecoveryReport
 from .sharding import layout
 from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
@@ -143,7 +143,7 @@ class EmergencyCheckpointManager:
                 f"local_directory must be a local path, got {self.local_directory.url}"
             )
         self.local_directory.makedirs()
-        local.cleanup(self.local_directory)
+        local.cleanup(self.local_directory, grace_s=opts.timeout_s)
         self._remote = CheckpointManager(
             remote_directory,
             Options(
@@ -198,13 +198,8 @@ class EmergencyCheckpointManager:
             tag=self._tag("latest"),
             timeout_s=self.options.timeout_s,
         )
-        newest_remote = max(views[0]["remote"], default=None)
-        for s in sorted({int(s) for v in views for s in v["steps"]}, reverse=True):
-            if newest_remote is not None and newest_remote > s:
-                break
-            if not uncovered(s, views):
-                return s
-        return newest_remote
+        tries, _ = candidates(views)
+        return tries[0] if tries else max(views[0]["remote"], default=None)
 
     def reached_preemption(self, step: int) -> bool:
         return multihost.reached_preemption(step)
@@ -417,19 +412,9 @@ class EmergencyCheckpointManager:
         )
         remote_steps = views[0]["remote"]
         newest_remote = max(remote_steps, default=None)
-        steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
-        if step is not None:
-            steps = [s for s in steps if s == step]
-        rejected: list[Rejected] = []
+        tries, rejected = candidates(views, step)
         bad_all: list[BadCopy] = []
-        for s in steps:
-            if step is None and newest_remote is not None and newest_remote > s:
-                rejected.append(Rejected(s, f"the remote tier has a newer step {newest_remote}"))
-                break
-            why = uncovered(s, views)
-            if why:
-                rejected.append(Rejected(s, why))
-                continue
+        for s in tries:
             try:
                 got = local_restore.restore_step(
                     self.local_directory,
@@ -443,6 +428,7 @@ class EmergencyCheckpointManager:
                 )
             except StepUnusable as e:
                 rejected.append(Rejected(s, str(e)))
+                rejected.sort(key=lambda r: -r.step)  # newest first, as they were considered
                 bad_all.extend(e.bad_copies)
                 continue
             bad_all.extend(got.bad_copies)

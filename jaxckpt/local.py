@@ -194,7 +194,7 @@ def delete_step(directory: Location, step: int) -> None:
     steps.delete(step_dir(directory, step))
 
 
-def cleanup(directory: Location, grace_s: float = 600.0) -> list[str]:
+def cleanup(directory: Location, grace_s: float) -> list[str]:
     """Removes temporary and uncommitted step directories; returns their names."""
     return steps.clean_leftovers(directory, grace_s=grace_s)
 
@@ -305,11 +305,6 @@ def pack_layout(
         views[key] = buf[start + off : start + off + n].view(dtype).reshape(shape)
         buf[start + off + n : start + off + (-(-n // _ALIGN) * _ALIGN)] = 0
     return buf, views
-
-
-def stored_dtype(rec: LeafRecord) -> np.dtype:
-    """The dtype a leaf's slices are stored (and held) in."""
-    return rec.storage_dtype
 
 
 def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:

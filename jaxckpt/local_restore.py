@@ -218,7 +218,7 @@ def _rows_to_read_into(first, my_needs, mine, by_name) -> dict:
         rows[r] = local.pack_layout(
             {
                 (n, i): (
-                    local.stored_dtype(by_name[n]),
+                    by_name[n].storage_dtype,
                     tuple(b - a for a, b in i),
                     held[n][local.index_key(i)],
                 )

@@ -113,3 +113,25 @@ def uncovered(s: int, views: list[dict]) -> str | None:
 def intersect(a: Index, b: Index) -> Index | None:
     out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
     return out if all(lo < hi for lo, hi in out) else None
+
+
+def candidates(views: list[dict], step: int | None = None) -> tuple[list[int], list[Rejected]]:
+    """The local steps worth trying, newest first (every slice held somewhere), and the ones
+    rejected before any read: not coverable, or older than the newest remote step (unless
+    ``step`` asks for one)."""
+    newest_remote = max(views[0]["remote"], default=None)
+    steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
+    if step is not None:
+        steps = [s for s in steps if s == step]
+    out: list[int] = []
+    rejected: list[Rejected] = []
+    for s in steps:
+        if step is None and newest_remote is not None and newest_remote > s:
+            rejected.append(Rejected(s, f"the remote tier has a newer step {newest_remote}"))
+            break
+        why = uncovered(s, views)
+        if why:
+            rejected.append(Rejected(s, why))
+        else:
+            out.append(s)
+    return out, rejected

@@ -70,6 +70,10 @@ def restore(
     >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
     """
     loc = location(path)
+    if read_budget_bytes is not None and read_budget_bytes < 1:
+        raise OptionsError(
+            f"{loc.url}: read_budget_bytes={read_budget_bytes!r}; pass None or a positive size"
+        )
     fig = Figures("restore", loc.url)
     with fig.phase("plan"):
         source, manifest = any_manifest(loc)
@@ -77,10 +81,6 @@ def restore(
             wants = _wants(manifest, target, mesh, loc)
         except ShardingError as e:  # bind_spec knows the leaf, not the path
             raise ShardingError(f"{loc.url}: {e}") from e
-    if read_budget_bytes is not None and read_budget_bytes < 1:
-        raise OptionsError(
-            f"{loc.url}: read_budget_bytes={read_budget_bytes!r}; pass None or a positive size"
-        )
     budget = read_budget_bytes or READ_BUDGET_BYTES
     values = _read_once(loc, wants, budget, manifest.meshes, fig, source)
     fig.done()

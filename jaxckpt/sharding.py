@@ -140,8 +140,8 @@ def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
 # --- replica-parallel writes: which process writes which part of a shard ------------------
 
 SPLIT_MIN_BYTES = 1 << 20
-"""Shards below this many bytes are written whole by one of their replicas (chosen round-
-robin over the leaves); larger ones are split among the processes that hold a replica."""
+"""Shards below this many bytes are written whole by one of their replicas (in turn over
+the shards and leaves); larger ones are split among the processes that hold a replica."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class WriteSplit:
 
 
 def _largest_divisor_at_most(n: int, k: int) -> int:
-    return max(d for d in range(1, min(n, max(1, k)) + 1) if n % d == 0)
+    return next(d for d in range(min(n, max(1, k)), 0, -1) if n % d == 0)
 
 
 def chunk_shape(

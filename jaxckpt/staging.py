@@ -72,8 +72,8 @@ def leaf_record(
             kind, arr = "prng_key", key_data if key_data is not None else jax.random.key_data(leaf)
         shape = tuple(arr.shape)
         stored = arrays.stored_dtype(np.dtype(arr.dtype))
-        nbytes = math.prod(shape) * np.dtype(stored).itemsize
         itemsize = np.dtype(stored).itemsize
+        nbytes = math.prod(shape) * itemsize
         split = write_split(arr.sharding, shape, itemsize, chunk_bytes)
         named = isinstance(arr.sharding, jax.sharding.NamedSharding)
         record = LeafRecord(

@@ -5,7 +5,7 @@ saved ones. (The multi-process runs are in tests/test_emergency.py.)"""
 import numpy as np
 import pytest
 
-from jaxckpt.planner import StepUnusable, intersect, plan_sends, shift_rounds, uncovered
+from jaxckpt.planner import StepUnusable, candidates, intersect, plan_sends, shift_rounds, uncovered
 from jaxckpt.recovery import fill
 
 S = 7  # the step
@@ -56,6 +56,24 @@ def test_plan_sends(held, needs, bad, sends):
     views = [view({"w": h}) for h in held]
     holders = [p for p, h in enumerate(held) if h]
     assert plan_sends(S, views, holders, needs, bad, sorted(bad)) == sends
+
+
+def test_candidates_newest_coverable_first_and_why_the_others_are_not():
+    def views(remote, **steps):  # steps: name -> held slices, as step "s<n>"
+        out = [{"remote": remote, "steps": {}}, {"remote": remote, "steps": {}}]
+        for name, (held0, held1) in steps.items():
+            for v, held in zip(out, (held0, held1), strict=True):
+                v["steps"][name[1:]] = {"digest": "d", "need": {"w": 4}, "held": {"w": held}}
+        return out
+
+    both = (ALL[:2], ALL[2:])
+    half = (ALL[:2], [])
+    tries, rejected = candidates(views([], s9=half, s8=both, s7=both))
+    assert tries == [8, 7] and [(r.step, "held by none" in r.why) for r in rejected] == [(9, True)]
+    tries, rejected = candidates(views([8], s9=both, s7=both))  # remote 8 is newer than 7
+    assert tries == [9] and rejected == [(7, "the remote tier has a newer step 8")]
+    tries, _ = candidates(views([8], s9=both, s7=both), step=7)  # asked for: tried anyway
+    assert tries == [7]
 
 
 def test_a_slice_nobody_holds_verified_makes_the_step_unusable():
