@@ -53,7 +53,8 @@ def restore(
     mesh: jax.sharding.Mesh | None = None,
     read_budget_bytes: int | None = None,
 ) -> Any:
-    """Reads the checkpoint at ``path`` onto the devices and shardings asked for.
+    """Reads the checkpoint at ``path`` onto the devices and shardings asked for; ``path``
+    may also hold a checkpoint written by orbax-checkpoint (docs/ORBAX.md).
 
     ``target`` is a pytree whose leaves are ``jax.ShapeDtypeStruct`` (with ``.sharding``),
     ``jax.Array`` (its sharding, dtype and shape), ``jax.sharding.Sharding`` or NumPy arrays;

@@ -287,7 +287,9 @@ def stage(
     """Starts device->host copies of the shards this process owns and returns a handle.
 
     Call it right after the update step; the training loop can go on while
-    ``CheckpointManager.save(step, staged)`` writes the snapshot in the background.
+    ``CheckpointManager.save(step, staged)`` writes the snapshot in the background. The
+    handle fixes the chunking: pass the manager's ``compression`` and ``chunk_bytes`` here
+    (they are what ``Options`` would use).
 
     >>> staged = jaxckpt.stage(state)
     >>> mgr.save(step, staged)
