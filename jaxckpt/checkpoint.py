@@ -30,7 +30,6 @@ from .restoring import restore as restore  # re-export: checkpoint.restore
 from .staging import StagedLeaf, describe
 from .storage import (
     Location,
-    hold_owner_lock,
     location,
     release_owner_lock,
 )
@@ -114,10 +113,10 @@ def save(
             if pid == 0 and loc.list_children():
                 loc.remove()
             multihost.barrier(f"jaxckpt/{save_id}/cleared", timeout_s, what=loc.url)
+        if pid == 0 and work != loc:
+            owner = steps.claim(work)  # locked before anything is written in it
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
-        if pid == 0:
-            owner = hold_owner_lock(work)
         with fig.phase("write"):
             arrays.write(db, writes)
         with fig.phase("commit"):

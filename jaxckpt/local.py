@@ -31,7 +31,7 @@ from . import arrays, steps
 from .errors import ManifestError
 from .manifest import COMMIT_FILE, FORMAT_VERSION, LeafRecord, check_format_version
 from .sharding import Index
-from .storage import Location, hold_owner_lock, release_owner_lock
+from .storage import Location, release_owner_lock
 
 log = logging.getLogger("jaxckpt")
 
@@ -135,7 +135,6 @@ def write_step(
     final = step_dir(directory, step)
     work = directory.join(f"{step:08d}.tmp-{uuid.uuid4().hex[:8]}")
     db = work.join("arrays")
-    db.makedirs()
     by_leaf: dict[str, list] = {}
     for (name, index), data in slices.items():
         by_leaf.setdefault(name, []).append((index, lambda d=data: d))
@@ -149,8 +148,9 @@ def write_step(
         pieces = by_leaf.get(rec.name, [])
         nbytes = sum(get().nbytes for _, get in pieces)
         writes.append(arrays.ArrayWrite(rec.name, meta, pieces, True, nbytes))
-    owner = hold_owner_lock(work)  # a manager starting meanwhile leaves this save alone
+    owner = steps.claim(work)  # locked from the start: a manager starting leaves it alone
     try:
+        db.makedirs()
         arrays.write(db, writes)
         held: dict[str, dict[str, int]] = {}
         for name, index in slices:

@@ -11,12 +11,40 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 from .errors import CheckpointExistsError
 from .manifest import COMMIT_FILE
-from .storage import OWNER_FILE, Location, being_written, rename_dir
+from .storage import (
+    OWNER_FILE,
+    Location,
+    being_written,
+    hold_owner_lock,
+    release_owner_lock,
+    rename_dir,
+)
 
 log = logging.getLogger("jaxckpt")
+
+
+def claim(work: Location) -> int | None:
+    """Creates the local temporary directory ``work`` already holding its owner lock, and
+    returns the lock's descriptor (``storage.release_owner_lock``). A manager cleaning
+    leftovers meanwhile must never see it unlocked, so it is made under a hidden name the
+    cleaner ignores, locked there, then renamed into place. If another process of the same
+    save created ``work`` first (its own part inside), the lock is taken where it is."""
+    if not work.is_local:
+        return None
+    hidden = work.parent().join(f".init-{uuid.uuid4().hex[:12]}")
+    os.makedirs(hidden.url)
+    fd = hold_owner_lock(hidden)
+    try:
+        os.rename(hidden.url, work.url)
+    except OSError:  # ``work`` exists and holds another process's part
+        release_owner_lock(fd)
+        hidden.remove()
+        return hold_owner_lock(work)
+    return fd
 
 
 def publish(work: Location, final: Location, *, replace_committed: bool = False) -> None:

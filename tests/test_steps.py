@@ -5,7 +5,7 @@ import os
 import pytest
 
 from jaxckpt import errors, steps
-from jaxckpt.storage import hold_owner_lock, location, release_owner_lock
+from jaxckpt.storage import being_written, hold_owner_lock, location, release_owner_lock
 
 
 def _dir(loc, name, *, marker=False):
@@ -43,3 +43,26 @@ def test_clean_leftovers_spares_a_save_in_progress(tmp_path):
         release_owner_lock(fd)
     assert sorted(removed) == ["00000002", "00000003.tmp-x"]
     assert sorted(os.listdir(tmp_path)) == ["00000001", "00000004.tmp-y"]
+
+
+def test_claim_makes_the_work_directory_already_locked(tmp_path):
+    root = location(tmp_path)
+    work = root.join("00000005.tmp-abc")
+    fd = steps.claim(work)
+    try:
+        assert being_written(work, 0)  # never visible without its lock
+        assert os.listdir(tmp_path) == ["00000005.tmp-abc"]  # the hidden name is gone
+        assert steps.clean_leftovers(root, grace_s=60) == []
+    finally:
+        release_owner_lock(fd)
+    # another process of the save made its part first: the lock is taken in place
+    other = _dir(root, "00000006.tmp-def")
+    fd = steps.claim(other)
+    try:
+        assert being_written(other, 0) and os.path.exists(other.join("data").url)
+    finally:
+        release_owner_lock(fd)
+    assert sorted(steps.clean_leftovers(root, grace_s=60)) == [
+        "00000005.tmp-abc",
+        "00000006.tmp-def",
+    ]
