@@ -91,30 +91,34 @@ def save(
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
     fig.bytes = sum(w.nbytes for w in writes)
     pid, count = multihost.process_index(), multihost.process_count()
-    # One round before anything is written: the same path, tree, shapes and dtypes on every
-    # process? Who runs where, and process 0's id for this save (temporary directory and
-    # barrier names, so a restarted job never meets a stale one).
-    extras = multihost.agree(
-        multihost.unique_name("save"),
-        _summary(loc, leaves),
-        timeout_s,
-        what=loc.url,
-        extra=f"{multihost.host_name()} {uuid.uuid4().hex[:12]} {fig.bytes}",
-    )
-    save_id = extras.first.rsplit(" ", 2)[1]
-    hosts = [e.rsplit(" ", 2)[0] for e in extras.all or []]  # process 0 only
-    bytes_per_process = [int(e.rsplit(" ", 2)[2]) for e in extras.all or []]
-    work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
+    my_id = uuid.uuid4().hex[:12]
+    work = loc.parent().join(f"{loc.name}.tmp-{my_id}") if loc.is_local else loc
     owner = None
     try:
+        if pid == 0 and work != loc:
+            # Process 0's temporary directory exists, locked (steps.claim), before the others
+            # learn its name and make their parts in it; it is removed if they disagree.
+            owner = steps.claim(work)
+        # One round before any data is written: the same path, tree, shapes and dtypes on
+        # every process? Who runs where, and process 0's id for this save (temporary
+        # directory and barrier names, so a restarted job never meets a stale one).
+        extras = multihost.agree(
+            multihost.unique_name("save"),
+            _summary(loc, leaves),
+            timeout_s,
+            what=loc.url,
+            extra=f"{multihost.host_name()} {my_id} {fig.bytes}",
+        )
+        save_id = extras.first.rsplit(" ", 2)[1]
+        hosts = [e.rsplit(" ", 2)[0] for e in extras.all or []]  # process 0 only
+        bytes_per_process = [int(e.rsplit(" ", 2)[2]) for e in extras.all or []]
+        work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
         if work == loc:
             # Object stores have no rename, so the arrays go straight to ``loc``: first clear
             # what an earlier save that never committed left there (its zarr.json would clash).
             if pid == 0 and loc.list_children():
                 loc.remove()
             multihost.barrier(f"jaxckpt/{save_id}/cleared", timeout_s, what=loc.url)
-        if pid == 0 and work != loc:
-            owner = steps.claim(work)  # locked before anything is written in it
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
         with fig.phase("write"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 
 from .errors import CheckpointExistsError
@@ -28,11 +29,11 @@ log = logging.getLogger("jaxckpt")
 
 
 def claim(work: Location) -> int | None:
-    """Creates the local temporary directory ``work`` already holding its owner lock, and
-    returns the lock's descriptor (``storage.release_owner_lock``). A manager cleaning
-    leftovers meanwhile must never see it unlocked, so it is made under a hidden name the
-    cleaner ignores, locked there, then renamed into place. If another process of the same
-    save created ``work`` first (its own part inside), the lock is taken where it is."""
+    """Creates the local temporary directory ``work`` (a new, unique name) already holding
+    its owner lock, and returns the lock's descriptor (``storage.release_owner_lock``). A
+    manager cleaning leftovers meanwhile must never see it unlocked, so it is made under a
+    hidden name, locked there, then renamed into place; ``clean_leftovers`` removes a hidden
+    one whose claim was killed before the rename."""
     if not work.is_local:
         return None
     hidden = work.parent().join(f".init-{uuid.uuid4().hex[:12]}")
@@ -40,10 +41,10 @@ def claim(work: Location) -> int | None:
     fd = hold_owner_lock(hidden)
     try:
         os.rename(hidden.url, work.url)
-    except OSError:  # ``work`` exists and holds another process's part
+    except BaseException:
         release_owner_lock(fd)
         hidden.remove()
-        return hold_owner_lock(work)
+        raise
     return fd
 
 
@@ -86,11 +87,25 @@ def clean_leftovers(directory: Location, *, grace_s: float) -> list[str]:
     removed = []
     for name in directory.list_children():
         child = directory.join(name)
-        if ".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE)):
-            if being_written(child, grace_s):
-                log.info("jaxckpt: leaving %s alone: a save is writing it", child.url)
+        if name.startswith(".init-"):
+            # A claim killed before its rename; one without its lock yet is left a minute.
+            if not _claim_abandoned(child):
                 continue
-            log.info("jaxckpt: removing leftover %s", child.url)
-            child.remove()
-            removed.append(name)
+        elif not (".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE))):
+            continue
+        if being_written(child, grace_s):
+            log.info("jaxckpt: leaving %s alone: a save is writing it", child.url)
+            continue
+        log.info("jaxckpt: removing leftover %s", child.url)
+        child.remove()
+        removed.append(name)
     return removed
+
+
+def _claim_abandoned(hidden: Location) -> bool:
+    if hidden.exists(OWNER_FILE):
+        return True  # ``being_written`` then says whether its owner lives
+    try:
+        return time.time() - os.path.getmtime(hidden.url) > 60
+    except FileNotFoundError:
+        return False

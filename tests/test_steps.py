@@ -1,6 +1,7 @@
 """Step directories, for both tiers: publish, list, delete, clean leftovers."""
 
 import os
+import socket
 
 import pytest
 
@@ -55,14 +56,21 @@ def test_claim_makes_the_work_directory_already_locked(tmp_path):
         assert steps.clean_leftovers(root, grace_s=60) == []
     finally:
         release_owner_lock(fd)
-    # another process of the save made its part first: the lock is taken in place
-    other = _dir(root, "00000006.tmp-def")
-    fd = steps.claim(other)
+    assert steps.clean_leftovers(root, grace_s=60) == ["00000005.tmp-abc"]
+
+
+def test_clean_leftovers_removes_a_claim_killed_before_its_rename(tmp_path):
+    root = location(tmp_path)
+    killed = _dir(root, ".init-killed")  # its lock file exists, nobody holds it
+    killed.write_bytes(".owner", f"{socket.gethostname()} 1".encode())
+    live = _dir(root, ".init-live")  # a claim in progress holds its lock
+    fd = hold_owner_lock(live)
+    _dir(root, ".init-young")  # made, not yet locked: left alone for a minute
+    old = _dir(root, ".init-old")  # made and never locked, long ago
+    os.utime(old.url, (1, 1))
     try:
-        assert being_written(other, 0) and os.path.exists(other.join("data").url)
+        removed = steps.clean_leftovers(root, grace_s=60)
     finally:
         release_owner_lock(fd)
-    assert sorted(steps.clean_leftovers(root, grace_s=60)) == [
-        "00000005.tmp-abc",
-        "00000006.tmp-def",
-    ]
+    assert sorted(removed) == [".init-killed", ".init-old"]
+    assert sorted(os.listdir(tmp_path)) == [".init-live", ".init-young"]
