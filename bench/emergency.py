@@ -78,12 +78,10 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
             if parts is not None:
                 split.append(dict(parts()))
         out[key] = float(np.median(times))
-        if split:  # cumulative timings of the emergency restore, median over repeats
-            prev = 0.0
+        if split:  # the emergency restore's phases, median over repeats
             for part in ("plan", "read", "move", "place"):
-                at = float(np.median([d.get(f"restore_{part}_s", prev) for d in split]))
-                out[f"  {part}{' ' * (6 - len(part))}({key.split(': ')[-1]})"] = at - prev
-                prev = at
+                at = float(np.median([d.get(part, 0.0) for d in split]))
+                out[f"  {part}{' ' * (6 - len(part))}({key.split(': ')[-1]})"] = at
 
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=1, remote_interval_steps=10**9, replication=1, timeout_s=600
@@ -92,7 +90,9 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
     em = jaxckpt.EmergencyCheckpointManager(local_dir, os.path.join(root, "em_remote"), opts)
     timed_save("local save, first (compiles the exchange)", em, 1)
     timed_save("local save, replication=1", em, repeats)
-    out["  of which starting the peer copies"] = em.timings.get("peer_exchange_s", 0.0)
+    out["  of which starting the peer copies"] = em.last_save_figures.phases.get(
+        "peer_exchange", 0.0
+    )
     em0 = jaxckpt.EmergencyCheckpointManager(
         os.path.join(root, f"norepl{pid}"),
         os.path.join(root, "em_remote0"),
@@ -111,7 +111,7 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
     # it restores from: do one untimed, so the timed ones compare tiers, not their order.
     warm = jaxckpt.CheckpointManager(remotes["dir"])
     timed_restore("restore (warm-up, remote dir, untimed)", lambda: warm.restore(target=state), 1)
-    parts = lambda: em.timings  # noqa: E731
+    parts = lambda: em.last_restore_figures.phases  # noqa: E731
     timed_restore("restore: local copies", lambda: em.restore(target=state), repeats, parts)
     assert em.last_report.tier == "local" and not em.last_report.from_peers
     barrier("wipe")

@@ -87,7 +87,7 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
                 print(
                     f"[p{pid}] step {step} loss {float(loss):.5f} saved, checksum "
                     f"{checksum(state)}; local save blocked "
-                    f"{mgr.timings['local_blocking_s'] * 1e3:.1f} ms",
+                    f"{mgr.last_save_figures.phases['local'] * 1e3:.1f} ms",
                     flush=True,
                 )
         print(f"[p{pid}] done at step {steps}, loss {float(loss):.5f}", flush=True)

@@ -7,10 +7,10 @@
 
 from . import errors, export, safetensors
 from .checkpoint import custom_metadata, metadata, save, user_metadata
-from .emergency import EmergencyCheckpointManager, EmergencyOptions, RecoveryReport
+from .emergency import EmergencyCheckpointManager, RecoveryReport
 from .manager import CheckpointManager
 from .manifest import FORMAT_VERSION, ArrayInfo
-from .options import Options
+from .options import EmergencyOptions, Options
 from .restoring import restore
 from .staging import Staged, stage
 

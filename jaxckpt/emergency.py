@@ -25,8 +25,6 @@ import itertools
 import logging
 import math
 import os
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -38,7 +36,8 @@ from . import tree as tree_lib
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manager import CheckpointManager
 from .manifest import LeafRecord
-from .options import Options, OptionsError, known_options, option_file
+from .monitoring import Figures
+from .options import EmergencyOptions, Options
 from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
 from .planner import BadCopy, Rejected, StepUnusable, candidates
 from .recovery import RecoveryReport
@@ -70,47 +69,6 @@ def _required(records: list[LeafRecord], flat, key_data) -> dict[str, list[str]]
 def _index_keys(sharding, shape: tuple[int, ...]) -> tuple[str, ...]:
     """Every slice of an array (``local.index_key``), sorted: recorded at each local save."""
     return tuple(local.index_key(i) for i in layout(sharding, shape).indices)
-
-
-@dataclass(frozen=True)
-class EmergencyOptions:
-    """Policies of an :class:`EmergencyCheckpointManager`.
-
-    local_interval_steps / remote_interval_steps: save to that tier when ``step`` is a
-        multiple (``force=True`` saves both tiers).
-    local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
-    replication: how many other processes (on other hosts where the layout allows) keep a
-        copy of each process's local shards.
-    async_save: ``save`` returns after the device->host copy, with the peer copies in flight.
-    timeout_s: bound on every cross-process wait. compression: remote tier only.
-    """
-
-    local_interval_steps: int = 10
-    remote_interval_steps: int = 1000
-    local_max_to_keep: int | None = 2
-    remote_max_to_keep: int | None = 3
-    replication: int = 0
-    async_save: bool = True
-    timeout_s: float = 600.0
-    compression: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("local_interval_steps", "remote_interval_steps"):
-            if getattr(self, name) < 1:
-                raise OptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("local_max_to_keep", "remote_max_to_keep"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise OptionsError(f"{name} must be >= 1 or None, got {value}")
-        if self.replication < 0:
-            raise OptionsError(f"replication must be >= 0, got {self.replication}")
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> EmergencyOptions:
-        """Reads a TOML option file (see ``configs/emergency_gpu.toml``)."""
-        doc = option_file(path)
-        known_options(cls, doc, where=os.fspath(path))
-        return cls(**{**doc, **overrides})
 
 
 class EmergencyCheckpointManager:
@@ -151,6 +109,7 @@ class EmergencyCheckpointManager:
                 async_save=opts.async_save,
                 timeout_s=opts.timeout_s,
                 compression=opts.compression,
+                step_digits=opts.step_digits,
             ),
         )
         self.last_report: RecoveryReport | None = None
@@ -162,7 +121,9 @@ class EmergencyCheckpointManager:
         self._received: PeerCopies | None = None  # the last peer copies: their CPU buffers
         # receive the next ones
         self._closed = False
-        self.timings: dict[str, float] = {}
+        self.last_save_figures: Figures | None = None  # the calling thread's part
+        self.last_write_figures: Figures | None = None  # the local step's writer
+        self.last_restore_figures: Figures | None = None
 
     @property
     def remote(self) -> CheckpointManager:
@@ -197,6 +158,7 @@ class EmergencyCheckpointManager:
             self._remote.all_steps(),
             tag=self._tag("latest"),
             timeout_s=self.options.timeout_s,
+            digits=self.options.step_digits,
         )
         tries, _ = candidates(views)
         return tries[0] if tries else max(views[0]["remote"], default=None)
@@ -220,21 +182,22 @@ class EmergencyCheckpointManager:
         self._writer.raise_error()
         do_local, do_remote = self.should_save(step)
         do_local, do_remote = do_local or force, do_remote or force
+        fig = Figures("emergency_save", self.local_directory.url)
         if do_remote and step not in self._remote.all_steps():
-            t = time.perf_counter()
-            self._remote.save(step, state, metrics=metrics, force=True)
-            self.timings["remote_blocking_s"] = time.perf_counter() - t
+            with fig.phase("remote"):
+                self._remote.save(step, state, metrics=metrics, force=True)
         if do_local:
-            t = time.perf_counter()
-            self._save_local(step, state)
-            self.timings["local_blocking_s"] = time.perf_counter() - t
+            with fig.phase("local"):
+                self._save_local(step, state, fig)
+        if do_local or do_remote:
+            self.last_save_figures = fig.done()
         return do_local or do_remote
 
     def _tag(self, what: str) -> str:
         # the same on every process: every process makes the same save/restore calls, in order
         return f"jaxckpt/emergency/{what}/{next(_seq)}"
 
-    def _save_local(self, step: int, state: Any) -> None:
+    def _save_local(self, step: int, state: Any, fig: Figures) -> None:
         """On the calling thread only what cannot wait: snapshots of the held shards (views
         on CPU) and the peer copies' dispatch. Records, names and the rest of the step's
         description are worked out by the writer thread, from the leaves' metadata."""
@@ -244,23 +207,24 @@ class EmergencyCheckpointManager:
         pid, count = multihost.process_index(), multihost.process_count()
         origins = dict.fromkeys(slices, pid)
         shifts, hosts = self._peer_shifts()
-        extra = {
-            "process_index": pid,
-            "process_count": count,
-            "replication": len(shifts),
-            "hosts": hosts,
-            "sends_to": [(pid + j) % count for j in shifts],
-            "receives_from": [(pid - j) % count for j in shifts],
-        }
+        doc = functools.partial(
+            local.LocalStep,
+            step=step,
+            process_index=pid,
+            process_count=count,
+            replication=len(shifts),
+            hosts=hosts,
+            sends_to=[(pid + j) % count for j in shifts],
+            receives_from=[(pid - j) % count for j in shifts],
+        )
         peers = None
         if shifts:
-            t = time.perf_counter()
-            peers, as_rows = send_shards(on_devices, shifts, reuse=self._received)
-            self._received = peers
-            if as_rows:  # the same leaves on every process
-                self._exchange_rows(set(as_rows), slices, origins, shifts)
-            self.timings["peer_exchange_s"] = time.perf_counter() - t
-        job = (step, flat, key_data, slices, origins, extra, peers)
+            with fig.phase("peer_exchange"):
+                peers, as_rows = send_shards(on_devices, shifts, reuse=self._received)
+                self._received = peers
+                if as_rows:  # the same leaves on every process
+                    self._exchange_rows(set(as_rows), slices, origins, shifts)
+        job = (step, flat, key_data, slices, origins, doc, peers)
         what = f"saving local step {step} to {self.local_directory.url}"
         if self.options.async_save:
             self._writer.submit(what, self._write, *job)
@@ -354,30 +318,38 @@ class EmergencyCheckpointManager:
         host.run_copies()  # all D2H copies were started above
         return slices, on_devices, key_data
 
-    def _write(self, step, flat, key_data, slices, origins, extra, peers) -> None:
+    def _write(self, step, flat, key_data, slices, origins, doc, peers) -> None:
+        fig = Figures("emergency_write", self.local_directory.url)
         if peers is not None:
-            t = time.perf_counter()
-            got, got_origins = peers.collect()  # waits for the transfers
+            with fig.phase("peer_wait"):
+                got, got_origins = peers.collect()  # waits for the transfers
             for key, data in got.items():
                 if key not in slices:
                     slices[key], origins[key] = data, got_origins[key]
-            self.timings["peer_wait_s"] = time.perf_counter() - t
+        digits = self.options.step_digits
         if step not in self._local_steps:
-            t = time.perf_counter()
-            paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in flat]
-            records, meshes = staging.records(paths, key_data)
-            name = {str(i): r.name for i, r in enumerate(records)}
-            slices = {(name[p], index): v for (p, index), v in slices.items()}
-            origins = {(name[p], index): o for (p, index), o in origins.items()}
-            extra = {**extra, "slices": _required(records, flat, key_data)}
-            local.write_step(self.local_directory, step, records, meshes, slices, origins, extra)
-            self.timings["local_write_s"] = time.perf_counter() - t
+            with fig.phase("write"):
+                paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in flat]
+                records, meshes = staging.records(paths, key_data)
+                name = {str(i): r.name for i, r in enumerate(records)}
+                slices = {(name[p], index): v for (p, index), v in slices.items()}
+                origins = {(name[p], index): o for (p, index), o in origins.items()}
+                doc = doc(
+                    digest=local.tree_digest(records),
+                    meshes=meshes,
+                    leaves=tuple(records),
+                    held=local.held_keys(slices, origins),
+                    required=_required(records, flat, key_data),
+                )
+                local.write_step(self.local_directory, doc, slices, digits)
+                fig.bytes = sum(v.nbytes for v in slices.values())
             self._local_steps.add(step)
         keep = self.options.local_max_to_keep
         if keep is not None:
             for old in sorted(self._local_steps)[:-keep]:
-                local.delete_step(self.local_directory, old)
+                local.delete_step(self.local_directory, old, digits)
                 self._local_steps.discard(old)
+        self.last_write_figures = fig.done()
 
     def wait_until_finished(self) -> None:
         """Blocks until both tiers' writes in flight are committed; raises their errors."""
@@ -407,8 +379,13 @@ class EmergencyCheckpointManager:
         self._pack_buffer = self._received = None
         timeout = self.options.timeout_s
         tag = self._tag("restore")
+        fig = Figures("emergency_restore", self.local_directory.url)
         mine, views = local_restore.publish_holdings(
-            self.local_directory, self._remote.all_steps(), tag=tag, timeout_s=timeout
+            self.local_directory,
+            self._remote.all_steps(),
+            tag=tag,
+            timeout_s=timeout,
+            digits=self.options.step_digits,
         )
         remote_steps = views[0]["remote"]
         newest_remote = max(remote_steps, default=None)
@@ -425,6 +402,7 @@ class EmergencyCheckpointManager:
                     mesh,
                     tag=tag,
                     timeout_s=timeout,
+                    fig=fig,
                 )
             except StepUnusable as e:
                 rejected.append(Rejected(s, str(e)))
@@ -432,7 +410,10 @@ class EmergencyCheckpointManager:
                 bad_all.extend(e.bad_copies)
                 continue
             bad_all.extend(got.bad_copies)
-            self.timings.update(got.timings)
+            fig.bytes = sum(
+                a.nbytes for a in jax.tree_util.tree_leaves(got.state) if hasattr(a, "nbytes")
+            )
+            self.last_restore_figures = fig.done()
             self.last_report = RecoveryReport(
                 "local",
                 s,

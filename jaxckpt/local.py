@@ -13,7 +13,6 @@ Also here: packing held slices into one byte buffer (and back), for the peer exc
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -21,14 +20,14 @@ import math
 import struct
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
 from . import arrays, steps
-from .errors import ManifestError
+from .errors import FormatVersionError, ManifestError
 from .manifest import COMMIT_FILE, FORMAT_VERSION, LeafRecord, check_format_version
 from .sharding import Index
 from .storage import Location, release_owner_lock
@@ -58,88 +57,121 @@ def parse_index(key: str) -> Index:
     return tuple((int(a), int(b)) for a, b in (part.split(":") for part in key.split(",")))
 
 
-def record_to_json(rec: LeafRecord) -> dict:
-    return {
-        k: v
-        for k, v in dataclasses.asdict(rec).items()
-        if k == "value" and rec.kind == "python" or (v is not None and v is not False)
-    }
-
-
-def tree_digest(records: Iterable[dict]) -> str:
+def tree_digest(records: Iterable[LeafRecord]) -> str:
     """What must match for copies of a step to be combined: names, kinds, shapes, dtypes."""
-    summary = [(r["name"], r["kind"], r.get("shape"), r.get("dtype")) for r in records]
+    docs = [r.to_dict() for r in records]
+    summary = [(d["name"], d["kind"], d.get("shape"), d.get("dtype")) for d in docs]
     return hashlib.sha256(json.dumps(summary).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
 class LocalStep:
-    """A committed local step as ``local.json`` describes it."""
+    """One process's copy of a step, as its ``local.json`` describes it (docs/FORMAT.md).
+
+    held: {leaf: {index key: original writer process}}, the slices in ``arrays/``;
+    required: {leaf: [index key]}, every slice the step needs, from any process.
+    """
 
     step: int
-    path: Location
-    doc: dict
+    process_index: int
+    process_count: int
+    digest: str
+    meshes: list[dict]
+    leaves: tuple[LeafRecord, ...]
+    held: dict[str, dict[str, int]]
+    required: dict[str, list[str]]
+    replication: int = 0
+    hosts: list[str] = field(default_factory=list)
+    sends_to: list[int] = field(default_factory=list)
+    receives_from: list[int] = field(default_factory=list)
+    format_version: tuple[int, int] = FORMAT_VERSION
+    path: Location | None = field(default=None, compare=False)  # where it was read from
 
-    @property
-    def records(self) -> list[LeafRecord]:
-        return [LeafRecord.from_dict(r) for r in self.doc["leaves"]]
+    def to_json(self) -> dict:
+        return {
+            "format": LOCAL_FORMAT,
+            "format_version": list(self.format_version),
+            "step": self.step,
+            "process_index": self.process_index,
+            "process_count": self.process_count,
+            "digest": self.digest,
+            "replication": self.replication,
+            "hosts": self.hosts,
+            "sends_to": self.sends_to,
+            "receives_from": self.receives_from,
+            "meshes": self.meshes,
+            "leaves": [r.to_dict() for r in self.leaves],
+            "held": self.held,
+            "slices": self.required,
+        }
 
-    @property
-    def digest(self) -> str:
-        return self.doc["digest"]
+    @classmethod
+    def from_json(cls, doc: dict, *, where: str, path: Location | None = None) -> LocalStep:
+        """The step in ``doc``; fields a newer minor version added are ignored, a newer
+        major raises :class:`FormatVersionError` and a damaged document
+        :class:`ManifestError`."""
+        if not isinstance(doc, dict) or doc.get("format") != LOCAL_FORMAT:
+            raise ManifestError(
+                f"{where}: not a jaxckpt local step (no 'format': '{LOCAL_FORMAT}')"
+            )
+        version = check_format_version(doc, where=where, legacy_key="version")
+        try:
+            return cls(
+                step=doc["step"],
+                process_index=doc["process_index"],
+                process_count=doc["process_count"],
+                digest=doc["digest"],
+                meshes=doc["meshes"],
+                leaves=tuple(LeafRecord.from_dict(r) for r in doc["leaves"]),
+                held=doc["held"],
+                required=doc["slices"],
+                replication=doc.get("replication", 0),
+                hosts=doc.get("hosts", []),
+                sends_to=doc.get("sends_to", []),
+                receives_from=doc.get("receives_from", []),
+                format_version=version,
+                path=path,
+            )
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{where}: missing or bad field {e}") from e
 
-    def held(self) -> dict[str, dict[str, int]]:
-        """{leaf: {index key: original writer process}}."""
-        return self.doc["held"]
 
-
-def step_dir(directory: Location, step: int) -> Location:
-    return directory.join(f"{step:08d}")
+def step_dir(directory: Location, step: int, digits: int = 8) -> Location:
+    return steps.step_dir(directory, step, digits)
 
 
 def committed_steps(directory: Location) -> list[int]:
     return steps.committed(directory)
 
 
-def read_step(directory: Location, step: int) -> LocalStep | None:
-    """The committed step's manifest, or None when it is missing or unreadable."""
-    path = step_dir(directory, step)
+def read_step(directory: Location, step: int, digits: int = 8) -> LocalStep | None:
+    """The committed step's document, or None when it is missing or damaged.
+    A newer major format version raises :class:`FormatVersionError`."""
+    path = step_dir(directory, step, digits)
     if not path.exists(COMMIT_FILE):
         return None
-    text = path.read_bytes(LOCAL_FILE)
+    where = f"{path.url}/{LOCAL_FILE}"
     try:
-        doc = json.loads(text.decode()) if text else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        doc = None
-    if not isinstance(doc, dict) or doc.get("format") != LOCAL_FORMAT:
-        log.warning("jaxckpt: %s has no valid %s; ignoring it", path.url, LOCAL_FILE)
+        doc = json.loads(path.read_bytes(LOCAL_FILE).decode())
+        return LocalStep.from_json(doc, where=where, path=path)
+    except FormatVersionError:
+        raise  # never guess at a layout we don't know
+    except (ManifestError, ValueError) as e:
+        log.warning("jaxckpt: %s has no valid %s (%s); ignoring it", path.url, LOCAL_FILE, e)
         return None
-    try:  # a newer major raises FormatVersionError: never guess at a layout we don't know
-        check_format_version(doc, where=f"{path.url}/{LOCAL_FILE}", legacy_key="version")
-    except ManifestError as e:
-        log.warning("jaxckpt: %s; ignoring it", e)
-        return None
-    return LocalStep(step, path, doc)
 
 
-def write_step(
-    directory: Location,
-    step: int,
-    records: list[LeafRecord],
-    meshes: list[dict],
-    slices: Slices,
-    origins: dict[tuple[str, Index], int],
-    extra: dict,
-) -> Location:
-    """Writes one committed local step (tmp dir, rename, marker last); returns its path."""
-    final = step_dir(directory, step)
-    work = directory.join(f"{step:08d}.tmp-{uuid.uuid4().hex[:8]}")
+def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int = 8) -> Location:
+    """Writes one committed local step (tmp dir, rename, marker last) holding ``slices``
+    (``doc.held`` lists them); returns its path."""
+    final = step_dir(directory, doc.step, digits)
+    work = final.parent().join(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     db = work.join("arrays")
     by_leaf: dict[str, list] = {}
     for (name, index), data in slices.items():
         by_leaf.setdefault(name, []).append((index, lambda d=data: d))
     writes = []
-    for rec in records:
+    for rec in doc.leaves:
         if not rec.has_array or not math.prod(rec.shape):
             continue
         stored = rec.storage_dtype.name
@@ -152,21 +184,7 @@ def write_step(
     try:
         db.makedirs()
         arrays.write(db, writes)
-        held: dict[str, dict[str, int]] = {}
-        for name, index in slices:
-            held.setdefault(name, {})[index_key(index)] = origins[(name, index)]
-        leaves = [record_to_json(r) for r in records]
-        doc = {
-            "format": LOCAL_FORMAT,
-            "format_version": list(FORMAT_VERSION),
-            "step": step,
-            "digest": tree_digest(leaves),
-            "meshes": meshes,
-            "leaves": leaves,
-            "held": held,
-            **extra,
-        }
-        work.write_bytes(LOCAL_FILE, json.dumps(doc).encode())
+        work.write_bytes(LOCAL_FILE, json.dumps(doc.to_json()).encode())
         steps.publish(work, final, replace_committed=True)  # a step saved again replaces it
     except BaseException:
         work.remove()
@@ -174,6 +192,14 @@ def write_step(
     finally:
         release_owner_lock(owner)
     return final
+
+
+def held_keys(slices: Slices, origins: dict[tuple[str, Index], int]) -> dict[str, dict[str, int]]:
+    """``LocalStep.held`` for these slices and their original writers."""
+    held: dict[str, dict[str, int]] = {}
+    for name, index in slices:
+        held.setdefault(name, {})[index_key(index)] = origins[(name, index)]
+    return held
 
 
 def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
@@ -190,8 +216,8 @@ def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
     return chunks
 
 
-def delete_step(directory: Location, step: int) -> None:
-    steps.delete(step_dir(directory, step))
+def delete_step(directory: Location, step: int, digits: int = 8) -> None:
+    steps.delete(step_dir(directory, step, digits))
 
 
 def cleanup(directory: Location, grace_s: float) -> list[str]:
@@ -211,7 +237,7 @@ def read_slices(
     into = into or {}
     db = step.path.join("arrays")
     ctx = arrays.new_context()
-    held = step.held()
+    held = step.held
     futures = []
     bad: list[tuple[str, str, str]] = []
     for name, keys in wanted.items():

@@ -14,7 +14,6 @@ Who sends what is planned in :mod:`jaxckpt.recovery`; which step to restore is c
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from jax.sharding import Mesh
 
 from . import local, multihost
 from . import tree as tree_lib
-from .manifest import LeafRecord
+from .monitoring import Figures
 from .peers import send_rows
 from .planner import BadCopy, PeerSlice, StepUnusable, plan_sends, sent_by, shift_rounds, verified
 from .recovery import SavedMeshes, assemble, needed_slices, read_held
@@ -45,11 +44,10 @@ class Restored:
     saved_process_count: int | None
     from_peers: tuple[PeerSlice, ...]
     bad_copies: tuple[BadCopy, ...]  # copies that failed on the way, from any process
-    timings: dict[str, float]  # restore_plan_s, restore_read_s, restore_move_s, restore_place_s
 
 
 def publish_holdings(
-    directory: Location, remote_steps: list[int], *, tag: str, timeout_s: float
+    directory: Location, remote_steps: list[int], *, tag: str, timeout_s: float, digits: int = 8
 ) -> tuple[dict[int, local.LocalStep], list[dict]]:
     """Reads this process's committed local steps and publishes what it holds of each (and
     ``remote_steps``) through the key-value store; every process calls it.
@@ -61,15 +59,15 @@ def publish_holdings(
     mine = {
         s: ls
         for s in local.committed_steps(directory)
-        if (ls := local.read_step(directory, s)) is not None
+        if (ls := local.read_step(directory, s, digits)) is not None
     }
     published = {
         "remote": remote_steps,
         "steps": {
             str(s): {
                 "digest": ls.digest,
-                "need": {n: len(keys) for n, keys in ls.doc["slices"].items()},
-                "held": {n: sorted(h) for n, h in ls.held().items()},
+                "need": {n: len(keys) for n, keys in ls.required.items()},
+                "held": {n: sorted(h) for n, h in ls.held.items()},
             }
             for s, ls in mine.items()
         },
@@ -90,35 +88,36 @@ def restore_step(
     *,
     tag: str,
     timeout_s: float,
+    fig: Figures,
 ) -> Restored:
     """Restores step ``s`` from the processes' local copies; every process calls it.
 
     ``views``: what each process published it holds; ``mine``: this process's copy of ``s``
     in ``directory`` (None: it has none). ``tag`` names the key-value exchanges (the same on
-    every process). Returns the state with where its slices came from, the copies that
-    failed to verify and the phases' cumulative times. Raises :class:`StepUnusable` (with
-    the bad copies) when the step cannot be assembled after all.
+    every process); ``fig`` gets the phases' times (plan, read, move, place). Returns the
+    state with where its slices came from and the copies that failed to verify. Raises
+    :class:`StepUnusable` (with the bad copies) when the step cannot be assembled after all.
     """
     pid = multihost.process_index()
     tag = f"{tag}/{s}"
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
     bad_copies: list[BadCopy] = []
     holders = [p for p, v in enumerate(views) if str(s) in v["steps"]]
     elected = holders[0]
     docs = multihost.all_gather(
-        f"{tag}/doc", json.dumps(mine.doc) if pid == elected else "", timeout_s
+        f"{tag}/doc", json.dumps(mine.to_json()) if pid == elected else "", timeout_s
     )
-    doc = json.loads(docs[elected])
-    records = [LeafRecord.from_dict(r) for r in doc["leaves"]]
+    doc = local.LocalStep.from_json(
+        json.loads(docs[elected]), where=f"process {elected}'s step {s}"
+    )
+    records = doc.leaves
     by_name = {r.name: r for r in records}
-    meshes = SavedMeshes(doc["meshes"])
+    meshes = SavedMeshes(doc.meshes)
     if target is None:
         wants = [want_saved(r, meshes, mesh) for r in records]
     else:
         flat = tree_lib.flatten(target)
         wants = [want_target(p, t, by_name, directory) for p, t in flat]
-    required = {n: [local.parse_index(k) for k in keys] for n, keys in doc["slices"].items()}
+    required = {n: [local.parse_index(k) for k in keys] for n, keys in doc.required.items()}
     needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
     needs = {n: [local.index_key(i) for i in idx] for n, idx in needs.items() if idx}
     all_needs = [
@@ -143,7 +142,7 @@ def restore_step(
     into = {key: v for _, views in rows.values() for key, v in views.items()}
     data: local.Slices = {}
     bad_set: set[tuple[int, str, str]] = set()
-    timings["restore_plan_s"] = time.perf_counter() - t0
+    fig.lap("plan")
     for round_ in range(len(views) + 2):
         got, bad = ({}, []) if mine is None or not to_read else read_held(mine, to_read, into)
         data.update(got)
@@ -161,10 +160,10 @@ def restore_step(
             read_by[p] |= more
     else:
         raise StepUnusable("copies kept failing verification", tuple(bad_copies))
-    timings["restore_read_s"] = time.perf_counter() - t0
+    fig.lap("read")
     origins_mine = {
         (name, local.parse_index(k)): w
-        for name, h in (mine.held() if mine else {}).items()
+        for name, h in (mine.held if mine else {}).items()
         for k, w in h.items()
     }
     del into
@@ -172,13 +171,13 @@ def restore_step(
     for key in [k for k in data if k not in my_needs and k not in sending]:
         del data[key]  # read for a plan that a failed copy changed
     used_from = _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s)
-    own_pid = mine.doc["process_index"] if mine else None
+    own_pid = mine.process_index if mine else None
     for name, keys in needs.items():
         for k in keys:
             key = (name, local.parse_index(k))
             if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
                 used_from[key] = (pid, origins_mine[key])
-    timings["restore_move_s"] = time.perf_counter() - t0
+    fig.lap("move")
     values = [assemble(w, required.get(w.record.name, []), data) for w in wants]
     if target is None:
         result = tree_lib.unflatten_paths(
@@ -186,15 +185,14 @@ def restore_step(
         )
     else:
         result = tree_lib.unflatten_like(target, values)
-    timings["restore_place_s"] = time.perf_counter() - t0
+    fig.lap("place")
     return Restored(
         result,
-        doc.get("process_count"),
+        doc.process_count,
         tuple(
             sorted(PeerSlice(n, local.index_key(i), h, w) for (n, i), (h, w) in used_from.items())
         ),
         tuple(bad_copies),
-        timings,
     )
 
 
@@ -214,7 +212,7 @@ def _rows_to_read_into(first, my_needs, mine, by_name) -> dict:
         parsed = sorted((n, local.parse_index(k)) for n, k in keys)
         if mine is None or any(times[k] > 1 for k in keys) or my_needs.intersection(parsed):
             continue
-        held = mine.held()
+        held = mine.held
         rows[r] = local.pack_layout(
             {
                 (n, i): (

@@ -68,7 +68,7 @@ class CheckpointManager:
     # --- listing -------------------------------------------------------------------------
 
     def step_path(self, step: int) -> Location:
-        return self.directory.join(f"{step:0{self.options.step_digits}d}")
+        return steps.step_dir(self.directory, step, self.options.step_digits)
 
     def reload(self) -> None:
         """Re-reads the directory: sees steps another process committed or deleted."""

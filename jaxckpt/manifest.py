@@ -61,6 +61,14 @@ class LeafRecord:
         """The zarr dtype the data is stored as (unsigned bits where zarr lacks the dtype)."""
         return np.dtype(_dtype_or_none(self.stored_dtype)) if self.stored_dtype else self.data_dtype
 
+    def to_dict(self) -> dict:
+        """The record as stored: fields left at None/False are omitted."""
+        return {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if k == "value" and self.kind == "python" or (v is not None and v is not False)
+        }
+
     @classmethod
     def from_dict(cls, doc: dict) -> LeafRecord:
         """The record in ``doc``, ignoring fields a newer minor version added."""
@@ -127,14 +135,7 @@ class Manifest:
             "metadata": self.metadata,
             "metrics": self.metrics,
             "meshes": self.meshes,
-            "leaves": [
-                {
-                    k: v
-                    for k, v in dataclasses.asdict(leaf).items()
-                    if k == "value" and leaf.kind == "python" or (v is not None and v is not False)
-                }
-                for leaf in self.leaves
-            ],
+            "leaves": [leaf.to_dict() for leaf in self.leaves],
         }
         return json.dumps(doc, indent=1)
 

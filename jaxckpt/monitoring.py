@@ -11,8 +11,11 @@ this thread's last save and restore (``last``), and on a manager (``last_save_fi
     /jaxckpt/<op>/gbps           this process's bytes / total seconds / 1e9
 
 with ``op`` ``save`` (phases ``describe``, ``write``, ``commit``), ``restore`` (``plan``,
-``read``, ``move``) or ``manager_save`` (``blocking``: the part of an async save on the
-calling thread).
+``read``, ``move``), ``manager_save`` (``blocking``: the part of an async save on the
+calling thread), or the emergency tier's ``emergency_save`` (``remote``, ``local``,
+``peer_exchange``: on the calling thread), ``emergency_write`` (``peer_wait``, ``write``:
+the local step's writer) and ``emergency_restore`` (``plan``, ``read``, ``move``,
+``place``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Figures:
     phases: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     total_s: float = 0.0
+    _lap: float | None = field(default=None, repr=False)
 
     @property
     def gbps(self) -> float:
@@ -52,6 +56,12 @@ class Figures:
             yield
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+
+    def lap(self, name: str) -> None:
+        """Ends phase ``name``: the time since the previous lap (or the start)."""
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - (self._lap or self.started)
+        self._lap = now
 
     def done(self) -> Figures:
         """Stamps the total, reports the figures and keeps them as this thread's last."""

@@ -1,4 +1,5 @@
-"""``Options``: how a CheckpointManager saves, keeps and times out; readable from TOML files."""
+"""``Options`` and ``EmergencyOptions``: how the managers save, keep and time out; readable
+from TOML files."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from .errors import OptionsError
 
-__all__ = ["Options", "OptionsError"]
+__all__ = ["EmergencyOptions", "Options", "OptionsError"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,49 @@ def _metric_getter(name: str) -> Callable[[dict], float]:
 
     get.__name__ = f"metric[{name!r}]"
     return get
+
+
+@dataclass(frozen=True)
+class EmergencyOptions:
+    """Policies of an :class:`EmergencyCheckpointManager`.
+
+    local_interval_steps / remote_interval_steps: save to that tier when ``step`` is a
+        multiple (``force=True`` saves both tiers).
+    local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
+    replication: how many other processes (on other hosts where the layout allows) keep a
+        copy of each process's local shards.
+    async_save: ``save`` returns after the device->host copy, with the peer copies in flight.
+    timeout_s: bound on every cross-process wait. compression: remote tier only.
+    step_digits: zero padding of both tiers' step directory names (``00001000``).
+    """
+
+    local_interval_steps: int = 10
+    remote_interval_steps: int = 1000
+    local_max_to_keep: int | None = 2
+    remote_max_to_keep: int | None = 3
+    replication: int = 0
+    async_save: bool = True
+    timeout_s: float = 600.0
+    compression: str | None = None
+    step_digits: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("local_interval_steps", "remote_interval_steps"):
+            if getattr(self, name) < 1:
+                raise OptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("local_max_to_keep", "remote_max_to_keep"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise OptionsError(f"{name} must be >= 1 or None, got {value}")
+        if self.replication < 0:
+            raise OptionsError(f"replication must be >= 0, got {self.replication}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> EmergencyOptions:
+        """Reads a TOML option file (see ``configs/emergency_gpu.toml``)."""
+        doc = option_file(path)
+        known_options(cls, doc, where=os.fspath(path))
+        return cls(**{**doc, **overrides})
 
 
 def option_file(path: str | os.PathLike) -> dict:

@@ -28,6 +28,11 @@ from .storage import (
 log = logging.getLogger("jaxckpt")
 
 
+def step_dir(directory: Location, step: int, digits: int = 8) -> Location:
+    """A step's directory: its number zero-padded to ``digits`` (``00001000``)."""
+    return directory.join(f"{step:0{digits}d}")
+
+
 def claim(work: Location) -> int | None:
     """Creates the local temporary directory ``work`` (a new, unique name) already holding
     its owner lock, and returns the lock's descriptor (``storage.release_owner_lock``). A

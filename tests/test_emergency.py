@@ -1,5 +1,6 @@
 """EmergencyCheckpointManager: the local tier, peer copies, agreement and recovery."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -85,6 +86,25 @@ def test_local_step_format_and_exact_restore(tmp_path, mesh42):
     kinds = {leaf["name"]: leaf["kind"] for leaf in doc["leaves"]}
     assert kinds == {"w": "array", "b": "array", "h": "array", "count": "array", "n": "numpy", "key": "prng_key",
                      "step": "python", "none": "python"}  # fmt: skip
+
+
+def test_step_digits_and_figures(tmp_path, mesh42):
+    """Both tiers name steps with ``step_digits``; each save and restore leaves its phases'
+    times in ``last_*_figures`` (the same Figures as the plain manager's)."""
+    o = dataclasses.replace(opts(), step_digits=4, remote_interval_steps=2)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        mgr.save(2, make_state(mesh42, 2))
+        mgr.wait_until_finished()
+        assert sorted(os.listdir(tmp_path / "l")) == ["0002"]
+        assert sorted(os.listdir(tmp_path / "r")) == ["0002"]
+        assert set(mgr.last_save_figures.phases) == {"remote", "local"}
+        assert set(mgr.last_write_figures.phases) == {"write"}
+        assert mgr.last_write_figures.bytes > 64 * 32 * 4
+        mgr.restore()
+        assert set(mgr.last_restore_figures.phases) == {"plan", "read", "move", "place"}
+        assert mgr.last_restore_figures.total_s >= sum(mgr.last_restore_figures.phases.values())
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        assert mgr.local_steps() == [2] and mgr.latest_step() == 2
 
 
 def test_restore_onto_another_target(tmp_path, mesh42):

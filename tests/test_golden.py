@@ -122,7 +122,7 @@ def test_local_step_versions(tmp_path):
     local = tmp_path / "host0"
     shutil.copytree(os.path.join(GOLDEN, "v1.0", "local", "host0"), local)
     doc_path = local / "00000007" / "local.json"
-    assert read_step(location(local), 7).records[0].name in ("b", "w", "step")
+    assert read_step(location(local), 7).leaves[0].name in ("b", "w", "step")
 
     def newer_minor(d):
         d.pop("version", None)
@@ -133,7 +133,7 @@ def test_local_step_versions(tmp_path):
 
     _edit_json(doc_path, newer_minor)
     step = read_step(location(local), 7)
-    assert {r.name for r in step.records} >= {"w", "b"}
+    assert {r.name for r in step.leaves} >= {"w", "b"}
     _edit_json(doc_path, lambda d: d.update(format_version=[2, 0]))
     with pytest.raises(errors.FormatVersionError, match=r"2\.0.*major version 1"):
         read_step(location(local), 7)
