@@ -84,7 +84,7 @@ def worker(phase: str, directory: str, gib: float, repeats: int) -> None:
     import orbax.checkpoint as ocp
 
     import jaxckpt
-    from jaxckpt import multihost
+    from jaxckpt._src import multihost
 
     tree, logical = _state(gib)
     abstract = jax.tree.map(

@@ -38,7 +38,7 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
     import numpy as np
 
     import jaxckpt
-    from jaxckpt import multihost
+    from jaxckpt._src import multihost
 
     pid = jax.process_index()
     # the 1 GB bench state of bench/compare.py: a transformer's params + Adam moments, 170

@@ -4,7 +4,7 @@ usage: python bench/scale.py [--mib-per-process 64] [--repeats 3] [--procs 1,2,4
                             [--protocol-procs 2,4,8] [--data-parallel GIB]
 
 Prints save and restore time and the time spent in coordination (barriers and key-value
-traffic, timed in ``jaxckpt.multihost``) with its share of the save time. Each process has
+traffic, timed in ``jaxckpt._src.multihost``) with its share of the save time. Each process has
 2 CPU devices; the state is one float32 array sharded over all devices plus a small one.
 A second table repeats the saves with 64 KiB per process, where the processes are not busy
 writing, to show the protocol's own cost as the process count grows.
@@ -37,7 +37,7 @@ def worker(directory: str, kib: int, repeats: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxckpt
-    from jaxckpt import multihost
+    from jaxckpt._src import multihost
 
     n = jax.process_count()
     cols = 1024

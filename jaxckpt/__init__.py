@@ -5,14 +5,24 @@
 >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
 """
 
-from . import errors, export, safetensors
-from .checkpoint import custom_metadata, metadata, save, user_metadata
-from .emergency import EmergencyCheckpointManager, RecoveryReport
-from .manager import CheckpointManager
-from .manifest import FORMAT_VERSION, ArrayInfo
-from .options import EmergencyOptions, Options
-from .restoring import restore
-from .staging import Staged, stage
+from . import errors as errors
+from . import export as export
+from . import safetensors as safetensors
+from ._src.checkpoint import custom_metadata as custom_metadata
+from ._src.checkpoint import metadata as metadata
+from ._src.checkpoint import per_process as per_process
+from ._src.checkpoint import save as save
+from ._src.checkpoint import user_metadata as user_metadata
+from ._src.emergency import EmergencyCheckpointManager as EmergencyCheckpointManager
+from ._src.manager import CheckpointManager as CheckpointManager
+from ._src.manifest import FORMAT_VERSION as FORMAT_VERSION
+from ._src.manifest import ArrayInfo as ArrayInfo
+from ._src.options import EmergencyOptions as EmergencyOptions
+from ._src.options import Options as Options
+from ._src.recovery import RecoveryReport as RecoveryReport
+from ._src.restoring import restore as restore
+from ._src.staging import Staged as Staged
+from ._src.staging import stage as stage
 
 __version__ = "0.1.0"
 
@@ -30,6 +40,7 @@ __all__ = [
     "export",
     "safetensors",
     "metadata",
+    "per_process",
     "restore",
     "save",
     "stage",

@@ -1,7 +1,7 @@
-"""``python -m jaxckpt``: the ``jaxckpt`` command (see :mod:`jaxckpt.cli`)."""
+"""``python -m jaxckpt``: the ``jaxckpt`` command (see :mod:`jaxckpt._src.cli`)."""
 
 import sys
 
-from .cli import main
+from ._src.cli import main
 
 sys.exit(main())

@@ -85,3 +85,11 @@ class SafetensorsError(CheckpointError):
 
 class OrbaxFormatError(ManifestError):
     """An Orbax checkpoint jaxckpt cannot read (a layout or value type it does not know)."""
+
+
+class PerProcessError(CheckpointError, TypeError):
+    """A ``per_process`` value that is neither JSON, bytes nor a pytree of NumPy arrays."""
+
+
+class ProcessCountChangedError(CheckpointError):
+    """Per-process values were asked for by index after the process count changed."""

@@ -16,9 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import local
+from jaxckpt._src import local
+from jaxckpt._src.options import OptionsError
 from jaxckpt.errors import CheckpointNotFoundError, UnsupportedLeafError
-from jaxckpt.options import OptionsError
 
 HERE = os.path.dirname(__file__)
 LOOP = os.path.join(HERE, "workers", "emergency_loop.py")

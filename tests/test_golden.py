@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt.local import read_step
-from jaxckpt.storage import location
+from jaxckpt._src.local import read_step
+from jaxckpt._src.storage import location
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 sys.path.insert(0, GOLDEN)
@@ -89,6 +89,15 @@ def test_golden_checkpoint_restores_bit_exactly(version, name):
     check(restored)
     info = jaxckpt.metadata(path)
     assert info["int4"].shape == (8, 4) and str(info["int4"].dtype) == "int4"
+    if name == "checkpoint_2proc" and _at_least(version, 1, 4):
+        want = [values.per_process(0), values.per_process(1)]
+        assert jaxckpt.per_process(path, all=True) == want
+    else:
+        assert all(v is None for v in jaxckpt.per_process(path, all=True))
+
+
+def _at_least(version: str, major: int, minor: int) -> bool:
+    return tuple(map(int, version.split("."))) >= (major, minor)
 
 
 def test_manifest_with_fields_of_a_newer_minor_restores():
@@ -161,6 +170,17 @@ def test_golden_local_step_restores_from_peer_copies(version, tmp_path):
     ]
     assert len(reports) == 2 and all(r["tier"] == "local" for r in reports)
     assert reports[1]["from_peers"], "process 1 restored nothing from process 0's copies"
+    saved = [
+        json.loads(line.split(" ", 1)[1])
+        for out in res.outputs
+        for line in out.splitlines()
+        if line.startswith("PER_PROCESS ")
+    ]
+    if _at_least(version, 1, 4):  # process 1's value, from process 0's copy
+        assert saved == [[values.per_process(0), values.per_process(1)]] * 2
+        assert reports[1]["per_process_from"] == 0
+    else:
+        assert saved == [[None, None]] * 2
 
 
 @pytest.mark.parametrize("version", VERSIONS)

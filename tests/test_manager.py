@@ -11,8 +11,8 @@ from conftest import assert_tree_equal, sharded
 
 import jaxckpt
 from jaxckpt import errors
+from jaxckpt._src.options import OptionsError
 from jaxckpt.errors import BackgroundSaveError
-from jaxckpt.options import OptionsError
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 

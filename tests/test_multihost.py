@@ -146,8 +146,8 @@ DP_LOGICAL = 4 * 1024 * 1024 * 4 + 12 * 16 * 4 + (1 << 19) * 4 + 256 * 4096 * 4 
 def _bytes_by_rule(path: str, n: int) -> list[int]:
     import math
 
-    from jaxckpt.manifest import Manifest
-    from jaxckpt.sharding import saved_writers
+    from jaxckpt._src.manifest import Manifest
+    from jaxckpt._src.sharding import saved_writers
 
     m = Manifest.from_json(pathlib.Path(path, "manifest.json").read_text(), where=path)
     per = [0] * n

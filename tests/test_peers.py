@@ -6,7 +6,7 @@ import os
 import multiproc
 import pytest
 
-from jaxckpt import peers
+from jaxckpt._src import peers
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "peers_send.py")
 

@@ -5,7 +5,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt import read_once
+from jaxckpt._src import read_once
 
 AXES = {"data": 4, "model": 2}
 

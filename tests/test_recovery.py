@@ -5,8 +5,15 @@ saved ones. (The multi-process runs are in tests/test_emergency.py.)"""
 import numpy as np
 import pytest
 
-from jaxckpt.planner import StepUnusable, candidates, intersect, plan_sends, shift_rounds, uncovered
-from jaxckpt.recovery import fill
+from jaxckpt._src.planner import (
+    StepUnusable,
+    candidates,
+    intersect,
+    plan_sends,
+    shift_rounds,
+    uncovered,
+)
+from jaxckpt._src.recovery import fill
 
 S = 7  # the step
 
@@ -96,7 +103,7 @@ def test_the_planner_imports_no_jax():
 
     import jaxckpt
 
-    path = os.path.join(os.path.dirname(jaxckpt.__file__), "planner.py")
+    path = os.path.join(os.path.dirname(jaxckpt.__file__), "_src", "planner.py")
     with open(path) as f:
         tree = ast.parse(f.read())
     imported = {

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt import sharding
+from jaxckpt._src import sharding
 
 
 def test_layout_of_a_partly_replicated_leaf(mesh42):
@@ -118,7 +118,7 @@ def test_named_indices_match_jax(mesh42, spec, shape):
 
 def test_saved_writers_follow_the_split_rule(mesh42, tmp_path):
     import jaxckpt
-    from jaxckpt.manifest import Manifest
+    from jaxckpt._src.manifest import Manifest
 
     x = jax.device_put(np.zeros((1024, 512), np.float32), NamedSharding(mesh42, P(None, "model")))
     jaxckpt.save(tmp_path / "c", {"x": x}, chunk_bytes=1 << 17)

@@ -5,8 +5,9 @@ import socket
 
 import pytest
 
-from jaxckpt import errors, steps
-from jaxckpt.storage import being_written, hold_owner_lock, location, release_owner_lock
+from jaxckpt import errors
+from jaxckpt._src import steps
+from jaxckpt._src.storage import being_written, hold_owner_lock, location, release_owner_lock
 
 
 def _dir(loc, name, *, marker=False):

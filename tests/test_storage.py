@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt.storage import Location, _s3_options, location
+from jaxckpt._src.storage import Location, _s3_options, location
 
 # --- parsing -------------------------------------------------------------------------------
 

@@ -77,3 +77,8 @@ EXPORT_X = (np.arange(4 * 8, dtype=np.float32).reshape(4, 8) % 5) - 2
 
 def export_fn(params, x):
     return x @ params["w"] + params["b"]
+
+
+def per_process(pid: int) -> dict:
+    """Format 1.4: each process's own value (a grain iterator's position)."""
+    return {"next_index": 10 + pid, "shard": f"{pid}/2"}

@@ -1,10 +1,11 @@
 """Worker for the golden files' 2-process parts (run through tests/multiproc.py).
 
 usage: worker.py save ROOT            writes ROOT/checkpoint_2proc and ROOT/local/host<p>
+                                      (with per-process values since 1.4)
        worker.py restore_local ROOT REMOTE
                                       restores the local tier of ROOT/local (copies of the
                                       golden directories) and checks every value; prints
-                                      ``REPORT <json>``
+                                      ``REPORT <json>`` and ``PER_PROCESS <json>``
 """
 
 import dataclasses
@@ -52,9 +53,10 @@ def manager(root, remote):
 def main(mode, root, rest):
     mesh = jax.make_mesh(values.MESH_SHAPE, values.AXES)
     if mode == "save":
-        jaxckpt.save(os.path.join(root, "checkpoint_2proc"), values.state(mesh))
+        own = values.per_process(jax.process_index())
+        jaxckpt.save(os.path.join(root, "checkpoint_2proc"), values.state(mesh), per_process=own)
         mgr = manager(root, os.path.join(root, "remote"))
-        mgr.save(values.STEP, local_state(mesh, values.STEP))
+        mgr.save(values.STEP, local_state(mesh, values.STEP), per_process=own)
         mgr.close()
     else:
         mgr = manager(root, rest[0])
@@ -66,6 +68,7 @@ def main(mode, root, rest):
             for shard in out[k].addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), v[shard.index])
         print("REPORT", json.dumps(dataclasses.asdict(report)), flush=True)
+        print("PER_PROCESS", json.dumps(mgr.per_process(all=True)), flush=True)
         mgr.close()
     print("ok", mode, jax.process_index(), flush=True)
 

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import multihost  # noqa: E402
+from jaxckpt._src import multihost  # noqa: E402
 
 SPECS = {"w": P("data", "model"), "b": P("model")}
 

@@ -87,7 +87,7 @@ def main(mode: str, path: str) -> None:
 
 def _die_before_barrier(suffix: str) -> None:
     """Makes this process SIGKILL itself when the save reaches its ``suffix`` barrier."""
-    from jaxckpt import multihost
+    from jaxckpt._src import multihost
 
     real = multihost.barrier
 

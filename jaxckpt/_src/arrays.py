@@ -1,0 +1,262 @@
+"""Shards in and out of TensorStore: zarr v3 arrays, one per leaf, in OCDBT databases.
+
+Each process writes the shards it owns into its own OCDBT database under
+``<step>/arrays/p<index>/``; after every process finished, process 0 merges them into the
+root database ``<step>/arrays/`` (by reference, no data copied). A single process writes the
+root database directly. A process writes everything in one non-atomic transaction that
+references the source buffers instead of copying them: a step is a few large data files
+(about six per process, written in parallel), and a save adds almost no host memory.
+The sources must stay unchanged until ``write`` returns (device buffers are immutable;
+staged host copies are not reused before the save is done).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import tensorstore as ts
+
+from ..errors import ChecksumError, StorageError
+from .sharding import Index
+from .storage import Location
+
+MIN_DATA_FILE_BYTES = 64 << 20
+DATA_FILES_PER_PROCESS = 6  # written in parallel (measured: 6 beat 1, 4 and 8 here)
+_OCDBT_CONFIG = {
+    "max_inline_value_bytes": 1024,
+    "max_decoded_node_bytes": 100_000_000,
+    "manifest_kind": "single",
+}
+
+
+@dataclass(frozen=True)
+class ArrayWrite:
+    """One leaf to write: its zarr metadata and the pieces this process owns."""
+
+    name: str
+    metadata: dict
+    pieces: Sequence[tuple[Index, Callable[[], np.ndarray]]]
+    create: bool  # write zarr.json (one process does)
+    nbytes: int
+
+
+# --- dtypes and metadata -------------------------------------------------------------------
+
+
+@functools.cache
+def _zarr_supports(dtype_name: str) -> bool:
+    try:
+        ts.open(
+            {
+                "driver": "zarr3",
+                "kvstore": "memory://",
+                "metadata": {"shape": [1], "data_type": dtype_name},
+                "create": True,
+            }
+        ).result()
+        return True
+    except Exception:
+        return False
+
+
+def stored_dtype(dtype: np.dtype) -> str:
+    """The zarr data type for ``dtype``; types zarr lacks are stored as unsigned bits."""
+    if _zarr_supports(dtype.name):
+        return dtype.name
+    return f"uint{dtype.itemsize * 8}"
+
+
+def zarr_metadata(
+    shape: Sequence[int], data_type: str, chunks: Sequence[int], compression: str | None
+) -> dict:
+    codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if compression == "zstd":
+        codecs.append({"name": "zstd", "configuration": {"level": 3}})
+    elif compression is not None:
+        raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+    codecs.append({"name": "crc32c"})
+    return {
+        "shape": list(shape),
+        "data_type": data_type,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": codecs,
+    }
+
+
+# --- specs ----------------------------------------------------------------------------------
+
+
+def database_dir(step: Location, process: int | None) -> Location:
+    """The OCDBT database a process writes (None: the merged root database)."""
+    arrays = step.join("arrays")
+    return arrays if process is None else arrays.join(f"p{process}")
+
+
+def kvstore_spec(db: Location, data_file_bytes: int = 0) -> dict:
+    return {
+        "driver": "ocdbt",
+        "base": db.kvstore(),
+        "config": _OCDBT_CONFIG,
+        "assume_config": True,
+        "target_data_file_size": data_file_bytes,
+        "cache_pool": "cache_pool#ocdbt",
+    }
+
+
+def array_spec(db: Location, name: str) -> dict:
+    """The TensorStore spec that opens leaf ``name`` (what docs/FORMAT.md describes)."""
+    return {"driver": "zarr3", "kvstore": kvstore_spec(db), "path": name + "/"}
+
+
+def new_context() -> ts.Context:
+    # No chunk cache (it would double host memory); a small one for OCDBT B-tree nodes.
+    return ts.Context(
+        {
+            "cache_pool": {"total_bytes_limit": 0},
+            "cache_pool#ocdbt": {"total_bytes_limit": 64 << 20},
+        }
+    )
+
+
+# --- writing --------------------------------------------------------------------------------
+
+
+def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
+    """Writes every piece of ``writes`` into the OCDBT database at ``db``."""
+    ctx = new_context()
+    total = sum(w.nbytes for w in writes)
+    file_bytes = max(MIN_DATA_FILE_BYTES, -(-total // DATA_FILES_PER_PROCESS))
+    kv = kvstore_spec(db, file_bytes)
+    try:
+        txn = ts.Transaction(atomic=False)
+        opens = []
+        for w in writes:
+            spec = {
+                "driver": "zarr3",
+                "kvstore": kv,
+                "path": w.name + "/",
+                "metadata": w.metadata,
+                # every chunk on disk, zeros too: a missing chunk is then an error, never a
+                # silent zero (``jaxckpt verify`` checks that every chunk exists)
+                "store_data_equal_to_fill_value": True,
+            }
+            spec.update(dict(create=True, open=False) if w.create else dict(assume_metadata=True))
+            opens.append(ts.open(spec, context=ctx, transaction=txn))
+        pending = []
+        for w, fut in zip(writes, opens, strict=True):
+            store = fut.result()
+            for index, get in w.pieces:
+                data = get()
+                if data.dtype != store.dtype.numpy_dtype:
+                    data = data.view(store.dtype.numpy_dtype)
+                pending.append(
+                    store[_slices(index)].write(data, can_reference_source_data_indefinitely=True)
+                )
+        for fut in pending:
+            fut.result()
+        txn.commit_async().result()
+    except Exception as e:
+        raise StorageError(f"writing arrays into {db.url} failed: {e}") from e
+    finally:
+        release_free_memory()
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_free_memory() -> None:
+    """Hands memory TensorStore's threads freed back to the OS (glibc keeps it otherwise).
+
+    Those threads allocate in many malloc arenas, so buffers one save or restore freed are
+    often not reused by the next and the process's footprint creeps up.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def merge(step: Location, process_count: int) -> None:
+    """Links every process's database into the root one (copies references, not data)."""
+    ctx = new_context()
+    root = ts.KvStore.open(kvstore_spec(database_dir(step, None)), context=ctx).result()
+    children = [
+        ts.KvStore.open(kvstore_spec(database_dir(step, p)), context=ctx)
+        for p in range(process_count)
+    ]
+    txn = ts.Transaction(atomic=True)
+    copies = [c.result().experimental_copy_range_to(root.with_transaction(txn)) for c in children]
+    for fut in copies:
+        fut.result()
+    txn.commit_async().result()
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def open_leaf(db: Location, name: str, ctx: ts.Context) -> ts.Future:
+    return ts.open({**array_spec(db, name), "open": True}, context=ctx, read=True)
+
+
+_CHUNK_KEY = re.compile(r'Error reading "([^"]+)"')
+
+
+def read_error(
+    e: Exception, *, leaf: str, db: Location, writers: Callable[[str], str]
+) -> Exception:
+    """Turns a TensorStore read failure into a ChecksumError / StorageError naming the leaf."""
+    text = str(e)
+    match = _CHUNK_KEY.search(text)
+    key = match.group(1) if match else "?"
+    if "Digest mismatch" in text or "DATA_LOSS" in text or "checksum" in text.lower():
+        return ChecksumError(
+            f"leaf {leaf!r}: chunk {key!r} failed its CRC32C check; it lives in "
+            f"{writers(key)}. The data on disk is corrupt: restore another step or re-save. "
+            f"({text})"
+        )
+    return StorageError(f"leaf {leaf!r}: reading from {db.url} failed: {text}")
+
+
+def _slices(index: Index) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in index)
+
+
+class _ReadInto:
+    """A read into a buffer we own; ``result()`` waits and returns the buffer."""
+
+    def __init__(self, fut: ts.Future, buf: np.ndarray):
+        self.fut, self.buf = fut, buf
+
+    def result(self) -> np.ndarray:
+        self.fut.result()
+        return self.buf
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialized C-order array whose data starts on an ``align``-byte boundary.
+
+    XLA's CPU client adopts such a buffer as a device buffer without copying it.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def read_slice(store: ts.TensorStore, index: Index) -> _ReadInto:
+    """Reads ``store[index]`` into a fresh aligned buffer."""
+    buf = aligned_empty([b - a for a, b in index], store.dtype.numpy_dtype)
+    target = ts.array(buf, copy=False, write=True)
+    return _ReadInto(target.write(store[_slices(index)]), buf)

@@ -1,0 +1,169 @@
+"""Converting checkpoints: Orbax or safetensors to jaxckpt, jaxckpt to safetensors.
+
+Both stream a few leaves at a time (``BATCH_BYTES``, or the largest leaf, in host memory):
+``to_safetensors`` lays out the files from the manifest first, then fills them;
+``to_jaxckpt`` writes each batch in one OCDBT transaction, then the manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import jax
+import numpy as np
+
+from ..errors import CheckpointExistsError, SafetensorsError, UnsupportedLeafError
+from . import arrays, checkpoint, multihost, orbax, steps
+from . import safetensors as st
+from . import tree as tree_lib
+from .manifest import COMMIT_FILE, MANIFEST_FILE
+from .restoring import read_manifest, restore
+from .safetensors_format import INDEX_FILE, index_json, plan
+from .staging import describe
+from .storage import fsync_dir, location, rename_dir
+
+BATCH_BYTES = 256 << 20  # host memory of a conversion: leaves read and written together
+
+
+def to_jaxckpt(src, dst) -> None:
+    """An Orbax checkpoint, or safetensors files, as a jaxckpt checkpoint at ``dst``: a few
+    leaves at a time (at most ``BATCH_BYTES`` of them in memory), each batch one OCDBT
+    transaction, then the manifest and the commit (one process)."""
+    s, d = location(src), location(dst)
+    item = orbax.item_dir(s)
+    if item is not None:
+        source = orbax.read(item)
+        leaves = [(r.path, r) for r in source.manifest.leaves]
+        custom = source.manifest.metadata
+
+        def read(batch):
+            return tree_lib.unflatten_paths(
+                [(r.path, v) for r, v in host_leaves(s, [r for _, r in batch])]
+            )
+    else:
+        info = {k: t for k, t in st.metadata(s).items() if k != "__metadata__"}
+        leaves = [([["k", name]], t) for name, t in info.items()]
+        custom = None
+
+        def read(batch):
+            return st.load(
+                s, {p[0][1]: _numpy_spec(jax.ShapeDtypeStruct(t.shape, t.dtype)) for p, t in batch}
+            )
+
+    if d.exists(COMMIT_FILE) or os.path.exists(d.url):
+        raise CheckpointExistsError(f"{d.url} already exists; choose a new path or delete it")
+    work = d.parent().join(f"{d.name}.tmp-{uuid.uuid4().hex[:12]}") if d.is_local else d
+    db = arrays.database_dir(work, None)
+    db.makedirs()
+    staged, total = [], 0
+    try:
+        for batch in _batches(leaves):
+            tree = read(batch)
+            described = describe(tree).leaves
+            arrays.write(db, [leaf.write for leaf in described if leaf.write is not None])
+            staged += described
+            total += sum(leaf.write.nbytes for leaf in described if leaf.write is not None)
+            del tree
+        order = {tree_lib.path_name(p): k for k, (p, _) in enumerate(leaves)}
+        staged.sort(key=lambda leaf: order[leaf.record.name])
+        manifest = checkpoint.manifest_of(
+            staged, [], [multihost.host_name()], [total], custom, None
+        )
+        work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
+        steps.publish(work, d)
+    except BaseException:
+        if work != d:
+            work.remove()
+        raise
+
+
+def _batches(leaves):
+    """Consecutive leaves of at most BATCH_BYTES together (a larger one alone)."""
+    batch, size = [], 0
+    for path, rec in leaves:
+        nbytes = getattr(rec, "nbytes", 0)
+        if batch and size + nbytes > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append((path, rec))
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def _numpy_spec(sds: jax.ShapeDtypeStruct) -> np.ndarray:
+    """A NumPy target leaf (NumPy result) that takes no memory: a zero-stride view."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, sds.dtype), sds.shape, (0,) * len(sds.shape))
+
+
+def _host_target(records):
+    """A target that restores these leaves on the host (NumPy), whatever the saved mesh."""
+    items = []
+    for rec in records:
+        if rec.kind in ("array", "numpy"):
+            spec = jax.ShapeDtypeStruct(tuple(rec.shape), jax.numpy.dtype(rec.dtype))
+            items.append((rec.path, _numpy_spec(spec)))
+        elif rec.kind == "prng_key":  # the target has the key's shape, the record its data's
+            spec = jax.ShapeDtypeStruct(tuple(rec.shape[:-1]), np.uint32)
+            items.append((rec.path, _numpy_spec(spec)))
+        else:
+            items.append((rec.path, rec.value))
+    return tree_lib.unflatten_paths(items)
+
+
+def host_leaves(src, records):
+    """``(record, value)`` for each of ``records`` (of the checkpoint at ``src``), in order,
+    restored on the host a batch (``BATCH_BYTES``) at a time: arrays as NumPy, PRNG keys as
+    their key data, Python values as they are."""
+    loc = location(src)
+    for batch in _batches([(r.path, r) for r in records]):
+        recs = [r for _, r in batch]
+        tree = restore(loc, target=_host_target(recs))
+        values = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(tree)}
+        for r in recs:
+            v = values[r.name]
+            yield r, np.asarray(jax.random.key_data(v)) if r.kind == "prng_key" else v
+
+
+def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
+    """A jaxckpt checkpoint as safetensors files at ``dst`` (HF layout, tensor names: the
+    leaf paths joined by "."), a batch of leaves (``BATCH_BYTES``) in memory at a time."""
+    s, d = location(src), location(dst)
+    if not d.is_local:
+        raise SafetensorsError(f"{d.url}: convert writes to a local or shared filesystem")
+    if os.path.exists(d.url):
+        raise CheckpointExistsError(f"{d.url} already exists; choose a new directory or delete it")
+    manifest = read_manifest(s)
+    leaves = [r for r in manifest.leaves if r.kind in ("array", "numpy")]
+    if any(r.kind == "prng_key" for r in manifest.leaves):
+        name = next(r.name for r in manifest.leaves if r.kind == "prng_key")
+        raise UnsupportedLeafError(
+            f"{s.url}: leaf {name!r} is a PRNG key, which safetensors cannot hold"
+        )
+    names = {r.name: ".".join(str(k) for _, k in r.path) for r in leaves}
+    specs = [(names[r.name], jax.numpy.dtype(r.dtype), tuple(r.shape)) for r in leaves]
+    files, placed = plan(specs, max_file_bytes, {"format": "jaxckpt"})
+    work = d.parent().join(f"{d.name}.tmp-{uuid.uuid4().hex[:8]}")
+    work.makedirs()
+    try:
+        for f in files:
+            with open(os.path.join(work.url, f.name), "wb") as fh:
+                fh.write(f.header)
+                fh.truncate(f.size)
+        for rec, data in host_leaves(s, leaves):
+            t = placed[names[rec.name]]
+            with open(os.path.join(work.url, t.file), "r+b") as fh:
+                fh.seek(t.begin)
+                fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        for f in files:
+            fd = os.open(os.path.join(work.url, f.name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        if len(files) > 1:
+            work.write_bytes(INDEX_FILE, index_json(files, placed, {"format": "jaxckpt"}))
+        rename_dir(work, d)
+        fsync_dir(d.parent().url)
+    except BaseException:
+        work.remove()
+        raise

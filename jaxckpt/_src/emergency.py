@@ -1,0 +1,539 @@
+"""``EmergencyCheckpointManager``: frequent saves to each host's local disk, rare remote ones.
+
+Local tier (every ``local_interval_steps``): each process writes every distinct shard it
+holds to its own ``local_directory`` (see :mod:`jaxckpt._src.local`); with ``replication=k`` it
+also sends them to k other processes ``p + j`` (mod the process count; shifts ``j`` chosen
+once so that copies leave their host, ``peers.peer_shifts``; written in ``local.json``)
+through a JAX collective (``ppermute``, device to device, see :mod:`jaxckpt._src.peers`), which
+store them too.
+``save`` only starts the transfer; the writer thread waits for it. No cross-host filesystem
+traffic, no barrier: each process commits its own copy.
+
+Remote tier (every ``remote_interval_steps``): a normal checkpoint through an inner
+:class:`CheckpointManager`.
+
+Restore: processes publish what they hold through the ``jax.distributed`` key-value store and
+take the newest step whose every slice is held by somebody, unless the remote tier has a newer
+one; they assemble it from their local copies (see :mod:`jaxckpt._src.local_restore`), or try the
+next older step when it proves unusable, and fall back to the remote tier.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ..errors import CheckpointError, CheckpointNotFoundError
+from . import local, local_restore, multihost, staging
+from . import per_process as pp
+from . import tree as tree_lib
+from .manager import CheckpointManager
+from .manifest import LeafRecord
+from .monitoring import Figures
+from .options import EmergencyOptions, Options
+from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
+from .planner import BadCopy, Rejected, StepUnusable, candidates
+from .recovery import RecoveryReport
+from .sharding import layout
+from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
+from .storage import location
+from .writer import Writer
+
+log = logging.getLogger("jaxckpt")
+
+_seq = itertools.count()  # names of key-value exchanges (main thread only)
+
+
+def _required(records: list[LeafRecord], flat, key_data) -> dict[str, list[str]]:
+    """Every slice of every array leaf (``local.json``'s ``slices``)."""
+    out: dict[str, list[str]] = {}
+    for i, (rec, (_, leaf)) in enumerate(zip(records, flat, strict=True)):
+        if not rec.has_array or not math.prod(rec.shape):
+            continue
+        if rec.kind == "numpy":
+            out[rec.name] = [local.index_key(tuple((0, d) for d in rec.shape))]
+        else:
+            arr = key_data.get(i, leaf)
+            out[rec.name] = list(_index_keys(arr.sharding, tuple(arr.shape)))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _index_keys(sharding, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """Every slice of an array (``local.index_key``), sorted: recorded at each local save."""
+    return tuple(local.index_key(i) for i in layout(sharding, shape).indices)
+
+
+@dataclass(frozen=True)
+class RecordsToKeep:
+    """The per-process records a local step keeps: this process's own, and those its
+    ``senders`` leave under ``tag`` with their peer copies."""
+
+    own: dict[int, pp.Record]
+    tag: str | None
+    senders: tuple[int, ...] | list[int]
+
+
+class EmergencyCheckpointManager:
+    """Two-tier checkpoints for jobs that lose hosts.
+
+    >>> opts = jaxckpt.EmergencyOptions(local_interval_steps=10, remote_interval_steps=500,
+    ...                                 replication=1)
+    >>> with jaxckpt.EmergencyCheckpointManager("/local_nvme/ckpt", "s3://b/run", opts) as m:
+    ...     if m.latest_step() is not None:
+    ...         state = m.restore(target=abstract_state)   # m.last_report says from where
+    ...     for step in range(start, n):
+    ...         state = train_step(state)
+    ...         m.save(step, state)
+
+    ``local_directory`` is this host's own disk (RAM disk or NVMe); ``remote_directory`` is
+    shared (filesystem, ``s3://``, ``gs://``). Every process calls ``save`` and ``restore``
+    with the same steps.
+    """
+
+    def __init__(
+        self,
+        local_directory: str | os.PathLike,
+        remote_directory: str | os.PathLike,
+        options: EmergencyOptions | None = None,
+    ):
+        self.options = opts = options or EmergencyOptions()
+        self.local_directory = location(local_directory)
+        if not self.local_directory.is_local:
+            raise CheckpointError(
+                f"local_directory must be a local path, got {self.local_directory.url}"
+            )
+        self.local_directory.makedirs()
+        local.cleanup(self.local_directory, grace_s=opts.timeout_s)
+        self._remote = CheckpointManager(
+            remote_directory,
+            Options(
+                max_to_keep=opts.remote_max_to_keep,
+                async_save=opts.async_save,
+                timeout_s=opts.timeout_s,
+                compression=opts.compression,
+                step_digits=opts.step_digits,
+            ),
+        )
+        self.last_report: RecoveryReport | None = None
+        self._local_steps = set(local.committed_steps(self.local_directory))
+        self._host = HostCopies()  # reused host buffers of NumPy leaves and device shards
+        self._writer = Writer("jaxckpt-local", self.options.timeout_s)
+        self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
+        self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
+        self._received: PeerCopies | None = None  # the last peer copies: their CPU buffers
+        # receive the next ones
+        self._closed = False
+        self.last_save_figures: Figures | None = None  # the calling thread's part
+        self.last_write_figures: Figures | None = None  # the local step's writer
+        self.last_restore_figures: Figures | None = None
+        self._restored: tuple[int, tuple | None, int | None] | None = None  # step, records
+
+    @property
+    def remote(self) -> CheckpointManager:
+        return self._remote
+
+    # --- listing -------------------------------------------------------------------------
+
+    def local_steps(self) -> list[int]:
+        """Steps committed in this process's local directory."""
+        return sorted(self._local_steps)
+
+    def all_steps(self) -> list[int]:
+        """Steps this process can see: its local ones and the remote ones (oldest first).
+
+        Which step ``restore`` uses is decided with the other processes.
+        """
+        return sorted(self._local_steps | set(self._remote.all_steps()))
+
+    def latest_step(self) -> int | None:
+        """The step ``restore`` would use, the same on every process (None: nothing to
+        restore). A replaced host with an empty disk gets its peers' answer, so
+        ``if mgr.latest_step() is not None: state = mgr.restore(target=state)`` is right on
+        every process. With several processes it is one key-value round: every process
+        must call it, as it must call ``restore``. (A copy that fails its checksums during
+        ``restore`` can still send it to an older step.)"""
+        self.wait_until_finished()
+        if multihost.process_count() == 1:
+            return max(self.all_steps(), default=None)
+        self._remote.reload()
+        _, views = local_restore.publish_holdings(
+            self.local_directory,
+            self._remote.all_steps(),
+            tag=self._tag("latest"),
+            timeout_s=self.options.timeout_s,
+            digits=self.options.step_digits,
+        )
+        tries, _ = candidates(views)
+        return tries[0] if tries else max(views[0]["remote"], default=None)
+
+    def reached_preemption(self, step: int) -> bool:
+        return multihost.reached_preemption(step)
+
+    # --- save ----------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> tuple[bool, bool]:
+        """(local, remote): which tiers the interval policy asks for at ``step``."""
+        o = self.options
+        return step % o.local_interval_steps == 0, step % o.remote_interval_steps == 0
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        per_process: Any = None,
+        force: bool = False,
+        metrics: dict | None = None,
+    ):
+        """Saves ``state`` to the tiers whose interval ``step`` hits; False when none.
+
+        Every process must call it with the same steps (the peer exchange is a collective).
+        ``per_process``: this process's own value (its data iterator's ``get_state()``...),
+        kept in both tiers and sent with the peer copies; see :meth:`per_process`.
+        """
+        self._check_open()
+        self._writer.raise_error()
+        do_local, do_remote = self.should_save(step)
+        do_local, do_remote = do_local or force, do_remote or force
+        if not (do_local or do_remote):
+            return False
+        record = pp.encode(per_process, where=f"{self.local_directory.url} step {step}")
+        fig = Figures("emergency_save", self.local_directory.url)
+        if do_remote and step not in self._remote.all_steps():
+            with fig.phase("remote"):
+                self._remote.save(step, state, metrics=metrics, per_process=record, force=True)
+        if do_local:
+            with fig.phase("local"):
+                self._save_local(step, state, fig, record)
+        self.last_save_figures = fig.done()
+        return True
+
+    def _tag(self, what: str) -> str:
+        # the same on every process: every process makes the same save/restore calls, in order
+        return f"jaxckpt/emergency/{what}/{next(_seq)}"
+
+    def _save_local(self, step: int, state: Any, fig: Figures, record) -> None:
+        """On the calling thread only what cannot wait: snapshots of the held shards (views
+        on CPU) and the peer copies' dispatch. Records, names and the rest of the step's
+        description are worked out by the writer thread, from the leaves' metadata."""
+        self._wait_local()  # host buffers are reused
+        flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
+        slices, on_devices, key_data = self._snapshot(flat)
+        pid, count = multihost.process_index(), multihost.process_count()
+        origins = dict.fromkeys(slices, pid)
+        shifts, hosts = self._peer_shifts()
+        doc = functools.partial(
+            local.LocalStep,
+            step=step,
+            process_index=pid,
+            process_count=count,
+            replication=len(shifts),
+            hosts=hosts,
+            sends_to=[(pid + j) % count for j in shifts],
+            receives_from=[(pid - j) % count for j in shifts],
+        )
+        peers = None
+        records = RecordsToKeep({pid: record} if record is not None else {}, None, ())
+        if shifts:
+            # every process leaves its receivers its record (or nothing): a few hundred
+            # bytes through the key-value store; the writer thread collects what it receives
+            tag = self._tag("per_process")
+            for j in shifts:
+                text = "" if record is None else json.dumps(record.to_json())
+                multihost.send_text(tag, (pid + j) % count, text)
+            records = RecordsToKeep(records.own, tag, [(pid - j) % count for j in shifts])
+            with fig.phase("peer_exchange"):
+                peers, as_rows = send_shards(on_devices, shifts, reuse=self._received)
+                self._received = peers
+                if as_rows:  # the same leaves on every process
+                    self._exchange_rows(set(as_rows), slices, origins, shifts)
+        job = (step, flat, key_data, slices, origins, doc, peers, records)
+        what = f"saving local step {step} to {self.local_directory.url}"
+        if self.options.async_save:
+            self._writer.submit(what, self._write, *job)
+        else:
+            self._writer.run_now(what, self._write, *job)
+
+    def _peer_shifts(self) -> tuple[tuple[int, ...], list[str]]:
+        """Where the peer copies go (see ``peers.peer_shifts``) and every process's host;
+        agreed once, at the first save with ``replication``."""
+        if self._shifts is None:
+            count = multihost.process_count()
+            k = min(self.options.replication, count - 1)
+            hosts = [multihost.host_name()] * count
+            if k:
+                tag = self._tag("hosts")
+                hosts = multihost.all_gather(tag, hosts[0], self.options.timeout_s)
+            shifts, same = peer_shifts(hosts, k)
+            if same and len(set(hosts)) > 1:
+                log.warning(
+                    "jaxckpt: with replication=%d, the peer copies of processes %s stay on "
+                    "their own host (hosts: %s); losing that host loses them",
+                    k,
+                    same,
+                    hosts,
+                )
+            self._shifts = (shifts, hosts)
+        return self._shifts
+
+    def _exchange_rows(self, names: set[str], slices, origins, shifts) -> None:
+        """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
+        per process, exchanged and unpacked here (blocking)."""
+        pid = multihost.process_index()
+        mine = {key: v for key, v in slices.items() if key[0] in names}
+        row = local.pack(mine, dict.fromkeys(mine, pid), reuse=self._pack_buffer)
+        if self._pack_buffer is None or row.size > self._pack_buffer.size:
+            self._pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
+        rows = exchange_rows(
+            row, shifts=shifts, name=self._tag("peers"), timeout_s=self.options.timeout_s
+        )
+        for got in rows:
+            peer_slices, peer_origins = local.unpack(got)
+            for key, data in peer_slices.items():
+                if key not in slices:
+                    slices[key], origins[key] = data, peer_origins[key]
+
+    def _snapshot(self, flat: list[tuple[Any, Any]]):
+        """Host snapshots of every distinct shard this process holds, keyed by (leaf position
+        as text, global index); the device arrays for the peer copies; PRNG keys' data.
+
+        NumPy leaves and accelerator shards are copied into reused buffers; CPU device
+        buffers are taken as zero-copy views. Unsupported leaves raise here, before anything
+        is written.
+        """
+        slices: local.Slices = {}
+        on_devices: dict[str, jax.Array] = {}
+        key_data: dict[int, jax.Array] = {}
+        host = self._host
+        for i, (keypath, leaf) in enumerate(flat):
+            if type(leaf) in PY_TYPES:
+                continue  # kept in the record
+            if isinstance(leaf, (np.ndarray, np.generic)):
+                arr = np.asarray(leaf)
+                check_numpy(arr, tree_lib.path_name(tree_lib.path_to_json(keypath)))
+                if arr.size:  # copied: NumPy arrays can change after save returns
+                    key = (str(i), tuple((0, d) for d in arr.shape))
+                    native = arr.dtype.newbyteorder("=")
+                    slices[key] = buf = host.buffer(key, arr.shape, native)
+                    host.copies.append((buf, arr))
+                continue
+            if not isinstance(leaf, jax.Array):
+                raise unsupported(leaf, tree_lib.path_name(tree_lib.path_to_json(keypath)))
+            arr = leaf
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                arr = key_data[i] = jax.random.key_data(leaf)
+            shape = tuple(arr.shape)
+            if not math.prod(shape):
+                continue
+            on_devices[str(i)] = arr
+            cpu = next(iter(arr.sharding.device_set)).platform == "cpu"
+            for k, index in layout(arr.sharding, shape).held_at:  # one device per index
+                data = arr.addressable_data(k)
+                if cpu:
+                    # Host memory already: a view is a snapshot (see staging._shard_getter).
+                    slices[(str(i), index)] = np.asarray(data)
+                    continue
+                data.copy_to_host_async()
+                slices[(str(i), index)] = buf = host.buffer(
+                    (str(i), index), tuple(data.shape), np.dtype(data.dtype)
+                )
+                host.copies.append((buf, data))
+        host.run_copies()  # all D2H copies were started above
+        return slices, on_devices, key_data
+
+    def _write(self, step, flat, key_data, slices, origins, doc, peers, to_keep) -> None:
+        fig = Figures("emergency_write", self.local_directory.url)
+        held_records = dict(to_keep.own)
+        for sender in to_keep.senders:
+            with fig.phase("peer_wait"):
+                text = multihost.receive_text(to_keep.tag, sender, self.options.timeout_s)
+                if text:
+                    record = pp.Record.from_json(json.loads(text), where=f"process {sender}")
+                    held_records[sender] = record
+        if peers is not None:
+            with fig.phase("peer_wait"):
+                got, got_origins = peers.collect()  # waits for the transfers
+            for key, data in got.items():
+                if key not in slices:
+                    slices[key], origins[key] = data, got_origins[key]
+        digits = self.options.step_digits
+        if step not in self._local_steps:
+            with fig.phase("write"):
+                paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in flat]
+                records, meshes = staging.records(paths, key_data)
+                name = {str(i): r.name for i, r in enumerate(records)}
+                slices = {(name[p], index): v for (p, index), v in slices.items()}
+                origins = {(name[p], index): o for (p, index), o in origins.items()}
+                doc = doc(
+                    digest=local.tree_digest(records),
+                    meshes=meshes,
+                    leaves=tuple(records),
+                    held=local.held_keys(slices, origins),
+                    required=_required(records, flat, key_data),
+                    per_process={str(p): r.to_json() for p, r in sorted(held_records.items())},
+                )
+                local.write_step(self.local_directory, doc, slices, digits)
+                fig.bytes = sum(v.nbytes for v in slices.values())
+            self._local_steps.add(step)
+        keep = self.options.local_max_to_keep
+        if keep is not None:
+            for old in sorted(self._local_steps)[:-keep]:
+                local.delete_step(self.local_directory, old, digits)
+                self._local_steps.discard(old)
+        self.last_write_figures = fig.done()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until both tiers' writes in flight are committed; raises their errors."""
+        self._wait_local()
+        self.remote.wait_until_finished()
+
+    def _wait_local(self) -> None:
+        self._writer.wait(self.local_directory.url)
+
+    # --- restore -------------------------------------------------------------------------
+
+    def restore(
+        self, step: int | None = None, target: Any = None, *, mesh: Mesh | None = None
+    ) -> Any:
+        """Restores the newest step every process can assemble (or ``step``); see the module.
+
+        ``target`` / ``mesh`` work as in :func:`jaxckpt.restore`. The report is in
+        ``last_report``. Every process must call it.
+        """
+        self.wait_until_finished()
+        self._remote.wait_until_finished()
+        self._remote.reload()
+        # The host copies of the state being replaced are of no further use; freeing them
+        # before reading lets the restore's buffers reuse that memory (the next save stages
+        # into fresh buffers).
+        self._host = HostCopies()
+        self._pack_buffer = self._received = None
+        timeout = self.options.timeout_s
+        tag = self._tag("restore")
+        fig = Figures("emergency_restore", self.local_directory.url)
+        mine, views = local_restore.publish_holdings(
+            self.local_directory,
+            self._remote.all_steps(),
+            tag=tag,
+            timeout_s=timeout,
+            digits=self.options.step_digits,
+        )
+        remote_steps = views[0]["remote"]
+        newest_remote = max(remote_steps, default=None)
+        tries, rejected = candidates(views, step)
+        bad_all: list[BadCopy] = []
+        for s in tries:
+            try:
+                got = local_restore.restore_step(
+                    self.local_directory,
+                    s,
+                    views,
+                    mine.get(s),
+                    target,
+                    mesh,
+                    tag=tag,
+                    timeout_s=timeout,
+                    fig=fig,
+                )
+            except StepUnusable as e:
+                rejected.append(Rejected(s, str(e)))
+                rejected.sort(key=lambda r: -r.step)  # newest first, as they were considered
+                bad_all.extend(e.bad_copies)
+                continue
+            bad_all.extend(got.bad_copies)
+            fig.bytes = sum(
+                a.nbytes for a in jax.tree_util.tree_leaves(got.state) if hasattr(a, "nbytes")
+            )
+            self.last_restore_figures = fig.done()
+            self.last_report = RecoveryReport(
+                "local",
+                s,
+                multihost.process_count(),
+                got.saved_process_count,
+                from_peers=got.from_peers,
+                rejected=tuple(rejected),
+                bad_copies=tuple(bad_all),
+                per_process_from=got.per_process_from,
+            )
+            self._restored = (s, got.per_process, got.saved_process_count)
+            log.info("jaxckpt: restored %s", self.last_report)
+            return got.state
+        chosen = step if step is not None else newest_remote
+        if chosen is None or chosen not in remote_steps:
+            raise CheckpointNotFoundError(
+                f"no step to restore{f' (asked for {step})' if step is not None else ''}: no "
+                f"local step is complete on the {len(views)} processes ({rejected or 'none'}) "
+                f"and the remote tier {self._remote.directory.url} has {remote_steps}"
+            )
+        out = self._remote.restore(chosen, target, mesh=mesh)
+        self._restored = (chosen, None, None)
+        self.last_report = RecoveryReport(
+            "remote",
+            chosen,
+            multihost.process_count(),
+            None,
+            rejected=tuple(rejected),
+            bad_copies=tuple(bad_all),
+        )
+        log.info("jaxckpt: restored %s", self.last_report)
+        return out
+
+    def per_process(
+        self,
+        step: int | None = None,
+        *,
+        process: int | None = None,
+        all: bool = False,  # noqa: A002 - the keyword users write
+    ) -> Any:
+        """This process's ``per_process=`` value of the step last restored (or ``step`` of
+        the remote tier), matched by process index; ``process=i`` / ``all=True`` after a
+        process-count change (see :func:`jaxckpt.per_process`). A replaced host gets its
+        predecessor's value from a peer's copy (``last_report.per_process_from``)."""
+        restored = self._restored
+        if restored is not None and step in (None, restored[0]) and restored[1] is not None:
+            s, records, saved_count = restored
+            where = f"{self.local_directory.url} step {s} (local copies)"
+            return pp.choose(
+                list(records), saved_count=saved_count, where=where, process=process, all=all
+            )
+        if step is None and restored is not None:
+            step = restored[0]
+        if step is None:
+            raise CheckpointNotFoundError(
+                f"{self.local_directory.url}: no step restored yet; call restore() first, or "
+                "pass a step of the remote tier"
+            )
+        return self._remote.per_process(step, process=process, all=all)
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
+
+    def close(self) -> None:
+        """Finishes both tiers' saves in flight and stops the writer threads."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.close(self.local_directory.url)
+        finally:
+            self._remote.close()
+
+    def __enter__(self) -> EmergencyCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

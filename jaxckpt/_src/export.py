@@ -1,0 +1,378 @@
+"""The writing side of :mod:`jaxckpt.export` (its docstring says what an export holds):
+checking the specs, placing the parameters and lowering each variant."""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from ..errors import ExportError
+from . import tree as tree_lib
+from .export_format import (
+    ARTIFACTS_DIR,
+    EXPORT_FORMAT,
+    EXPORT_FORMAT_VERSION,
+    PARAMS_DIR,
+    PLAIN_SYMBOL,
+    SIGNATURE_FILE,
+    package_version,
+    prepare_target,
+    require_flatbuffers,
+    shape_json,
+    signature,
+    variant_record,
+    write,
+)
+from .serving import Served, load
+from .sharding import spec_to_json
+from .storage import Location, location
+
+__all__ = [
+    "ARTIFACTS_DIR",
+    "EXPORT_FORMAT",
+    "EXPORT_FORMAT_VERSION",
+    "PARAMS_DIR",
+    "SIGNATURE_FILE",
+    "Served",
+    "axis_sizes_for",
+    "load",
+    "save",
+    "signature",
+]
+
+# --- axis sizes and small helpers ---------------------------------------------------------
+
+
+def axis_sizes_for(sizes: Sequence[int], count: int) -> tuple[int, ...]:
+    """Axis sizes for ``count`` devices, derived from the export mesh's ``sizes``.
+
+    Axes from the last to the second keep ``gcd(size, rest)``; the first takes the rest.
+    """
+    out = [1] * len(sizes)
+    rest = count
+    for i in range(len(sizes) - 1, 0, -1):
+        out[i] = math.gcd(int(sizes[i]), rest)
+        rest //= out[i]
+    out[0] = rest
+    return tuple(out)
+
+
+def _spec_axes(spec: PartitionSpec) -> list[str]:
+    return [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+
+
+def _ways(entry: Any, sizes: Mapping[str, int]) -> int:
+    """How many pieces a PartitionSpec entry cuts its dimension into."""
+    if entry is None:
+        return 1
+    return math.prod(sizes[a] for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+
+def _check_spec(spec: Any, names: tuple[str, ...], what: str, loc: Location) -> PartitionSpec:
+    if spec is None:
+        return PartitionSpec()
+    if not isinstance(spec, PartitionSpec):
+        raise ExportError(f"{loc.url}: {what} is {spec!r}; give a jax.sharding.PartitionSpec")
+    for entry in spec:
+        if entry is not None and not isinstance(entry, (str, tuple)):
+            raise ExportError(
+                f"{loc.url}: {what} {spec} has the entry {entry!r}; only axis names, tuples "
+                "of axis names and None can be exported"
+            )
+    missing = [a for a in _spec_axes(spec) if a not in names]
+    if missing:
+        raise ExportError(
+            f"{loc.url}: {what} {spec} names axes {missing} that the mesh {names} lacks; use "
+            "the mesh's axis names"
+        )
+    return spec
+
+
+# --- save ----------------------------------------------------------------------------------
+
+
+def save(
+    path: str | os.PathLike,
+    fn: Callable[..., Any],
+    params: Any,
+    *arg_specs: jax.ShapeDtypeStruct,
+    mesh: Mesh,
+    in_specs: PartitionSpec | Sequence[PartitionSpec],
+    out_specs: Any,
+    device_counts: Sequence[int] | Mapping[int, Sequence[int]] | None = None,
+    platforms: Sequence[str] | None = None,
+) -> dict:
+    """Exports ``fn(params, *args)`` for serving; returns the signature written.
+
+    ``arg_specs`` are ``jax.ShapeDtypeStruct`` (dimensions may be symbolic, made with
+    ``jax.export.symbolic_shape``); ``in_specs`` has one PartitionSpec per argument,
+    ``out_specs`` is a PartitionSpec or a pytree prefix of the outputs. Each ``params`` leaf
+    keeps the PartitionSpec of its NamedSharding (replicated otherwise). ``device_counts``
+    lists the serving device counts (default: ``mesh.size``), or maps each count to its
+    axis sizes. ``platforms`` defaults to the current backend's.
+    """
+    loc = location(path)
+    prepare_target(loc)
+    require_flatbuffers(loc)
+    if not isinstance(mesh, Mesh):
+        raise ExportError(f"{loc.url}: mesh= must be a jax.sharding.Mesh, got {type(mesh)}")
+    names = tuple(str(n) for n in mesh.axis_names)
+    for i, spec in enumerate(arg_specs):
+        if not isinstance(spec, jax.ShapeDtypeStruct):
+            raise ExportError(
+                f"{loc.url}: argument spec {i} is a {type(spec).__name__}; pass one "
+                "jax.ShapeDtypeStruct per argument"
+            )
+    if isinstance(in_specs, PartitionSpec):
+        in_specs = (in_specs,)
+    in_specs = tuple(in_specs)
+    if len(in_specs) != len(arg_specs):
+        raise ExportError(
+            f"{loc.url}: {len(arg_specs)} argument spec(s) but {len(in_specs)} in_specs; give "
+            "one PartitionSpec per argument"
+        )
+    in_specs = tuple(_check_spec(s, names, f"in_specs[{i}]", loc) for i, s in enumerate(in_specs))
+    arg_names = _arg_names(fn, len(arg_specs))
+    fn_name = getattr(fn, "__name__", "fn")
+
+    treedef, leaves, param_specs, param_records = _place_params(params, mesh, loc)
+
+    def flat_fn(param_leaves, *args):
+        return fn(jax.tree_util.tree_unflatten(treedef, param_leaves), *args)
+
+    flat_fn.__name__ = fn_name
+    param_sds = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    try:
+        out_shape = jax.eval_shape(flat_fn, param_sds, *arg_specs)
+    except Exception as e:
+        raise ExportError(f"{loc.url}: tracing {fn_name} on the argument specs failed: {e}") from e
+    out_full = _broadcast_out_specs(out_specs, out_shape, names, loc)
+
+    variants, blobs = [], {}
+    for count, sizes in _variant_sizes(device_counts, mesh, loc).items():
+        exp, divisors = _export_variant(
+            flat_fn,
+            param_sds,
+            param_specs,
+            arg_specs,
+            in_specs,
+            out_full,
+            mesh,
+            sizes,
+            platforms,
+            loc,
+        )
+        blob = bytes(exp.serialize())
+        record = variant_record(count, sizes, exp, blob, divisors)
+        blobs[record["file"]] = blob
+        variants.append(record)
+
+    out_flat = jax.tree_util.tree_flatten_with_path(out_shape)[0]
+    signature = {
+        "format": EXPORT_FORMAT,
+        "format_version": list(EXPORT_FORMAT_VERSION),
+        "function": fn_name,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "versions": {
+            "jax": jax.__version__,
+            "jaxlib": package_version("jaxlib"),
+            "jaxckpt": package_version("jaxckpt"),
+        },
+        "mesh": {
+            "axis_names": list(names),
+            "axis_types": [t.name for t in mesh.axis_types],
+            "exported_from": [int(s) for s in mesh.devices.shape],
+        },
+        "inputs": [
+            {
+                "index": i,
+                "name": arg_names[i],
+                "shape": shape_json(s.shape),
+                "dtype": str(np.dtype(s.dtype)),
+                "spec": spec_to_json(in_specs[i]),
+            }
+            for i, s in enumerate(arg_specs)
+        ],
+        "outputs": [
+            {
+                "name": tree_lib.path_name(tree_lib.path_to_json(p)),
+                "shape": shape_json(s.shape),
+                "dtype": str(np.dtype(s.dtype)),
+                "spec": spec_to_json(spec),
+            }
+            for (p, s), spec in zip(out_flat, jax.tree.leaves(out_full), strict=True)
+        ],
+        "params": {
+            "dir": PARAMS_DIR,
+            "nbytes": sum(x.nbytes for x in leaves),
+            "leaves": param_records,
+        },
+        "variants": variants,
+    }
+
+    write(loc, jax.tree_util.tree_unflatten(treedef, leaves), blobs, signature)
+    return signature
+
+
+def _arg_names(fn: Callable, n: int) -> list[str]:
+    """The names of ``fn``'s positional parameters after ``params`` (``arg<i>`` otherwise)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return [f"arg{i}" for i in range(n)]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    found = [p.name for p in sig.parameters.values() if p.kind in kinds][1:]
+    return [found[i] if i < len(found) else f"arg{i}" for i in range(n)]
+
+
+def _place_params(params: Any, mesh: Mesh, loc: Location):
+    """The leaves of ``params`` placed on ``mesh`` with their PartitionSpecs, and records."""
+    names = tuple(str(n) for n in mesh.axis_names)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves, specs, records = [], [], []
+    for key_path, leaf in flat:
+        path = tree_lib.path_to_json(key_path)
+        name = tree_lib.path_name(path)
+        spec = _param_spec(leaf, name, names, loc)
+        placed = jax.device_put(leaf, NamedSharding(mesh, spec))
+        leaves.append(placed)
+        specs.append(spec)
+        records.append(
+            {
+                "name": name,
+                "path": path,
+                "shape": list(placed.shape),
+                "dtype": str(placed.dtype),
+                "spec": spec_to_json(spec),
+            }
+        )
+    return treedef, leaves, specs, records
+
+
+def _param_spec(leaf: Any, name: str, names: tuple[str, ...], loc: Location) -> PartitionSpec:
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        raise ExportError(
+            f"{loc.url}: parameter {name!r} is a {type(leaf).__name__}; parameters must be "
+            "jax or NumPy arrays (pass other values through a closure over fn)"
+        )
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return PartitionSpec()
+    return _check_spec(sharding.spec, names, f"parameter {name!r}'s PartitionSpec", loc)
+
+
+def _broadcast_out_specs(out_specs: Any, out_shape: Any, names: tuple[str, ...], loc: Location):
+    def is_leaf(x: Any) -> bool:
+        return x is None or isinstance(x, PartitionSpec)
+
+    try:
+        full = jax.tree.broadcast(out_specs, out_shape, is_leaf=is_leaf)
+    except Exception as e:
+        raise ExportError(
+            f"{loc.url}: out_specs {out_specs!r} does not match the outputs' structure "
+            f"{jax.tree.structure(out_shape)}; give one PartitionSpec, or a prefix tree of them"
+        ) from e
+    return jax.tree.map(lambda s: _check_spec(s, names, "out_specs", loc), full, is_leaf=is_leaf)
+
+
+def _variant_sizes(device_counts, mesh: Mesh, loc: Location) -> dict[int, tuple[int, ...]]:
+    sizes = tuple(int(s) for s in mesh.devices.shape)
+    if device_counts is None:
+        out = {int(mesh.size): sizes}
+    elif isinstance(device_counts, Mapping):
+        out = {int(n): tuple(int(s) for s in v) for n, v in device_counts.items()}
+    else:
+        out = {int(n): axis_sizes_for(sizes, int(n)) for n in device_counts}
+    for n, v in out.items():
+        if n < 1 or len(v) != len(sizes) or math.prod(v) != n:
+            raise ExportError(
+                f"{loc.url}: device count {n} with axis sizes {v} does not fit the mesh axes "
+                f"{tuple(mesh.axis_names)}; the sizes must be {len(sizes)} numbers whose "
+                "product is the device count"
+            )
+    if not out:
+        raise ExportError(f"{loc.url}: device_counts is empty; name at least one count")
+    return dict(sorted(out.items()))
+
+
+def _export_variant(
+    flat_fn, param_sds, param_specs, arg_specs, in_specs, out_full, mesh, sizes, platforms, loc
+):
+    """One ``Exported`` over an abstract mesh of ``sizes``, and each input's divisors."""
+    names = tuple(str(n) for n in mesh.axis_names)
+    by_name = dict(zip(names, sizes, strict=True))
+    amesh = AbstractMesh(tuple(sizes), names, axis_types=tuple(mesh.axis_types))
+    count = math.prod(sizes)
+    divisors: list[list[int]] = []
+    multiples: dict[str, int] = {}  # symbol -> what it must be a multiple of
+    for i, (spec, pspec) in enumerate(zip(arg_specs, in_specs, strict=True)):
+        ways = ([_ways(e, by_name) for e in pspec] + [1] * len(spec.shape))[: len(spec.shape)]
+        divisors.append(ways)
+        for d, (dim, k) in enumerate(zip(spec.shape, ways, strict=True)):
+            if k == 1 or not jax.export.is_symbolic_dim(dim):
+                continue
+            if not PLAIN_SYMBOL.fullmatch(str(dim)):
+                raise ExportError(
+                    f"{loc.url}: argument {i} dimension {d} is the symbolic expression "
+                    f"{str(dim)!r} and is split {k} ways for {count} device(s); only a plain "
+                    "symbol (like 'b') can be sharded: shard another dimension or use a symbol"
+                )
+            multiples[str(dim)] = math.lcm(multiples.get(str(dim), 1), k)
+    # A sharded symbol b becomes m*b_div<m> (an equality constraint) so the exported shapes
+    # themselves say that b divides by m; a mod() constraint would not be serialized.
+    constraints = [f"{b} == {m}*{b}_div{m}" for b, m in multiples.items()]
+    specs = _with_constraints(arg_specs, constraints, loc) if constraints else list(arg_specs)
+
+    def named(spec: PartitionSpec) -> NamedSharding:
+        return NamedSharding(amesh, spec)
+
+    jitted = jax.jit(
+        flat_fn,
+        in_shardings=([named(s) for s in param_specs], *(named(s) for s in in_specs)),
+        out_shardings=jax.tree.map(named, out_full),
+    )
+    try:
+        exp = jax.export.export(jitted, platforms=platforms)(param_sds, *specs)
+    except Exception as e:
+        raise ExportError(
+            f"{loc.url}: exporting {flat_fn.__name__} for {count} device(s) (mesh {by_name}) "
+            f"failed: {e}. Every sharded dimension must divide by its axes' sizes at this "
+            "device count; drop the count or give its axis sizes (device_counts={count: sizes})"
+        ) from e
+    return exp, divisors
+
+
+def _with_constraints(arg_specs, constraints: list[str], loc: Location) -> list:
+    """The argument specs re-made in one symbolic scope that also says which dims divide."""
+    user: list[str] = []
+    for spec in arg_specs:
+        for d in spec.shape:
+            if jax.export.is_symbolic_dim(d):
+                found = getattr(d.scope, "_explicit_constraints", [])
+                user = [c.debug_str for c in found]
+                break
+        if user:
+            break
+    try:
+        scope = jax.export.SymbolicScope([*user, *dict.fromkeys(constraints)])
+    except Exception as e:
+        raise ExportError(
+            f"{loc.url}: cannot combine the symbolic constraints {user} with the divisibility "
+            f"of sharded dimensions {constraints}: {e}"
+        ) from e
+    out = []
+    for spec in arg_specs:
+        if any(jax.export.is_symbolic_dim(d) for d in spec.shape):
+            text = ", ".join(str(d) for d in spec.shape)
+            shape = jax.export.symbolic_shape(text, scope=scope)
+            spec = jax.ShapeDtypeStruct(shape, spec.dtype)
+        out.append(spec)
+    return out

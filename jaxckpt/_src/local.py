@@ -1,0 +1,358 @@
+"""The local tier of emergency checkpoints: one process's own copy of a step, on its own disk.
+
+``<local_directory>/<step:08d>/`` holds an OCDBT database (``arrays/``) with one zarr v3
+array per leaf at its *global* shape, into which the process wrote every distinct shard it
+held (its own, deduplicated by global index) plus the shards peers sent it; ``local.json``
+says which global slices are in there and which process originally wrote each; ``COMMITTED``
+is written last. A step is written in ``<step>.tmp-<id>``, renamed into place (parent
+fsynced), then marked; TensorStore's file driver fsyncs the data files it writes. Every chunk
+carries a CRC32C (zarr codec), checked on read.
+
+Also here: packing held slices into one byte buffer (and back), for the peer exchange.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import struct
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+
+from ..errors import FormatVersionError, ManifestError
+from . import arrays, steps
+from .manifest import COMMIT_FILE, FORMAT_VERSION, LeafRecord, check_format_version
+from .sharding import Index
+from .storage import Location, release_owner_lock
+
+log = logging.getLogger("jaxckpt")
+
+LOCAL_FILE = "local.json"
+LOCAL_FORMAT = "jaxckpt-local"
+_ALIGN = 64
+# Local chunks are at most this big: TensorStore reads and CRC-checks a chunk into a
+# temporary buffer of its size before copying it out, so shard-sized chunks (hundreds of MiB)
+# double the fresh host memory a restore touches and serialize the checks of a shard.
+LOCAL_CHUNK_BYTES = 16 << 20
+
+# A held slice: (leaf name, global index) -> host data in the stored dtype.
+Slices = dict[tuple[str, Index], np.ndarray]
+
+
+def index_key(index: Index) -> str:
+    """A slice's global index as text: ``0:16,0:8`` (``-`` for a 0-d array)."""
+    return ",".join(f"{a}:{b}" for a, b in index) or "-"
+
+
+def parse_index(key: str) -> Index:
+    if key == "-":
+        return ()
+    return tuple((int(a), int(b)) for a, b in (part.split(":") for part in key.split(",")))
+
+
+def tree_digest(records: Iterable[LeafRecord]) -> str:
+    """What must match for copies of a step to be combined: names, kinds, shapes, dtypes."""
+    docs = [r.to_dict() for r in records]
+    summary = [(d["name"], d["kind"], d.get("shape"), d.get("dtype")) for d in docs]
+    return hashlib.sha256(json.dumps(summary).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """One process's copy of a step, as its ``local.json`` describes it (docs/FORMAT.md).
+
+    held: {leaf: {index key: original writer process}}, the slices in ``arrays/``;
+    required: {leaf: [index key]}, every slice the step needs, from any process;
+    per_process: {process index: its ``per_process.Record`` as JSON}, this process's own
+    and those its peers sent with their copies (1.4).
+    """
+
+    step: int
+    process_index: int
+    process_count: int
+    digest: str
+    meshes: list[dict]
+    leaves: tuple[LeafRecord, ...]
+    held: dict[str, dict[str, int]]
+    required: dict[str, list[str]]
+    replication: int = 0
+    hosts: list[str] = field(default_factory=list)
+    sends_to: list[int] = field(default_factory=list)
+    receives_from: list[int] = field(default_factory=list)
+    per_process: dict[str, dict] = field(default_factory=dict)
+    format_version: tuple[int, int] = FORMAT_VERSION
+    path: Location | None = field(default=None, compare=False)  # where it was read from
+
+    def to_json(self) -> dict:
+        return {
+            "format": LOCAL_FORMAT,
+            "format_version": list(self.format_version),
+            "step": self.step,
+            "process_index": self.process_index,
+            "process_count": self.process_count,
+            "digest": self.digest,
+            "replication": self.replication,
+            "hosts": self.hosts,
+            "sends_to": self.sends_to,
+            "receives_from": self.receives_from,
+            "meshes": self.meshes,
+            "leaves": [r.to_dict() for r in self.leaves],
+            "held": self.held,
+            "slices": self.required,
+            "per_process": self.per_process,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict, *, where: str, path: Location | None = None) -> LocalStep:
+        """The step in ``doc``; fields a newer minor version added are ignored, a newer
+        major raises :class:`FormatVersionError` and a damaged document
+        :class:`ManifestError`."""
+        if not isinstance(doc, dict) or doc.get("format") != LOCAL_FORMAT:
+            raise ManifestError(
+                f"{where}: not a jaxckpt local step (no 'format': '{LOCAL_FORMAT}')"
+            )
+        version = check_format_version(doc, where=where, legacy_key="version")
+        try:
+            return cls(
+                step=doc["step"],
+                process_index=doc["process_index"],
+                process_count=doc["process_count"],
+                digest=doc["digest"],
+                meshes=doc["meshes"],
+                leaves=tuple(LeafRecord.from_dict(r) for r in doc["leaves"]),
+                held=doc["held"],
+                required=doc["slices"],
+                replication=doc.get("replication", 0),
+                hosts=doc.get("hosts", []),
+                sends_to=doc.get("sends_to", []),
+                receives_from=doc.get("receives_from", []),
+                per_process=doc.get("per_process", {}),
+                format_version=version,
+                path=path,
+            )
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{where}: missing or bad field {e}") from e
+
+
+def step_dir(directory: Location, step: int, digits: int = 8) -> Location:
+    return steps.step_dir(directory, step, digits)
+
+
+def committed_steps(directory: Location) -> list[int]:
+    return steps.committed(directory)
+
+
+def read_step(directory: Location, step: int, digits: int = 8) -> LocalStep | None:
+    """The committed step's document, or None when it is missing or damaged.
+    A newer major format version raises :class:`FormatVersionError`."""
+    path = step_dir(directory, step, digits)
+    if not path.exists(COMMIT_FILE):
+        return None
+    where = f"{path.url}/{LOCAL_FILE}"
+    try:
+        doc = json.loads(path.read_bytes(LOCAL_FILE).decode())
+        return LocalStep.from_json(doc, where=where, path=path)
+    except FormatVersionError:
+        raise  # never guess at a layout we don't know
+    except (ManifestError, ValueError) as e:
+        log.warning("jaxckpt: %s has no valid %s (%s); ignoring it", path.url, LOCAL_FILE, e)
+        return None
+
+
+def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int = 8) -> Location:
+    """Writes one committed local step (tmp dir, rename, marker last) holding ``slices``
+    (``doc.held`` lists them); returns its path."""
+    final = step_dir(directory, doc.step, digits)
+    work = final.parent().join(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    db = work.join("arrays")
+    by_leaf: dict[str, list] = {}
+    for (name, index), data in slices.items():
+        by_leaf.setdefault(name, []).append((index, lambda d=data: d))
+    writes = []
+    for rec in doc.leaves:
+        if not rec.has_array or not math.prod(rec.shape):
+            continue
+        stored = rec.storage_dtype.name
+        chunks = local_chunks(rec.chunk_shape, jnp.dtype(stored).itemsize)
+        meta = arrays.zarr_metadata(rec.shape, stored, chunks, None)
+        pieces = by_leaf.get(rec.name, [])
+        nbytes = sum(get().nbytes for _, get in pieces)
+        writes.append(arrays.ArrayWrite(rec.name, meta, pieces, True, nbytes))
+    owner = steps.claim(work)  # locked from the start: a manager starting leaves it alone
+    try:
+        db.makedirs()
+        arrays.write(db, writes)
+        work.write_bytes(LOCAL_FILE, json.dumps(doc.to_json()).encode())
+        steps.publish(work, final, replace_committed=True)  # a step saved again replaces it
+    except BaseException:
+        work.remove()
+        raise
+    finally:
+        release_owner_lock(owner)
+    return final
+
+
+def held_keys(slices: Slices, origins: dict[tuple[str, Index], int]) -> dict[str, dict[str, int]]:
+    """``LocalStep.held`` for these slices and their original writers."""
+    held: dict[str, dict[str, int]] = {}
+    for name, index in slices:
+        held.setdefault(name, {})[index_key(index)] = origins[(name, index)]
+    return held
+
+
+def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
+    """``chunk_shape`` halved until <= LOCAL_CHUNK_BYTES, leading dimensions first (chunks
+    stay contiguous row blocks) and only where it stays a divisor: shards remain whole
+    numbers of chunks, so writing or reading a shard touches no partial chunk.
+    """
+    chunks = list(chunk_shape)
+    while math.prod(chunks) * itemsize > LOCAL_CHUNK_BYTES:
+        d = next((d for d, n in enumerate(chunks) if n % 2 == 0), None)
+        if d is None:
+            break
+        chunks[d] //= 2
+    return chunks
+
+
+def delete_step(directory: Location, step: int, digits: int = 8) -> None:
+    steps.delete(step_dir(directory, step, digits))
+
+
+def cleanup(directory: Location, grace_s: float) -> list[str]:
+    """Removes temporary and uncommitted step directories; returns their names."""
+    return steps.clean_leftovers(directory, grace_s=grace_s)
+
+
+def read_slices(
+    step: LocalStep, wanted: dict[str, list[str]], into: Slices | None = None
+) -> tuple[Slices, list[tuple[str, str, str]]]:
+    """Reads the held slices in ``wanted`` ({leaf: [index key]}), verifying checksums.
+
+    Returns (slices read, [(leaf, index key, why)] for copies that failed to read: those
+    count as missing, their data is never used). A slice with a buffer in ``into`` (same
+    shape and item size, e.g. a view into a ``pack_layout`` buffer) is read into it.
+    """
+    into = into or {}
+    db = step.path.join("arrays")
+    ctx = arrays.new_context()
+    held = step.held
+    futures = []
+    bad: list[tuple[str, str, str]] = []
+    for name, keys in wanted.items():
+        keys = [k for k in keys if k in held.get(name, {})]
+        if not keys:
+            continue
+        try:
+            store = arrays.open_leaf(db, name, ctx).result()
+        except Exception as e:
+            bad.extend((name, k, f"cannot open: {e}") for k in keys)
+            continue
+        for k in keys:
+            index = parse_index(k)
+            dst = into.get((name, index))
+            dtype = store.dtype.numpy_dtype
+            if (
+                dst is not None
+                and dst.shape == tuple(b - a for a, b in index)
+                and dst.dtype.itemsize == dtype.itemsize
+            ):
+                futures.append((name, k, _read_into(store, index, dst.view(dtype))))
+            else:
+                futures.append((name, k, arrays.read_slice(store, index)))
+    out: Slices = {}
+    for name, k, fut in futures:
+        try:
+            out[(name, parse_index(k))] = fut.result()
+        except Exception as e:
+            err = arrays.read_error(e, leaf=name, db=db, writers=lambda _k: db.url)
+            bad.append((name, k, f"{type(err).__name__}: {err}"))
+    arrays.release_free_memory()
+    return out, bad
+
+
+class _read_into:
+    """Reads ``store[index]`` into ``dst``; ``result()`` waits and returns ``dst``."""
+
+    def __init__(self, store: ts.TensorStore, index: Index, dst: np.ndarray):
+        target = ts.array(dst, copy=False, write=True)
+        self.fut, self.dst = target.write(store[tuple(slice(a, b) for a, b in index)]), dst
+
+    def result(self) -> np.ndarray:
+        self.fut.result()
+        return self.dst
+
+
+# --- packing slices into one byte buffer -----------------------------------------------------
+
+
+def pack(
+    slices: Slices, origins: dict[tuple[str, Index], int], reuse: np.ndarray | None = None
+) -> np.ndarray:
+    """One uint8 buffer: header length (8 bytes), JSON header, then each slice 64-aligned.
+
+    ``reuse``: an earlier packed buffer to fill again when it is big enough (writing into
+    fresh memory is far slower than into memory already touched).
+    """
+    specs = {k: (d.dtype, d.shape, origins[k]) for k, d in slices.items()}
+    buf, views = pack_layout(specs, reuse)
+    for key, data in slices.items():
+        if data.nbytes:
+            np.copyto(views[key], data, casting="no")
+    return buf
+
+
+def pack_layout(
+    specs: dict[tuple[str, Index], tuple[np.dtype, tuple[int, ...], int]],
+    reuse: np.ndarray | None = None,
+) -> tuple[np.ndarray, Slices]:
+    """A packed buffer for slices of the given (dtype, shape, original writer), and the
+    views its slices go into (uninitialized: the caller fills them, e.g. reads into them).
+    """
+    entries, offset = [], 0
+    for (name, index), (dtype, shape, origin) in specs.items():
+        entries.append([name, index_key(index), origin, offset, str(dtype), list(shape)])
+        offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    header = json.dumps(entries).encode()
+    start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
+    # aligned, so the peer exchange hands it to the device without another copy; only the
+    # header and the padding are zeroed (the slices overwrite the rest)
+    if reuse is not None and reuse.size >= start + offset:
+        buf = reuse[: start + offset]  # same start address: still aligned
+    else:
+        buf = arrays.aligned_empty((start + offset,), np.dtype(np.uint8))
+    buf[:start] = 0
+    buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
+    buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
+    views: Slices = {}
+    for (_, _, _, off, _, _), (key, (dtype, shape, _)) in zip(entries, specs.items(), strict=True):
+        n = math.prod(shape) * dtype.itemsize
+        views[key] = buf[start + off : start + off + n].view(dtype).reshape(shape)
+        buf[start + off + n : start + off + (-(-n // _ALIGN) * _ALIGN)] = 0
+    return buf, views
+
+
+def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:
+    """The slices (views into ``buf``) and their original writers."""
+    if buf.size < 8:
+        return {}, {}
+    (hlen,) = struct.unpack("<Q", buf[:8].tobytes())
+    if hlen == 0:
+        return {}, {}
+    entries = json.loads(buf[8 : 8 + hlen].tobytes().decode())
+    start = -(-(8 + hlen) // _ALIGN) * _ALIGN
+    slices: Slices = {}
+    origins: dict[tuple[str, Index], int] = {}
+    for name, key, origin, off, dtype, shape in entries:
+        dt = jnp.dtype(dtype)
+        n = math.prod(shape) * dt.itemsize
+        data = buf[start + off : start + off + n].view(dt).reshape(shape)
+        slices[(name, parse_index(key))] = data
+        origins[(name, parse_index(key))] = origin
+    return slices, origins

@@ -1,0 +1,350 @@
+"""``CheckpointManager``: numbered steps in one directory, policies, and a background writer.
+
+``save`` blocks for the device->host copy of the owned shards only; one persistent thread
+writes and commits (at most one save in flight). A background failure is raised at the next
+``save`` / ``wait_until_finished`` / ``close``. Steps are ``<directory>/<zero-padded step>``;
+only directories with a ``COMMITTED`` marker exist, leftovers of interrupted saves are
+deleted when a manager starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+
+from ..errors import (
+    BackgroundSaveError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+)
+from . import checkpoint, monitoring, multihost, steps
+from . import per_process as pp
+from .options import Options
+from .staging import HostCopies, Staged, describe
+from .storage import Location, location
+from .writer import Writer
+
+__all__ = ["BackgroundSaveError", "CheckpointManager"]
+
+log = logging.getLogger("jaxckpt")
+
+
+class CheckpointManager:
+    """Saves and restores numbered steps of a training run.
+
+    >>> with jaxckpt.CheckpointManager("/ckpt/run1", jaxckpt.Options(max_to_keep=3)) as mgr:
+    ...     for step in range(1000):
+    ...         state = train_step(state)
+    ...         mgr.save(step, state, metrics={"loss": float(loss)})
+    >>> state = mgr.restore(target=abstract_state)
+    """
+
+    def __init__(self, directory: str | os.PathLike, options: Options | None = None):
+        self.directory: Location = location(directory)
+        self.options = options or Options()
+        if self.options.create:
+            self.directory.makedirs()
+        elif self.directory.is_local and not os.path.isdir(self.directory.url):
+            raise CheckpointNotFoundError(
+                f"{self.directory.url} does not exist; create it or pass Options(create=True)"
+            )
+        self._host = HostCopies()
+        self._writer = Writer("jaxckpt-writer", self.options.timeout_s)
+        # this process's figures (monitoring.Figures): the last committed save's phases,
+        # bytes and GB/s; the calling thread's part of the last save; the last restore
+        self.last_save_figures: monitoring.Figures | None = None
+        self.last_save_blocking_s: float | None = None
+        self.last_restore_figures: monitoring.Figures | None = None
+        self._closed = False
+        self._metrics: dict[int, dict | None] = {}
+        self._restored_step: int | None = None
+        if self.options.cleanup_tmp and multihost.process_index() == 0:
+            self._cleanup()
+        self.reload()
+
+    # --- listing -------------------------------------------------------------------------
+
+    def step_path(self, step: int) -> Location:
+        return steps.step_dir(self.directory, step, self.options.step_digits)
+
+    def reload(self) -> None:
+        """Re-reads the directory: sees steps another process committed or deleted."""
+        self._metrics = {
+            s: self._metrics.get(s, _NOT_READ) for s in steps.committed(self.directory)
+        }
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(self._metrics)
+
+    def latest_step(self) -> int | None:
+        return max(self._metrics, default=None)
+
+    def metrics(self, step: int) -> dict | None:
+        """The metrics saved with ``step`` (None if none were given)."""
+        self._require(step)
+        if self._metrics[step] is _NOT_READ:
+            self._metrics[step] = checkpoint.read_manifest(self.step_path(step)).metrics
+        return self._metrics[step]
+
+    def best_step(self) -> int | None:
+        """The step whose metrics rank best by ``Options.best_fn`` (newest without one)."""
+        ranked = self._ranked()
+        return ranked[0] if ranked else self.latest_step()
+
+    def metadata(self, step: int | None = None) -> Any:
+        """The tree of leaf info of ``step`` (default: newest); see ``jaxckpt.metadata``."""
+        return checkpoint.metadata(self.step_path(self._step_or_latest(step)).url)
+
+    def custom_metadata(self, step: int | None = None) -> Any:
+        """The ``custom_metadata=`` saved with ``step`` (default: newest)."""
+        return checkpoint.custom_metadata(self.step_path(self._step_or_latest(step)).url)
+
+    def per_process(
+        self,
+        step: int | None = None,
+        *,
+        process: int | None = None,
+        all: bool = False,  # noqa: A002 - the keyword users write
+    ) -> Any:
+        """This process's ``per_process=`` value of ``step`` (default: the step last
+        restored, else the newest); see :func:`jaxckpt.per_process` for ``process`` and
+        ``all`` after a process-count change."""
+        if step is None and self._restored_step is not None:
+            step = self._restored_step
+        path = self.step_path(self._step_or_latest(step)).url
+        return checkpoint.per_process(path, process=process, all=all)
+
+    def should_save(self, step: int) -> bool:
+        """True when the interval policy asks for ``step`` and it is not saved yet."""
+        return step % self.options.save_interval_steps == 0 and step not in self._metrics
+
+    def reached_preemption(self, step: int) -> bool:
+        """True at the step all processes agreed on after one got a preemption notice.
+
+        Call it every step (same steps on every process); when True, save that step with
+        ``force=True`` and exit. Uses JAX's preemption sync point (SIGTERM); always False
+        in a single-process job.
+        """
+        return multihost.reached_preemption(step)
+
+    # --- save ----------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict | None = None,
+        custom_metadata: Any = None,
+        per_process: Any = None,
+        force: bool = False,
+        metadata: Any = None,
+    ) -> bool:
+        """Saves ``state`` (a pytree, or a ``jaxckpt.stage`` handle) as ``step``.
+
+        Returns False when the policy says not now. With ``async_save`` it returns once the
+        owned shards are on the host; the write and commit run in the background.
+        ``custom_metadata``: a JSON value kept with the step (``mgr.custom_metadata(step)``);
+        ``per_process``: this process's own value, e.g. its data iterator's ``get_state()``
+        (``mgr.per_process(step)``); each process passes its own. ``metadata=`` is the
+        deprecated name of ``custom_metadata=``.
+        """
+        metadata = checkpoint.renamed_metadata(custom_metadata, metadata)
+        self._check_open()
+        self._writer.raise_error()
+        if not force and not self.should_save(step):
+            return False
+        checkpoint.check_json(metrics, "metrics", self.step_path(step))
+        checkpoint.check_json(metadata, "custom_metadata", self.step_path(step))
+        record = pp.encode(per_process, where=self.step_path(step).url)  # a snapshot, checked
+        if step in self._metrics:
+            raise CheckpointExistsError(
+                f"step {step} is already committed at {self.step_path(step).url}; delete it "
+                "first (mgr.delete(step)) or save another step"
+            )
+        fig = monitoring.Figures("manager_save", self.step_path(step).url)
+        with fig.phase("blocking"):
+            self.wait_until_finished()
+            opts = self.options
+            staged = state if isinstance(state, Staged) else None
+            if staged is None and opts.async_save and not self._over_budget(state):
+                staged = describe(
+                    state,
+                    compression=opts.compression,
+                    host=self._host,
+                    chunk_bytes=opts.chunk_bytes,
+                )
+            job = (step, staged if staged is not None else state, metrics, metadata, record)
+            what = f"saving step {step} to {self.directory.url}"
+            if staged is None or not opts.async_save:
+                self._writer.run_now(what, self._write, *job)
+            else:
+                self._writer.submit(what, self._write, *job)
+        self.last_save_blocking_s = fig.done().phases["blocking"]
+        return True
+
+    def _over_budget(self, state: Any) -> bool:
+        budget = self.options.staging_budget_bytes
+        if budget is None:
+            return False
+        owned = describe(state, compression=self.options.compression)
+        total = sum(leaf.write.nbytes for leaf in owned.leaves if leaf.write is not None)
+        if total > budget:
+            log.warning(
+                "jaxckpt: %d bytes to stage exceed staging_budget_bytes=%d; saving synchronously",
+                total,
+                budget,
+            )
+            return True
+        return False
+
+    def _write(self, step: int, state: Any, metrics: dict | None, metadata: Any, record) -> None:
+        self.last_save_figures = checkpoint.save(
+            self.step_path(step).url,
+            state,
+            custom_metadata=metadata,
+            per_process=record,
+            metrics=metrics,
+            compression=self.options.compression,
+            chunk_bytes=self.options.chunk_bytes,
+            timeout_s=self.options.timeout_s,
+        )
+        self._metrics[step] = metrics
+        self._apply_retention()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight is committed; raises its error if it failed."""
+        self._writer.wait(self.directory.url)
+
+    # --- retention -----------------------------------------------------------------------
+
+    def _ranked(self) -> list[int] | None:
+        fn = self.options.best_fn
+        if fn is None:
+            return None
+        scored = []
+        for step in self._metrics:
+            m = self.metrics(step)
+            if m is None:
+                continue
+            try:
+                value = float(fn(m))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("jaxckpt: step %d not ranked: best_fn failed on %s (%r)", step, m, e)
+                continue
+            if not math.isnan(value):  # NaN ranks nowhere: it is not better than anything
+                scored.append((value, step))
+        reverse = self.options.best_mode == "max"
+        # Ties: the newer step ranks first.
+        scored.sort(key=lambda t: (t[0], t[1]) if reverse else (t[0], -t[1]), reverse=reverse)
+        return [s for _, s in scored]
+
+    def _apply_retention(self) -> None:
+        """Every process decides the same deletions (same steps and metrics); process 0 deletes."""
+        opts = self.options
+        if opts.max_to_keep is None:
+            return
+        steps = self.all_steps()
+        newest = steps[-1] if steps else None
+        forever = {s for s in steps if opts.keep_period and s % opts.keep_period == 0}
+        ranked = self._ranked()
+        if ranked is None:
+            candidates = list(reversed(steps))
+        else:  # best first; steps without metrics rank after, newest first
+            candidates = ranked + [s for s in reversed(steps) if s not in ranked]
+        keep = set(candidates[: opts.max_to_keep]) | forever | {newest}
+        for step in steps:
+            if step not in keep:
+                if multihost.process_index() == 0:
+                    self._delete(step)
+                self._metrics.pop(step, None)
+
+    def delete(self, step: int) -> None:
+        """Deletes a committed step (its marker first, so a half-deleted step is invisible)."""
+        self._require(step)
+        self.wait_until_finished()
+        if multihost.process_index() == 0:
+            self._delete(step)
+        else:
+            self._metrics.pop(step, None)
+
+    def _delete(self, step: int) -> None:
+        steps.delete(self.step_path(step))
+        self._metrics.pop(step, None)
+
+    def _cleanup(self) -> None:
+        """Deletes temporary and uncommitted step directories left by interrupted saves.
+
+        A save still in progress (another manager on this directory) is left alone: its
+        writer holds the lock on its owner file (see ``storage.being_written``).
+        """
+        steps.clean_leftovers(self.directory, grace_s=self.options.timeout_s)
+
+    # --- restore -------------------------------------------------------------------------
+
+    def restore(
+        self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None
+    ) -> Any:
+        """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`."""
+        self.wait_until_finished()
+        step = self._step_or_latest(step)
+        out = checkpoint.restore(
+            self.step_path(step).url,
+            target=target,
+            mesh=mesh,
+            read_budget_bytes=self.options.read_budget_bytes,
+        )
+        self.last_restore_figures = monitoring.last("restore")
+        self._restored_step = step
+        return out
+
+    def _step_or_latest(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(
+                    f"{self.directory.url} holds no committed step; train from scratch or "
+                    "point the manager at the run's directory"
+                )
+        self._require(step)
+        return step
+
+    def _require(self, step: int) -> None:
+        if step not in self._metrics:
+            raise CheckpointNotFoundError(
+                f"step {step} is not a committed step of {self.directory.url} "
+                f"(committed: {self.all_steps()}); call reload() if another process saved it"
+            )
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the manager of {self.directory.url} is closed")
+
+    def close(self) -> None:
+        """Finishes the save in flight, stops the writer thread, raises a pending error."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.close(self.directory.url)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _NotRead:
+    def __repr__(self) -> str:
+        return "<metrics not read>"
+
+
+_NOT_READ: Any = _NotRead()

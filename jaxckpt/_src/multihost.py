@@ -1,0 +1,283 @@
+"""Process index/count, barriers and key-value agreement through ``jax.distributed``.
+
+All use of JAX's coordination-service client lives here. With one process every call is a
+cheap no-op, so single-host code pays nothing. Every wait has a timeout; a timeout raises
+:class:`CoordinationError` naming the processes that did not arrive. Time spent in
+coordination is accumulated in :data:`STATS` (see :func:`coordination_stats`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import jax
+
+from ..errors import CoordinationError
+
+_counter = itertools.count()
+
+# Cheap counters: seconds and calls spent in barriers and key-value traffic. ``protocol_s``
+# is the coordination's own latency: for each barrier, release minus the last process's
+# arrival; plus the key-value calls. Unlike ``barrier_s`` it leaves out time spent waiting
+# for slower processes to finish their work.
+# Measuring it costs one extra key-value listing per barrier, so it is off unless
+# ``JAXCKPT_PROTOCOL_TIMING=1`` (bench/scale.py sets it).
+STATS: dict[str, float] = {
+    "barrier_s": 0.0,
+    "kv_s": 0.0,
+    "protocol_s": 0.0,
+    "barriers": 0,
+    "kv_calls": 0,
+}
+_PROTOCOL_TIMING = os.environ.get("JAXCKPT_PROTOCOL_TIMING") == "1"
+
+
+def coordination_stats(reset: bool = False) -> dict[str, float]:
+    """A copy of the coordination timers; ``reset`` zeroes them afterwards."""
+    out = dict(STATS)
+    if reset:
+        for k in STATS:
+            STATS[k] = 0
+    return out
+
+
+@contextmanager
+def _timed(kind: str) -> Iterator[None]:
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        spent = time.perf_counter() - t
+        STATS[f"{kind}_s"] += spent
+        STATS["barriers" if kind == "barrier" else "kv_calls"] += 1
+        if kind == "kv":
+            STATS["protocol_s"] += spent
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def host_name() -> str:
+    """This process's machine: ``$JAXCKPT_HOST`` if set (containers whose hostnames do not
+    identify the machine), else the hostname."""
+    return os.environ.get("JAXCKPT_HOST") or socket.gethostname()
+
+
+_HOSTS: list[str] | None = None
+
+
+def process_hosts(timeout_s: float) -> list[str]:
+    """Every process's ``host_name()``, in process order: one key-value round per job, the
+    first time it is asked (every process must ask at the same point)."""
+    global _HOSTS
+    if _HOSTS is None or len(_HOSTS) != process_count():
+        _HOSTS = all_gather("jaxckpt/process_hosts", host_name(), timeout_s, what="hosts")
+    return _HOSTS
+
+
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise CoordinationError(
+            "jax.process_count() > 1 but jax.distributed is not initialized; call "
+            "jax.distributed.initialize() before saving or restoring"
+        )
+    return client
+
+
+def unique_name(prefix: str) -> str:
+    """A name that is the same on every process for the n-th call with this prefix."""
+    return f"jaxckpt/{prefix}/{next(_counter)}"
+
+
+_TIMED_OUT = re.compile(r"timed out task names:\s*((?:\S+\s*)+)", re.IGNORECASE)
+
+
+def _missing(error: Exception) -> list[int]:
+    """Processes the coordination service says never reached a barrier (may be a subset)."""
+    match = _TIMED_OUT.search(str(error))
+    if not match:
+        return []
+    ids = []
+    for token in re.split(r"[\s,]+", match.group(1)):
+        if not token.isdigit():
+            break
+        ids.append(int(token))
+    return sorted(set(ids))
+
+
+def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
+    """Waits until every process reaches ``name``; raises CoordinationError on timeout.
+
+    ``what`` (e.g. the checkpoint path) is named in the error, with the processes that never
+    arrived (as the coordination service reports them).
+    """
+    if process_count() == 1:
+        return
+    client = _client()
+    try:
+        arrived = time.time()
+        with _timed("barrier"):
+            client.wait_at_barrier(name, int(timeout_s * 1000))
+        if _PROTOCOL_TIMING:  # instrumentation only, after the barrier: off the clock
+            released = time.time()
+            client.key_value_set(f"{name}/arrived/{process_index()}", repr(arrived))
+            last = max(
+                float(client.blocking_key_value_get(f"{name}/arrived/{p}", 60_000))
+                for p in range(process_count())
+            )
+            STATS["protocol_s"] += max(0.0, released - last)
+    except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
+        missing = _missing(e)
+        who = (
+            f"process(es) {missing} of {process_count()} never arrived"
+            if missing
+            else "not every process arrived"
+        )
+        first = (str(e).splitlines()[0] if str(e) else type(e).__name__).rstrip(".")
+        raise CoordinationError(
+            f"{what + ': ' if what else ''}barrier {name!r}: {who} within {timeout_s:g}s "
+            f"(this is process {process_index()}): {first}. Those processes died, hang or "
+            "are saving something else; check their logs. Nothing was committed; restart "
+            "the job to restore the previous checkpoint"
+        ) from e
+
+
+def send_text(name: str, to: int, text: str) -> None:
+    """Leaves ``text`` for process ``to`` under ``name`` (:func:`receive_text` takes it)."""
+    _client().key_value_set(f"{name}/{process_index()}->{to}", text)
+
+
+def receive_text(name: str, sender: int, timeout_s: float, *, what: str = "") -> str:
+    """What ``sender`` left for this process under ``name``; the key is deleted once read,
+    so the coordination service keeps nothing per save."""
+    key = f"{name}/{sender}->{process_index()}"
+    client = _client()
+    try:
+        text = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    except Exception as e:
+        raise CoordinationError(
+            f"{what + ': ' if what else ''}process {sender} sent nothing under {name!r} "
+            f"within {timeout_s:g}s (this is process {process_index()}); it died or is "
+            "saving something else; check its log"
+        ) from e
+    client.key_value_delete(key)
+    return text
+
+
+def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> list[str]:
+    """Every process's ``value``, in process order (one set, one barrier, one listing)."""
+    if process_count() == 1:
+        return [value]
+    client = _client()
+    with _timed("kv"):
+        client.key_value_set(f"{name}/value/{process_index()}", value)
+    barrier(name, timeout_s, what=what)
+    with _timed("kv"):
+        entries = client.key_value_dir_get(f"{name}/value/")
+    by_pid = {int(k.rsplit("/", 1)[-1]): v for k, v in entries}
+    return [by_pid[p] for p in range(process_count())]
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What ``agree`` returns: process 0's ``extra`` everywhere, every process's ``extra``
+    on process 0 only (nobody else needs them, and gathering them everywhere would move
+    O(processes^2) bytes through the coordinator)."""
+
+    first: str
+    all: list[str] | None
+
+
+def agree(
+    name: str, description: dict, timeout_s: float, *, what: str = "", extra: str = ""
+) -> Agreement:
+    """Raises CoordinationError on every process unless all give the same ``description``.
+
+    Only a short hash and a summary travel through the key-value store, with ``extra`` (a
+    per-process string that is not compared). Process 0 reads every value and publishes a
+    verdict that the others read: O(processes) key-value traffic.
+    """
+    if process_count() == 1:
+        return Agreement(extra, [extra])
+    full = json.dumps(description, sort_keys=True, default=str)
+    digest = hashlib.sha256(full.encode()).hexdigest()[:16]
+    summary = {k: v for k, v in description.items() if k in ("path", "leaves")}
+    message = json.dumps({"h": digest, "x": extra, **summary})
+    client = _client()
+    with _timed("kv"):
+        client.key_value_set(f"{name}/value/{process_index()}", message)
+    barrier(name, timeout_s, what=what)
+    if process_index() == 0:
+        with _timed("kv"):
+            entries = client.key_value_dir_get(f"{name}/value/")
+        by_pid = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in entries}
+        got = [by_pid[p] for p in range(process_count())]
+        verdict = {"error": _disagreement(got, what), "first": got[0]["x"]}
+        with _timed("kv"):
+            client.key_value_set(f"{name}/verdict", json.dumps(verdict))
+        extras = [g["x"] for g in got]
+    else:
+        try:
+            with _timed("kv"):
+                verdict = json.loads(
+                    client.blocking_key_value_get(f"{name}/verdict", int(timeout_s * 1000))
+                )
+        except Exception as e:
+            raise CoordinationError(
+                f"{what + ': ' if what else ''}process 0 published no verdict for {name!r} "
+                f"within {timeout_s:g}s (this is process {process_index()}): {e}. It died or "
+                "hangs; check its log. Nothing was written"
+            ) from e
+        extras = None
+    if verdict["error"]:
+        raise CoordinationError(verdict["error"])
+    return Agreement(verdict["first"], extras)
+
+
+def _disagreement(got: list[dict], what: str) -> str | None:
+    if len({g["h"] for g in got}) == 1:
+        return None
+    groups: dict[str, list[int]] = {}
+    for pid, g in enumerate(got):
+        groups.setdefault(g["h"], []).append(pid)
+    lines = "; ".join(
+        f"process(es) {pids}: path {got[pids[0]].get('path')}, "
+        f"{got[pids[0]].get('leaves')} leaves, tree/shape/dtype hash {h}"
+        for h, pids in groups.items()
+    )
+    return (
+        f"{what + ': ' if what else ''}processes disagree on what to save ({lines}); nothing "
+        "was written. Every process must call save with the same step/path and the same tree "
+        "structure, shapes and dtypes"
+    )
+
+
+def reached_preemption(step: int) -> bool:
+    """True on every process at the same ``step`` after any process got SIGTERM.
+
+    Uses JAX's preemption sync manager (on by default in ``jax.distributed.initialize``):
+    call it every step, from the same step on every process. False with one process.
+    """
+    if process_count() == 1:
+        return False
+    from jax.experimental import multihost_utils
+
+    with _timed("kv"):
+        return bool(multihost_utils.reached_preemption_sync_point(step))

@@ -1,0 +1,170 @@
+"""``Options`` and ``EmergencyOptions``: how the managers save, keep and time out; readable
+from TOML files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import OptionsError
+
+__all__ = ["EmergencyOptions", "Options", "OptionsError"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Policies of a :class:`CheckpointManager`.
+
+    save_interval_steps: save when ``step % save_interval_steps == 0`` (``force`` overrides).
+    max_to_keep: committed steps kept (the newest ones, or the best ones with ``best_fn``);
+        None keeps all. The newest step is never deleted.
+    keep_period: steps that are multiples of it are kept forever, in addition to the
+        ``max_to_keep`` newest (or best).
+    best_fn / best_mode: rank steps by ``best_fn(metrics)``, lower (``"min"``) or higher
+        (``"max"``) is better; ``best_metric = "loss"`` in a file means ``m["loss"]``.
+    async_save: ``save`` returns after the device->host copy; a background thread writes.
+    staging_budget_bytes: host memory for that copy; a state bigger than it is saved
+        synchronously instead (None: no limit).
+    step_digits: zero padding of step directory names (``00001000``).
+    create: create the directory if missing. cleanup_tmp: delete leftovers of
+        interrupted saves when the manager starts.
+    timeout_s: bound on every cross-process wait and on ``close``.
+    compression: None or ``"zstd"``.
+    chunk_bytes: store each shard as chunks of at most this many bytes (see
+        ``jaxckpt.save``); None: chunks follow the shards.
+    read_budget_bytes: host memory for slices read but not yet on a device during a
+        restore (None: ``restoring.READ_BUDGET_BYTES``, 128 MiB).
+    """
+
+    save_interval_steps: int = 1
+    max_to_keep: int | None = None
+    keep_period: int | None = None
+    best_fn: Callable[[dict], float] | None = None
+    best_mode: str = "min"
+    async_save: bool = True
+    staging_budget_bytes: int | None = None
+    step_digits: int = 8
+    create: bool = True
+    cleanup_tmp: bool = True
+    timeout_s: float = 600.0
+    compression: str | None = None
+    chunk_bytes: int | None = None
+    read_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.read_budget_bytes is not None and self.read_budget_bytes < 1:
+            raise OptionsError(
+                f"read_budget_bytes must be >= 1 or None, got {self.read_budget_bytes}"
+            )
+        if self.chunk_bytes is not None and self.chunk_bytes < 1:
+            raise OptionsError(f"chunk_bytes must be >= 1 or None, got {self.chunk_bytes}")
+        if self.save_interval_steps < 1:
+            raise OptionsError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise OptionsError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
+        if self.keep_period is not None and self.keep_period < 1:
+            raise OptionsError(f"keep_period must be >= 1 or None, got {self.keep_period}")
+        if self.best_mode not in ("min", "max"):
+            raise OptionsError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        if self.compression not in (None, "zstd"):
+            raise OptionsError(f"compression must be None or 'zstd', got {self.compression!r}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> Options:
+        """Reads a TOML option file (see ``configs/``); unknown keys are an error.
+
+        TOML has no null: leave a key out to keep its default (None where it is None).
+
+        >>> Options.from_file("configs/default.toml", max_to_keep=3)
+        """
+        return cls.from_dict(option_file(path), where=os.fspath(path), **overrides)
+
+    @classmethod
+    def from_dict(cls, doc: dict, *, where: str = "options", **overrides: Any) -> Options:
+        doc = dict(doc)
+        known_options(cls, doc, where=where, extra=("best_metric",), exclude=("best_fn",))
+        metric = doc.pop("best_metric", None)
+        if metric is not None:
+            doc["best_fn"] = _metric_getter(str(metric))
+        doc.update(overrides)
+        try:
+            return cls(**doc)
+        except TypeError as e:
+            raise OptionsError(f"{where}: {e}") from e
+
+
+def _metric_getter(name: str) -> Callable[[dict], float]:
+    def get(metrics: dict) -> float:
+        return float(metrics[name])
+
+    get.__name__ = f"metric[{name!r}]"
+    return get
+
+
+@dataclass(frozen=True)
+class EmergencyOptions:
+    """Policies of an :class:`EmergencyCheckpointManager`.
+
+    local_interval_steps / remote_interval_steps: save to that tier when ``step`` is a
+        multiple (``force=True`` saves both tiers).
+    local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
+    replication: how many other processes (on other hosts where the layout allows) keep a
+        copy of each process's local shards.
+    async_save: ``save`` returns after the device->host copy, with the peer copies in flight.
+    timeout_s: bound on every cross-process wait. compression: remote tier only.
+    step_digits: zero padding of both tiers' step directory names (``00001000``).
+    """
+
+    local_interval_steps: int = 10
+    remote_interval_steps: int = 1000
+    local_max_to_keep: int | None = 2
+    remote_max_to_keep: int | None = 3
+    replication: int = 0
+    async_save: bool = True
+    timeout_s: float = 600.0
+    compression: str | None = None
+    step_digits: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("local_interval_steps", "remote_interval_steps"):
+            if getattr(self, name) < 1:
+                raise OptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("local_max_to_keep", "remote_max_to_keep"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise OptionsError(f"{name} must be >= 1 or None, got {value}")
+        if self.replication < 0:
+            raise OptionsError(f"replication must be >= 0, got {self.replication}")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides: Any) -> EmergencyOptions:
+        """Reads a TOML option file (see ``configs/emergency_gpu.toml``)."""
+        doc = option_file(path)
+        known_options(cls, doc, where=os.fspath(path))
+        return cls(**{**doc, **overrides})
+
+
+def option_file(path: str | os.PathLike) -> dict:
+    """The table of a TOML option file (``Options`` and ``EmergencyOptions`` read theirs here)."""
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise OptionsError(f"{os.fspath(path)}: not valid TOML: {e}") from e
+
+
+def known_options(
+    cls, doc: dict, *, where: str, extra: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+) -> None:
+    """Refuses keys of ``doc`` that are not fields of the options class ``cls`` (plus
+    ``extra``, less ``exclude``: fields a file cannot set)."""
+    known = ({f.name for f in dataclasses.fields(cls)} | set(extra)) - set(exclude)
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise OptionsError(
+            f"{where}: unknown option(s) {unknown}; known options are {sorted(known)}"
+        )

@@ -1,0 +1,169 @@
+"""Per-process values saved with a step: each process's own data-iterator position (what
+``grain`` iterators' ``get_state()`` returns), host RNG state, a sampler's offset.
+
+Unlike the pytree's leaves, these differ from process to process. Each process's value is
+one :class:`Record`: a JSON value, bytes, or a small pytree of NumPy arrays, with a SHA-256
+of its canonical JSON so a damaged record is never returned. A checkpoint keeps them as
+``per_process/<index:05d>.json`` (docs/FORMAT.md); the emergency tier keeps them in
+``local.json`` and sends them with the peer copies.
+
+Reading one back is matched by process index, and only while the process count is
+unchanged: after a change, :func:`choose` refuses the plain call (the records must be
+redistributed by the caller, who knows what they mean) and gives one (``process=i``) or all
+(``all=True``).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ChecksumError, PerProcessError, ProcessCountChangedError
+from . import multihost
+from . import tree as tree_lib
+
+DIRECTORY = "per_process"
+KINDS = ("json", "bytes", "numpy")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One process's value as stored: ``kind`` says how ``value`` encodes it."""
+
+    process_index: int
+    process_count: int
+    kind: str
+    value: Any
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {
+            "process_index": self.process_index,
+            "process_count": self.process_count,
+            "kind": self.kind,
+            "value": self.value,
+            "sha256": self.sha256,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict, *, where: str) -> Record:
+        try:
+            return cls(
+                doc["process_index"], doc["process_count"], doc["kind"], doc["value"], doc["sha256"]
+            )
+        except (KeyError, TypeError) as e:
+            raise ChecksumError(f"{where}: a per-process record without its field {e}") from e
+
+
+def file_name(process: int) -> str:
+    return f"{process:05d}.json"
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def encode(value: Any, *, where: str, process: int | None = None) -> Record | None:
+    """This process's ``value`` as a :class:`Record` (None for None); refuses, before anything
+    is written, a value that is neither JSON, bytes nor a pytree of NumPy arrays."""
+    if value is None or isinstance(value, Record):
+        return value
+    pid = multihost.process_index() if process is None else process
+    count = multihost.process_count()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        kind, stored = "bytes", base64.b64encode(bytes(value)).decode()
+    elif _is_numpy_tree(value):
+        stored = [_array_json(p, leaf, where, pid) for p, leaf in tree_lib.flatten(value)]
+        kind = "numpy"
+    else:
+        try:
+            stored = json.loads(json.dumps(value, allow_nan=True))
+        except (TypeError, ValueError) as e:
+            raise PerProcessError(
+                f"{where}: per_process of process {pid} is of type {type(value).__name__}, "
+                f"neither JSON, bytes nor a pytree of NumPy arrays ({e}); pass e.g. a grain "
+                "iterator's get_state(), bytes, a JSON dict, or {name: np.ndarray}"
+            ) from None
+        kind = "json"
+    return Record(pid, count, kind, stored, _digest(stored))
+
+
+def decode(record: Record, *, where: str) -> Any:
+    """The value ``record`` holds; a checksum mismatch raises :class:`ChecksumError`."""
+    if record.kind not in KINDS:
+        raise ChecksumError(f"{where}: unknown per-process record kind {record.kind!r}")
+    if _digest(record.value) != record.sha256:
+        raise ChecksumError(
+            f"{where}: the per-process record of process {record.process_index} fails its "
+            "checksum (the file was changed or damaged); restore an earlier step"
+        )
+    if record.kind == "bytes":
+        return base64.b64decode(record.value)
+    if record.kind == "numpy":
+        return tree_lib.unflatten_paths([(a["path"], _array(a)) for a in record.value])
+    return record.value
+
+
+def choose(
+    records: list[Record | None],
+    *,
+    saved_count: int,
+    where: str,
+    process: int | None = None,
+    all: bool = False,  # noqa: A002 - the keyword users write
+) -> Any:
+    """The value for this process (matched by index), for ``process``, or every process's
+    (``all=True``, a list with None where a process saved none)."""
+    if all:
+        return [None if r is None else decode(r, where=where) for r in records]
+    if process is None:
+        count = multihost.process_count()
+        if count != saved_count:
+            raise ProcessCountChangedError(
+                f"{where}: saved by {saved_count} processes, this job has {count}; per-process "
+                "values cannot be matched by index. Read them with per_process(..., all=True) "
+                "(or process=i) and redistribute them yourself, e.g. restart each data "
+                "iterator from the saved position of the shard it now reads"
+            )
+        process = multihost.process_index()
+    if not 0 <= process < saved_count:
+        raise ProcessCountChangedError(
+            f"{where}: process={process}, but the step was saved by {saved_count} processes"
+        )
+    record = records[process]
+    return None if record is None else decode(record, where=where)
+
+
+def _is_numpy_tree(value: Any) -> bool:
+    leaves = [leaf for _, leaf in tree_lib.flatten(value)]
+    return bool(leaves) and all(isinstance(x, (np.ndarray, np.generic)) for x in leaves)
+
+
+def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int) -> dict:
+    arr = np.asarray(leaf)
+    if arr.dtype.kind not in "biufc":
+        raise PerProcessError(
+            f"{where}: per_process of process {pid}: the NumPy leaf "
+            f"{tree_lib.path_name(path)} has dtype {arr.dtype}; only bool, integer, float and "
+            "complex arrays can be saved per process (convert strings to a JSON value)"
+        )
+    return {
+        "path": path,
+        "dtype": arr.dtype.newbyteorder("<").str,
+        "shape": list(arr.shape),
+        "scalar": isinstance(leaf, np.generic),
+        "data": base64.b64encode(np.ascontiguousarray(arr, arr.dtype.newbyteorder("<"))).decode(),
+    }
+
+
+def _array(doc: dict) -> np.ndarray | np.generic:
+    dtype = np.dtype(doc["dtype"])
+    arr = np.frombuffer(base64.b64decode(doc["data"]), dtype).reshape(doc["shape"])
+    arr = arr.astype(dtype.newbyteorder("="))
+    return arr[()] if doc.get("scalar") else arr

@@ -1,0 +1,137 @@
+"""The emergency restore's plan, as pure functions of what the processes published (no jax):
+which step every slice of which some process holds, who sends which slice to whom, and in
+which ``ppermute`` rounds. Every process computes the same plan from the same facts."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+Index = tuple[tuple[int, int], ...]  # per dimension: [start, stop), as jaxckpt._src.sharding
+
+
+class PeerSlice(NamedTuple):
+    """A slice this process used that it did not read from a copy it wrote itself."""
+
+    leaf: str
+    index: str  # the global index, "0:16,0:8"
+    holder: int  # the process that read it from its local directory
+    writer: int  # the process that held it at save time
+
+
+class Rejected(NamedTuple):
+    """A newer step that was not used, and why."""
+
+    step: int
+    why: str
+
+
+class BadCopy(NamedTuple):
+    """A local copy that failed to read or verify."""
+
+    process: int
+    leaf: str
+    index: str
+    why: str
+
+
+class StepUnusable(Exception):
+    """A local step cannot be assembled after verification; try the next one."""
+
+    def __init__(self, why: str, bad_copies: tuple[BadCopy, ...] = ()):
+        super().__init__(why)
+        self.bad_copies = bad_copies
+
+
+Moves = dict[tuple[int, int], set[tuple[str, str]]]
+
+
+def plan_sends(s, views, holders, all_needs, bad_set, bad_all) -> Moves:
+    """Who sends what to whom: {(sender, receiver): {(leaf, index key)}}.
+
+    For every slice a process needs and has no verified copy of, the lowest process holding
+    a verified copy sends it. Every process computes the same plan from the same facts.
+    """
+    sends: Moves = {}
+    for q, need in enumerate(all_needs):
+        for name, keys in need.items():
+            for key in keys:
+                if verified(views[q], s, name, key) and (q, name, key) not in bad_set:
+                    continue
+                ok = [
+                    p
+                    for p in holders
+                    if verified(views[p], s, name, key) and (p, name, key) not in bad_set
+                ]
+                if not ok:
+                    raise StepUnusable(
+                        f"no verified copy of {name}[{key}] is left (bad copies: "
+                        f"{sorted(b[:3] for b in bad_all)})",
+                        tuple(bad_all),
+                    )
+                sends.setdefault((ok[0], q), set()).add((name, key))
+    return sends
+
+
+def sent_by(sends: Moves, p: int) -> set[tuple[str, str]]:
+    """Every slice process ``p`` sends, to anybody."""
+    return set().union(*(keys for (a, _), keys in sends.items() if a == p))
+
+
+def shift_rounds(sends: Moves, count: int) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    """The plan as ``ppermute`` rounds: [(shift, ((sender, receiver), ...))], one per distinct
+    ``(receiver - sender) % count`` used, in order; in a round each process sends at most one
+    row and receives at most one (a partial permutation). The same list on every process.
+    """
+    rounds: dict[int, list[tuple[int, int]]] = {}
+    for a, b in sends:
+        if sends[(a, b)]:
+            rounds.setdefault((b - a) % count, []).append((a, b))
+    return [(j, tuple(sorted(pairs))) for j, pairs in sorted(rounds.items())]
+
+
+def verified(view: dict, s: int, name: str, key: str) -> bool:
+    entry = view["steps"].get(str(s))
+    return entry is not None and key in entry["held"].get(name, ())
+
+
+def uncovered(s: int, views: list[dict]) -> str | None:
+    """Why step ``s`` cannot be assembled from what the processes say they hold (or None)."""
+    entries = [v["steps"][str(s)] for v in views if str(s) in v["steps"]]
+    if len({e["digest"] for e in entries}) > 1:
+        return "processes hold different trees under this step"
+    need = entries[0]["need"]
+    for name, count in need.items():
+        held = set().union(*(e["held"].get(name, ()) for e in entries))
+        if len(held) < count:
+            return (
+                f"{count - len(held)} of {count} slices of leaf {name!r} are held by none of "
+                f"the {len(views)} processes"
+            )
+    return None
+
+
+def intersect(a: Index, b: Index) -> Index | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def candidates(views: list[dict], step: int | None = None) -> tuple[list[int], list[Rejected]]:
+    """The local steps worth trying, newest first (every slice held somewhere), and the ones
+    rejected before any read: not coverable, or older than the newest remote step (unless
+    ``step`` asks for one)."""
+    newest_remote = max(views[0]["remote"], default=None)
+    steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
+    if step is not None:
+        steps = [s for s in steps if s == step]
+    out: list[int] = []
+    rejected: list[Rejected] = []
+    for s in steps:
+        if step is None and newest_remote is not None and newest_remote > s:
+            rejected.append(Rejected(s, f"the remote tier has a newer step {newest_remote}"))
+            break
+        why = uncovered(s, views)
+        if why:
+            rejected.append(Rejected(s, why))
+        else:
+            out.append(s)
+    return out, rejected

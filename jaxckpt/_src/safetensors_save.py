@@ -1,0 +1,197 @@
+"""``jaxckpt.safetensors.save``: the Hugging Face layout, every process writing its slices."""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import uuid
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from ..errors import SafetensorsError, UnsupportedLeafError
+from . import multihost
+from . import tree as tree_lib
+from .safetensors_format import INDEX_FILE, index_json, plan, runs
+from .safetensors_map import (
+    LeafMap,
+    Names,
+    Transforms,
+    bounding,
+    dotted,
+    leaf_map,
+    tensor_boxes,
+    to_reshaped,
+    volume,
+)
+from .sharding import Index, layout, write_split
+from .storage import Location, fsync_dir, location, rename_dir
+
+WRITE_BLOCK_BYTES = 128 << 20  # a leaf's owned parts joined into one host block up to this
+
+
+def save(
+    path: str | os.PathLike,
+    tree: Any,
+    *,
+    names: Names = None,
+    transforms: Transforms = None,
+    max_file_bytes: float = 5e9,
+    metadata: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+) -> None:
+    """Writes the array leaves of ``tree`` as Hugging Face safetensors files in ``path``.
+
+    One ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` files of at most
+    ``max_file_bytes`` of data with ``model.safetensors.index.json``. Every process calls
+    it; each writes the slices it owns (one replica of each, spread over the replicas) into
+    the files directly, one shard at a time. On a local or shared filesystem the files are
+    written in ``<path>.tmp-<id>`` and renamed into place when complete; object stores
+    (``s3://``, ``gs://``) take one process, each file assembled in memory and uploaded,
+    the index last. ``names``/``transforms`` as for :func:`load`; ``metadata`` goes in each
+    file's ``__metadata__``.
+    """
+    loc = location(path)
+    if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsError(f"{loc.url}: metadata values must be strings, got {metadata!r}")
+    leaves = [(m, v) for m, v in _save_leaves(tree, names, transforms, loc)]
+    specs = [
+        (name, m.cast or np.dtype(v.dtype), m.tensor_shape(tuple(v.shape)))
+        for m, v in leaves
+        for name in m.names(v.shape[0] if m.stacked else 1)
+    ]
+    if len({s[0] for s in specs}) != len(specs):
+        dup = [n for n, c in collections.Counter(s[0] for s in specs).items() if c > 1]
+        raise SafetensorsError(f"{loc.url}: several leaves map to tensor(s) {dup[:5]}; fix names=")
+    files, placed = plan(specs, max_file_bytes, metadata)
+    count = multihost.process_count()
+    if not loc.is_local:
+        if count > 1:
+            raise SafetensorsError(
+                f"{loc.url}: a multi-process save needs a shared filesystem (processes write "
+                "slices of one file in place); save there and copy, or save from one process"
+            )
+        _save_object_store(loc, leaves, files, placed, metadata)
+        return
+    agreed = multihost.agree(
+        multihost.unique_name("safetensors"),
+        {"path": loc.url, "leaves": len(specs), "files": [f.name for f in files]},
+        timeout_s,
+        what=loc.url,
+        extra=uuid.uuid4().hex[:12],
+    )
+    if os.path.exists(loc.url):
+        raise SafetensorsError(f"{loc.url} already exists; choose a new directory or delete it")
+    work = loc.parent().join(f"{loc.name}.tmp-{agreed.first}")
+    if multihost.process_index() == 0:
+        work.makedirs()
+        for f in files:
+            with open(os.path.join(work.url, f.name), "wb") as fh:
+                fh.write(f.header)
+                fh.truncate(f.size)
+    multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/created", timeout_s, what=loc.url)
+    fds = {f.name: os.open(os.path.join(work.url, f.name), os.O_WRONLY) for f in files}
+    try:
+        for salt, (m, v) in enumerate(leaves):
+            for box, data in _blocks(_owned(v, salt), WRITE_BLOCK_BYTES):
+                for file, offset, chunk in _placements(m, box, data, placed):
+                    os.pwrite(fds[file], chunk, offset)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/written", timeout_s, what=loc.url)
+    if multihost.process_index() == 0:
+        if len(files) > 1:
+            work.write_bytes(INDEX_FILE, index_json(files, placed, metadata))
+        rename_dir(work, loc)
+        fsync_dir(loc.parent().url)
+    multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/committed", timeout_s, what=loc.url)
+
+
+def _save_leaves(tree, names, transforms, loc: Location):
+    for path, v in tree_lib.flatten(tree):
+        if isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+            raise UnsupportedLeafError(
+                f"{loc.url}: leaf {dotted(path)!r} is a PRNG key; safetensors holds plain "
+                "tensors: save jax.random.key_data(key) instead"
+            )
+        if isinstance(v, (jax.Array, np.ndarray, np.generic)):
+            yield (
+                leaf_map(dotted(path), names, transforms),
+                (v if isinstance(v, jax.Array) else np.asarray(v)),
+            )
+
+
+def _owned(v, salt: int):
+    """``(box, host data)`` of the parts of ``v`` this process writes, one at a time."""
+    shape, pid = tuple(v.shape), multihost.process_index()
+    if isinstance(v, np.ndarray):
+        if pid == salt % multihost.process_count():
+            yield tuple((0, d) for d in shape), v
+        return
+    if not math.prod(shape):
+        return
+    split = write_split(v.sharding, shape, np.dtype(v.dtype).itemsize, None)
+    for position, index in layout(v.sharding, shape).held_at:
+        for region, group in split.parts[index]:
+            if split.writer(index, group, salt) == pid:
+                part = tuple(
+                    slice(a - s, b - s) for (a, b), (s, _) in zip(region, index, strict=True)
+                )
+                yield region, np.asarray(v.addressable_data(position))[part]
+
+
+def _blocks(parts, budget: int):
+    """The owned ``(box, data)`` parts of a leaf, joined into one block when they tile a box
+    of at most ``budget`` bytes (one long write per row range, not one per row of each
+    part); else as they come."""
+    parts = list(parts)
+    block = bounding([b for b, _ in parts]) if len(parts) > 1 else None
+    if block is None or volume(block) != sum(volume(b) for b, _ in parts):
+        yield from parts
+        return
+    dtype = parts[0][1].dtype
+    if volume(block) * dtype.itemsize > budget:
+        yield from parts
+        return
+    out = np.empty(tuple(b - a for a, b in block), dtype)
+    for box, data in parts:
+        out[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(box, block, strict=True))] = data
+    yield block, out
+
+
+def _placements(m: LeafMap, box: Index, data: np.ndarray, placed):
+    """``(file, offset, bytes)`` writes that put ``data`` (the leaf's ``box``) in place."""
+    for n, (i, rbox) in enumerate(tensor_boxes(m, box)):
+        name = m.tensor.format(i=i) if m.stacked else m.tensor
+        t = placed[name]
+        block = data[n] if m.stacked else data
+        block = np.ascontiguousarray(to_reshaped(m, block).astype(t.dtype, copy=False))
+        rshape = m.reshape.shape if m.reshape else t.shape
+        raw = memoryview(block.reshape(-1).view(np.uint8))
+        pos = 0
+        for off, length in runs(rshape, t.dtype.itemsize, rbox):
+            yield t.file, t.begin + off, raw[pos : pos + length]
+            pos += length
+
+
+def _save_object_store(loc: Location, leaves, files, placed, metadata) -> None:
+    kv = ts.KvStore.open(loc.kvstore()).result()
+    for f in files:
+        buf = bytearray(f.size)
+        buf[: len(f.header)] = f.header
+        for salt, (m, v) in enumerate(leaves):
+            if not any(placed[n].file == f.name for n in m.names(v.shape[0] if m.stacked else 1)):
+                continue
+            for box, data in _owned(v, salt):
+                for file, offset, chunk in _placements(m, box, data, placed):
+                    if file == f.name:
+                        buf[offset : offset + len(chunk)] = chunk
+        kv.write(f.name, bytes(buf)).result()
+    if len(files) > 1:
+        kv.write(INDEX_FILE, index_json(files, placed, metadata)).result()

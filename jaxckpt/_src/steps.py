@@ -1,0 +1,116 @@
+"""Step directories, for both tiers: the commit that makes one visible, listing the
+committed ones, deleting one, and clearing what interrupted saves left behind.
+
+A step directory is committed when it holds ``COMMITTED``, written last: a save writes into
+``<step>.tmp-<id>/`` (its writer holding the ``.owner`` lock), renames it into place, then
+writes the marker; a deletion removes the marker first. So a half-written or half-deleted
+step is never listed or restored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+
+from ..errors import CheckpointExistsError
+from .manifest import COMMIT_FILE
+from .storage import (
+    OWNER_FILE,
+    Location,
+    being_written,
+    hold_owner_lock,
+    release_owner_lock,
+    rename_dir,
+)
+
+log = logging.getLogger("jaxckpt")
+
+
+def step_dir(directory: Location, step: int, digits: int = 8) -> Location:
+    """A step's directory: its number zero-padded to ``digits`` (``00001000``)."""
+    return directory.join(f"{step:0{digits}d}")
+
+
+def claim(work: Location) -> int | None:
+    """Creates the local temporary directory ``work`` (a new, unique name) already holding
+    its owner lock, and returns the lock's descriptor (``storage.release_owner_lock``). A
+    manager cleaning leftovers meanwhile must never see it unlocked, so it is made under a
+    hidden name, locked there, then renamed into place; ``clean_leftovers`` removes a hidden
+    one whose claim was killed before the rename."""
+    if not work.is_local:
+        return None
+    hidden = work.parent().join(f".init-{uuid.uuid4().hex[:12]}")
+    os.makedirs(hidden.url)
+    fd = hold_owner_lock(hidden)
+    try:
+        os.rename(hidden.url, work.url)
+    except BaseException:
+        release_owner_lock(fd)
+        hidden.remove()
+        raise
+    return fd
+
+
+def publish(work: Location, final: Location, *, replace_committed: bool = False) -> None:
+    """Makes the finished ``work`` directory the committed ``final`` one: rename (local
+    filesystems; on object stores ``work`` is ``final``), then the marker. A leftover at
+    ``final`` without a marker is replaced; a committed one too with ``replace_committed``,
+    else it is an error and nothing is overwritten."""
+    if work != final:
+        if os.path.exists(final.url):
+            if final.exists(COMMIT_FILE) and not replace_committed:
+                raise CheckpointExistsError(
+                    f"{final.url} was committed by another save while this one was writing; "
+                    "nothing was overwritten. Save each checkpoint once"
+                )
+            final.remove()
+        rename_dir(work, final)
+    final.write_bytes(COMMIT_FILE, b"", create_dir=False)
+    final.delete_file(OWNER_FILE)
+
+
+def committed(directory: Location) -> list[int]:
+    """The committed steps under ``directory`` (numeric names with the marker), sorted."""
+    return sorted(
+        int(n)
+        for n in directory.list_children()
+        if n.isdigit() and directory.join(n).exists(COMMIT_FILE)
+    )
+
+
+def delete(path: Location) -> None:
+    """Deletes a committed step directory, its marker first."""
+    path.delete_file(COMMIT_FILE)
+    path.remove()
+
+
+def clean_leftovers(directory: Location, *, grace_s: float) -> list[str]:
+    """Removes the temporary and unmarked step directories under ``directory``, except those
+    a live save still writes (it holds their owner lock, ``storage.being_written``)."""
+    removed = []
+    for name in directory.list_children():
+        child = directory.join(name)
+        if name.startswith(".init-"):
+            # A claim killed before its rename; one without its lock yet is left a minute.
+            if not _claim_abandoned(child):
+                continue
+        elif not (".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE))):
+            continue
+        if being_written(child, grace_s):
+            log.info("jaxckpt: leaving %s alone: a save is writing it", child.url)
+            continue
+        log.info("jaxckpt: removing leftover %s", child.url)
+        child.remove()
+        removed.append(name)
+    return removed
+
+
+def _claim_abandoned(hidden: Location) -> bool:
+    if hidden.exists(OWNER_FILE):
+        return True  # ``being_written`` then says whether its owner lives
+    try:
+        return time.time() - os.path.getmtime(hidden.url) > 60
+    except FileNotFoundError:
+        return False
