@@ -49,7 +49,9 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
     multiproc.init()
     import jax
     from jax.sharding import AxisType
-    from train_flax import batch, create_state, train_step  # the Flax MLP + Optax AdamW
+
+    # the Flax MLP + Optax AdamW, fed by a Grain pipeline per process
+    from train_flax import batches, create_state, global_batch, train_step
 
     import jaxckpt
 
@@ -66,15 +68,18 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
         local_dir, os.path.join(directory, "remote"), opts
     ) as mgr:
         state = create_state(mesh)  # also the restore target: shapes and shardings
+        it = batches()
         start = 0
         # agreed on every process: a replaced host with an empty disk resumes too
         if mgr.latest_step() is not None:
             state = mgr.restore(target=state)
+            it.set_state(mgr.per_process())  # for a replaced host: from a peer's copy
             rep = mgr.last_report
             start = rep.step
             print(
                 f"[p{pid}] resumed from the {rep.tier} tier at step {rep.step}; "
-                f"{len(rep.from_peers)} slices from peers; rejected: {list(rep.rejected)}; "
+                f"{len(rep.from_peers)} slices from peers; iterator position from process "
+                f"{rep.per_process_from}; rejected: {list(rep.rejected)}; "
                 f"checksum {checksum(state)}",
                 flush=True,
             )
@@ -82,8 +87,9 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
             if step == kill_at and pid == count - 1:
                 print(f"[p{pid}] host failure at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            state, loss = train_step(state, *batch(step - 1, mesh))  # state.step becomes step
-            if mgr.save(step, state) and step % LOCAL_EVERY == 0:
+            state, loss = train_step(state, *global_batch(next(it), mesh))  # step becomes step
+            saved = mgr.save(step, state, per_process=it.get_state())
+            if saved and step % LOCAL_EVERY == 0:
                 print(
                     f"[p{pid}] step {step} loss {float(loss):.5f} saved, checksum "
                     f"{checksum(state)}; local save blocked "

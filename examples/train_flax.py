@@ -3,8 +3,10 @@
     python examples/train_flax.py --dir /tmp/run --steps 200 --save-every 50
     python examples/train_flax.py --dir /tmp/run --steps 400 --save-every 50 --resume
 
-Data is synthetic and a pure function of the step, so a resumed run sees the same batches
-as an uninterrupted one and ends with bit-identical parameters.
+Batches come from a Grain pipeline on each process (synthetic records, shuffled with a
+seed, sharded by process, batched). Each save also keeps every process's iterator position
+(``per_process=it.get_state()``), so a resumed run feeds the batches an uninterrupted one
+would have, and ends with bit-identical parameters.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal  # noqa: E402
 from functools import partial  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
+import grain  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -62,14 +65,27 @@ def create_state(mesh):
     return jax.device_put(state, shardings(mesh, state))
 
 
-def batch(step, mesh):
-    """The synthetic batch of ``step``: y = sum(sin(x)) + noise."""
-    key = jax.random.fold_in(jax.random.key(42), step)
-    kx, kn = jax.random.split(key)
-    x = jax.random.normal(kx, (BATCH, FEATURES))
-    y = jnp.sum(jnp.sin(x), axis=1, keepdims=True) + 0.01 * jax.random.normal(kn, (BATCH, 1))
+def record(i: int) -> dict:
+    """Synthetic record ``i``: y = sum(sin(x)) + noise, a pure function of the id."""
+    rng = np.random.default_rng(i)
+    x = rng.standard_normal(FEATURES).astype(np.float32)
+    return {"x": x, "y": np.float32(np.sin(x).sum() + 0.01 * rng.standard_normal())}
+
+
+def batches() -> grain.DatasetIterator:
+    """This process's Grain iterator: its shard of the shuffled records, endlessly, in local
+    batches of BATCH / process_count."""
+    pid, count = jax.process_index(), jax.process_count()
+    ds = grain.MapDataset.range(4096).shuffle(seed=42).repeat()[pid::count].map(record)
+    return iter(ds.batch(BATCH // count, drop_remainder=True).to_iter_dataset())
+
+
+def global_batch(local: dict, mesh) -> tuple[jax.Array, jax.Array]:
+    """Every process's local batch as one batch sharded over ``data``."""
     data = NamedSharding(mesh, P("data"))
-    return jax.device_put(x, data), jax.device_put(y, data)
+    x = jax.make_array_from_process_local_data(data, local["x"])
+    y = jax.make_array_from_process_local_data(data, local["y"][:, None])
+    return x, y
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -107,18 +123,22 @@ def main() -> None:
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     state = create_state(mesh)
     opts = jaxckpt.Options(save_interval_steps=args.save_every, max_to_keep=3)
+    it = batches()
     with jaxckpt.CheckpointManager(args.dir, opts) as mgr:
         if args.resume and mgr.latest_step() is not None:
             state = mgr.restore(target=state)
+            it.set_state(mgr.per_process())  # this process's iterator position
             print(f"resumed from step {int(state.step)}")
         log = open(args.log, "a") if args.log and jax.process_index() == 0 else None  # noqa: SIM115
         while int(state.step) < args.steps:
             step = int(state.step)
-            state, loss = train_step(state, *batch(step, mesh))
+            state, loss = train_step(state, *global_batch(next(it), mesh))
             if log:
                 log.write(json.dumps({"step": step, "loss": float(loss)}) + "\n")
                 log.flush()
-            mgr.save(int(state.step), state, metrics={"loss": float(loss)})
+            mgr.save(
+                int(state.step), state, metrics={"loss": float(loss)}, per_process=it.get_state()
+            )
             if step % 50 == 0 and jax.process_index() == 0:
                 print(f"step {step:5d}  loss {float(loss):.5f}")
             if args.kill_at is not None and int(state.step) == args.kill_at:

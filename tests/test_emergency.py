@@ -408,3 +408,5 @@ def test_resilient_training_example(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert '"resumed_step": 16, "tier": "local", "state_equal": true' in res.stdout
     assert "[p1] resumed from the local tier at step 16" in res.stdout
+    # the replaced host's data-iterator position came from process 0's peer copy
+    assert "[p1] resumed" in res.stdout and "iterator position from process 0" in res.stdout
