@@ -199,3 +199,16 @@ def test_ls_info_verify_on_s3(mesh42, s3_url):
     assert res.returncode == 0 and json.loads(res.stdout)["bytes"] == 64 * 32 * 4 + 32 * 4, res
     res = cli("verify", step)
     assert res.returncode == 0 and res.stdout.startswith("ok "), res.stdout + res.stderr
+
+
+def test_info_and_verify_see_per_process_records(mesh42, tmp_path):
+    path = tmp_path / "c"
+    jaxckpt.save(path, _state(mesh42), per_process={"next_index": 3})
+    res = cli("info", path)
+    assert "per-process values saved by processes [0]" in res.stdout, res.stdout + res.stderr
+    assert cli("verify", path).returncode == 0
+    record = path / "per_process" / "00000.json"
+    record.write_text(record.read_text().replace('"next_index": 3', '"next_index": 4'))
+    res = cli("verify", path)
+    assert res.returncode == 1 and "per_process[0]" in res.stdout, res.stdout
+    assert "fails its checksum" in res.stdout, res.stdout

@@ -105,6 +105,17 @@ def test_emergency_manager_keeps_it_in_both_tiers(tmp_path):
     assert doc["per_process"]["0"]["value"] == {"next_index": 3}
 
 
+def test_on_s3(s3_url):
+    """Object stores have no rename: the record is written in place, before COMMITTED."""
+    with jaxckpt.CheckpointManager(s3_url) as mgr:
+        mgr.save(1, small(), per_process=b"position")
+        mgr.wait_until_finished()
+    with jaxckpt.CheckpointManager(s3_url) as mgr:
+        mgr.restore(target=small())
+        assert mgr.per_process() == b"position"
+        assert jaxckpt.per_process(f"{s3_url}/00000001") == b"position"
+
+
 # --- multi-process: a Grain pipeline per process, SIGKILL, resume ---------------------------
 
 

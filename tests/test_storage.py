@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src.storage import Location, _s3_options, location
+from jaxckpt._src.storage import Location, location, s3_options
 
 # --- parsing -------------------------------------------------------------------------------
 
@@ -61,16 +61,16 @@ def test_unsupported_scheme(url):
 
 
 def test_s3_options_from_environment():
-    assert _s3_options({}) == {}
-    assert _s3_options({"AWS_REGION": "eu-west-1"}) == {}  # AWS itself: bucket's own region
+    assert s3_options({}) == {}
+    assert s3_options({"AWS_REGION": "eu-west-1"}) == {}  # AWS itself: bucket's own region
     env = {"AWS_ENDPOINT_URL": "http://minio:9000/", "AWS_DEFAULT_REGION": "eu-west-1"}
-    assert _s3_options(env) == {"endpoint": "http://minio:9000", "aws_region": "eu-west-1"}
+    assert s3_options(env) == {"endpoint": "http://minio:9000", "aws_region": "eu-west-1"}
     env |= {"AWS_REGION": "eu-west-3", "AWS_ENDPOINT_URL_S3": "https://s3.example"}
-    assert _s3_options(env) == {"endpoint": "https://s3.example", "aws_region": "eu-west-3"}
-    assert _s3_options(env | {"AWS_IGNORE_CONFIGURED_ENDPOINT_URLS": "true"}) == {}
-    assert _s3_options({"AWS_ACCESS_KEY_ID": "k"}) == {"aws_credentials": {"type": "environment"}}
+    assert s3_options(env) == {"endpoint": "https://s3.example", "aws_region": "eu-west-3"}
+    assert s3_options(env | {"AWS_IGNORE_CONFIGURED_ENDPOINT_URLS": "true"}) == {}
+    assert s3_options({"AWS_ACCESS_KEY_ID": "k"}) == {"aws_credentials": {"type": "environment"}}
     with pytest.raises(errors.StorageError, match="http"):
-        _s3_options({"AWS_ENDPOINT_URL": "minio:9000"})
+        s3_options({"AWS_ENDPOINT_URL": "minio:9000"})
 
 
 def test_local_small_files(tmp_path):

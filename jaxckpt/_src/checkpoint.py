@@ -23,7 +23,6 @@ import jax
 
 from ..errors import (
     CheckpointExistsError,
-    ChecksumError,
     ManifestError,
     OptionsError,
     UnsupportedLeafError,
@@ -267,14 +266,7 @@ def per_process(
     manifest = read_manifest(loc)
     records: list[pp.Record | None] = [None] * manifest.process_count
     for i in manifest.per_process or ():
-        where = f"{loc.url}/{pp.DIRECTORY}/{pp.file_name(i)}"
-        data = loc.join(pp.DIRECTORY).read_bytes(pp.file_name(i))
-        if data is None:
-            raise ChecksumError(f"{where}: the per-process record of process {i} is missing")
-        try:
-            records[i] = pp.Record.from_json(json.loads(data), where=where)
-        except ValueError as e:
-            raise ChecksumError(f"{where}: damaged per-process record ({e})") from e
+        records[i] = pp.read_record(loc, i)
     return pp.choose(
         records, saved_count=manifest.process_count, where=loc.url, process=process, all=all
     )

@@ -147,6 +147,7 @@ def info_json(loc: Location) -> dict:
         "bytes_per_process": m.bytes_per_process,
         "custom_metadata": m.metadata,
         "metrics": m.metrics,
+        "per_process": m.per_process,
         "leaves": [leaf_json(r, m) for r in m.leaves],
     }
 
@@ -172,6 +173,8 @@ def info(args) -> int:
         print(f"custom_metadata: {json.dumps(doc['custom_metadata'])}")
     if doc["metrics"]:
         print(f"metrics: {json.dumps(doc['metrics'])}")
+    if doc["per_process"]:
+        print(f"per-process values saved by processes {doc['per_process']}")
     return 0
 
 

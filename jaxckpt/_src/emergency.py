@@ -244,16 +244,17 @@ class EmergencyCheckpointManager:
             receives_from=[(pid - j) % count for j in shifts],
         )
         peers = None
-        records = RecordsToKeep({pid: record} if record is not None else {}, None, ())
+        own = {pid: record} if record is not None else {}
+        records = RecordsToKeep(own, None, ())
         if shifts:
-            # every process leaves its receivers its record (or nothing): a few hundred
-            # bytes through the key-value store; the writer thread collects what it receives
-            tag = self._tag("per_process")
-            for j in shifts:
-                text = "" if record is None else json.dumps(record.to_json())
-                multihost.send_text(tag, (pid + j) % count, text)
-            records = RecordsToKeep(records.own, tag, [(pid - j) % count for j in shifts])
             with fig.phase("peer_exchange"):
+                # each receiver gets this process's record (or nothing): a few hundred bytes
+                # through the key-value store; its writer thread collects them
+                tag = self._tag("per_process")
+                text = "" if record is None else json.dumps(record.to_json())
+                for j in shifts:
+                    multihost.send_text(tag, (pid + j) % count, text)
+                records = RecordsToKeep(own, tag, doc.keywords["receives_from"])
                 peers, as_rows = send_shards(on_devices, shifts, reuse=self._received)
                 self._received = peers
                 if as_rows:  # the same leaves on every process

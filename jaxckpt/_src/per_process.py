@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import ChecksumError, PerProcessError, ProcessCountChangedError
 from . import multihost
 from . import tree as tree_lib
+from .storage import Location
 
 DIRECTORY = "per_process"
 KINDS = ("json", "bytes", "numpy")
@@ -62,6 +63,19 @@ class Record:
 
 def file_name(process: int) -> str:
     return f"{process:05d}.json"
+
+
+def read_record(checkpoint: Location, process: int) -> Record:
+    """Process ``process``'s record in a checkpoint directory; a missing or unreadable one
+    raises :class:`ChecksumError` (its checksum is checked by :func:`decode`)."""
+    where = f"{checkpoint.url}/{DIRECTORY}/{file_name(process)}"
+    data = checkpoint.join(DIRECTORY).read_bytes(file_name(process))
+    if data is None:
+        raise ChecksumError(f"{where}: the per-process record of process {process} is missing")
+    try:
+        return Record.from_json(json.loads(data), where=where)
+    except ValueError as e:
+        raise ChecksumError(f"{where}: damaged per-process record ({e})") from e
 
 
 def _digest(value: Any) -> str:

@@ -56,7 +56,7 @@ class Location:
         """TensorStore kvstore spec for this directory (trailing slash: a prefix).
 
         ``s3://`` takes its endpoint, region and credentials from the environment the way
-        the AWS CLI does (see :func:`_s3_options`).
+        the AWS CLI does (see :func:`s3_options`).
         """
         if self.is_local:
             return {"driver": "file", "path": self.url + "/"}
@@ -65,7 +65,7 @@ class Location:
         prefix = parsed.path.lstrip("/")
         spec["path"] = prefix + "/" if prefix else ""
         if parsed.scheme == "s3":
-            spec.update(_s3_options())
+            spec.update(s3_options())
         return spec
 
     # --- small files -----------------------------------------------------------------
@@ -220,7 +220,7 @@ def _kv(loc: Location) -> ts.KvStore:
     return ts.KvStore.open(loc.kvstore()).result()
 
 
-def _s3_options(environ: Mapping[str, str] | None = None) -> dict:
+def s3_options(environ: Mapping[str, str] | None = None) -> dict:
     """The parts of an ``s3`` kvstore spec that TensorStore does not take from the environment.
 
     TensorStore's s3 driver reads the credentials itself (``AWS_ACCESS_KEY_ID``,

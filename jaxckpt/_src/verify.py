@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import tensorstore as ts
 
 from . import arrays
+from . import per_process as pp
 from .manifest import LeafRecord, Manifest
 from .restoring import read_manifest
 from .sharding import saved_writers
@@ -123,6 +124,12 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
             held += nbytes
     while in_flight:
         finish_one()
+    for i in manifest.per_process or ():  # 1.4: each process's record and its checksum
+        try:
+            pp.decode(pp.read_record(loc, i), where=loc.url)
+        except Exception as e:
+            where = loc.join(pp.DIRECTORY).join(pp.file_name(i)).url
+            report.problems.append(Problem(f"per_process[{i}]", None, where, _first_line(e)))
     return report
 
 
