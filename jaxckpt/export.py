@@ -19,16 +19,16 @@ gives 8 -> (4, 2), 4 -> (2, 2), 2 -> (1, 2), 1 -> (1, 1), 16 -> (8, 2).
 >>> y = served(x)
 """
 
-from ._src.export import ARTIFACTS_DIR as ARTIFACTS_DIR
-from ._src.export import EXPORT_FORMAT as EXPORT_FORMAT
-from ._src.export import EXPORT_FORMAT_VERSION as EXPORT_FORMAT_VERSION
-from ._src.export import PARAMS_DIR as PARAMS_DIR
-from ._src.export import SIGNATURE_FILE as SIGNATURE_FILE
-from ._src.export import Served as Served
 from ._src.export import axis_sizes_for as axis_sizes_for
-from ._src.export import load as load
 from ._src.export import save as save
-from ._src.export import signature as signature
+from ._src.export_format import ARTIFACTS_DIR as ARTIFACTS_DIR
+from ._src.export_format import EXPORT_FORMAT as EXPORT_FORMAT
+from ._src.export_format import EXPORT_FORMAT_VERSION as EXPORT_FORMAT_VERSION
+from ._src.export_format import PARAMS_DIR as PARAMS_DIR
+from ._src.export_format import SIGNATURE_FILE as SIGNATURE_FILE
+from ._src.export_format import signature as signature
+from ._src.serving import Served as Served
+from ._src.serving import load as load
 
 __all__ = [
     "ARTIFACTS_DIR",

@@ -16,15 +16,15 @@ let several processes write slices of one file); files written here read back bi
 with ``safetensors.numpy.load_file``.
 """
 
-from ._src.safetensors import Cast as Cast
-from ._src.safetensors import Reshape as Reshape
-from ._src.safetensors import SafetensorsError as SafetensorsError
-from ._src.safetensors import Stack as Stack
-from ._src.safetensors import TensorInfo as TensorInfo
-from ._src.safetensors import Transpose as Transpose
 from ._src.safetensors import load as load
 from ._src.safetensors import metadata as metadata
-from ._src.safetensors import save as save
+from ._src.safetensors_format import TensorInfo as TensorInfo
+from ._src.safetensors_map import Cast as Cast
+from ._src.safetensors_map import Reshape as Reshape
+from ._src.safetensors_map import Stack as Stack
+from ._src.safetensors_map import Transpose as Transpose
+from ._src.safetensors_save import save as save
+from .errors import SafetensorsError as SafetensorsError
 
 __all__ = [
     "Cast",

@@ -17,36 +17,19 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from ..errors import ExportError
 from . import tree as tree_lib
 from .export_format import (
-    ARTIFACTS_DIR,
     EXPORT_FORMAT,
     EXPORT_FORMAT_VERSION,
     PARAMS_DIR,
     PLAIN_SYMBOL,
-    SIGNATURE_FILE,
     package_version,
     prepare_target,
     require_flatbuffers,
     shape_json,
-    signature,
     variant_record,
     write,
 )
-from .serving import Served, load
 from .sharding import spec_to_json
 from .storage import Location, location
-
-__all__ = [
-    "ARTIFACTS_DIR",
-    "EXPORT_FORMAT",
-    "EXPORT_FORMAT_VERSION",
-    "PARAMS_DIR",
-    "SIGNATURE_FILE",
-    "Served",
-    "axis_sizes_for",
-    "load",
-    "save",
-    "signature",
-]
 
 # --- axis sizes and small helpers ---------------------------------------------------------
 

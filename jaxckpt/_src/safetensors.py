@@ -28,7 +28,6 @@ from .safetensors_format import (
     read_range,
     runs,
 )
-from .safetensors_map import Cast as Cast
 from .safetensors_map import (
     LeafMap,
     Names,
@@ -40,24 +39,8 @@ from .safetensors_map import (
     tensor_boxes,
     volume,
 )
-from .safetensors_map import Reshape as Reshape
-from .safetensors_map import Stack as Stack
-from .safetensors_map import Transpose as Transpose
-from .safetensors_save import save as save
 from .sharding import Index
 from .storage import Location, location
-
-__all__ = [
-    "Cast",
-    "Reshape",
-    "SafetensorsError",
-    "Stack",
-    "TensorInfo",
-    "Transpose",
-    "load",
-    "metadata",
-    "save",
-]
 
 READ_BUDGET_BYTES = 128 << 20
 
