@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..errors import CheckpointError, CheckpointNotFoundError
-from . import local, local_restore, multihost, staging
+from . import local, local_restore, multihost, staging, steps
 from . import per_process as pp
 from . import tree as tree_lib
 from .manager import CheckpointManager
@@ -114,7 +114,7 @@ class EmergencyCheckpointManager:
                 f"local_directory must be a local path, got {self.local_directory.url}"
             )
         self.local_directory.makedirs()
-        local.cleanup(self.local_directory, grace_s=opts.timeout_s)
+        steps.clean_leftovers(self.local_directory, grace_s=opts.timeout_s)
         self._remote = CheckpointManager(
             remote_directory,
             Options(
@@ -126,7 +126,7 @@ class EmergencyCheckpointManager:
             ),
         )
         self.last_report: RecoveryReport | None = None
-        self._local_steps = set(local.committed_steps(self.local_directory))
+        self._local_steps = set(steps.committed(self.local_directory))
         self._host = HostCopies()  # reused host buffers of NumPy leaves and device shards
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
@@ -390,7 +390,7 @@ class EmergencyCheckpointManager:
         keep = self.options.local_max_to_keep
         if keep is not None:
             for old in sorted(self._local_steps)[:-keep]:
-                local.delete_step(self.local_directory, old, digits)
+                steps.delete(steps.step_dir(self.local_directory, old, digits))
                 self._local_steps.discard(old)
         self.last_write_figures = fig.done()
 

@@ -141,18 +141,10 @@ class LocalStep:
             raise ManifestError(f"{where}: missing or bad field {e}") from e
 
 
-def step_dir(directory: Location, step: int, digits: int = 8) -> Location:
-    return steps.step_dir(directory, step, digits)
-
-
-def committed_steps(directory: Location) -> list[int]:
-    return steps.committed(directory)
-
-
 def read_step(directory: Location, step: int, digits: int = 8) -> LocalStep | None:
     """The committed step's document, or None when it is missing or damaged.
     A newer major format version raises :class:`FormatVersionError`."""
-    path = step_dir(directory, step, digits)
+    path = steps.step_dir(directory, step, digits)
     if not path.exists(COMMIT_FILE):
         return None
     where = f"{path.url}/{LOCAL_FILE}"
@@ -169,7 +161,7 @@ def read_step(directory: Location, step: int, digits: int = 8) -> LocalStep | No
 def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int = 8) -> Location:
     """Writes one committed local step (tmp dir, rename, marker last) holding ``slices``
     (``doc.held`` lists them); returns its path."""
-    final = step_dir(directory, doc.step, digits)
+    final = steps.step_dir(directory, doc.step, digits)
     work = final.parent().join(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     db = work.join("arrays")
     by_leaf: dict[str, list] = {}
@@ -219,15 +211,6 @@ def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
             break
         chunks[d] //= 2
     return chunks
-
-
-def delete_step(directory: Location, step: int, digits: int = 8) -> None:
-    steps.delete(step_dir(directory, step, digits))
-
-
-def cleanup(directory: Location, grace_s: float) -> list[str]:
-    """Removes temporary and uncommitted step directories; returns their names."""
-    return steps.clean_leftovers(directory, grace_s=grace_s)
 
 
 def read_slices(

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from . import local, multihost
+from . import local, multihost, steps
 from . import per_process as pp
 from . import tree as tree_lib
 from .monitoring import Figures
@@ -61,7 +61,7 @@ def publish_holdings(
     """
     mine = {
         s: ls
-        for s in local.committed_steps(directory)
+        for s in steps.committed(directory)
         if (ls := local.read_step(directory, s, digits)) is not None
     }
     published = {
