@@ -325,9 +325,7 @@ class EmergencyCheckpointManager:
                 check_numpy(arr, tree_lib.path_name(tree_lib.path_to_json(keypath)))
                 if arr.size:  # copied: NumPy arrays can change after save returns
                     key = (str(i), tuple((0, d) for d in arr.shape))
-                    native = arr.dtype.newbyteorder("=")
-                    slices[key] = buf = host.buffer(key, arr.shape, native)
-                    host.copies.append((buf, arr))
+                    slices[key] = host.snapshot(key, arr, arr.dtype.newbyteorder("="))
                 continue
             if not isinstance(leaf, jax.Array):
                 raise unsupported(leaf, tree_lib.path_name(tree_lib.path_to_json(keypath)))
@@ -338,18 +336,9 @@ class EmergencyCheckpointManager:
             if not math.prod(shape):
                 continue
             on_devices[str(i)] = arr
-            cpu = next(iter(arr.sharding.device_set)).platform == "cpu"
             for k, index in layout(arr.sharding, shape).held_at:  # one device per index
-                data = arr.addressable_data(k)
-                if cpu:
-                    # Host memory already: a view is a snapshot (see staging._shard_getter).
-                    slices[(str(i), index)] = np.asarray(data)
-                    continue
-                data.copy_to_host_async()
-                slices[(str(i), index)] = buf = host.buffer(
-                    (str(i), index), tuple(data.shape), np.dtype(data.dtype)
-                )
-                host.copies.append((buf, data))
+                key = (str(i), index)
+                slices[key] = host.snapshot(key, arr.addressable_data(k))
         host.run_copies()  # all D2H copies were started above
         return slices, on_devices, key_data
 

@@ -199,6 +199,20 @@ class HostCopies:
             buf = self.buffers[key] = np.empty(shape, dtype)
         return buf
 
+    def snapshot(self, key: tuple, data: Any, dtype: np.dtype | None = None) -> np.ndarray:
+        """A host snapshot of ``data`` (one device's buffer, or a NumPy array) in the reused
+        buffer ``key``, filled by :meth:`run_copies` (device copies start now). A CPU device
+        buffer is host memory already and is returned as a view: jax arrays are immutable,
+        and while the view lives XLA will not donate the buffer to a later computation (it
+        allocates a new output instead), so nothing overwrites it."""
+        if isinstance(data, jax.Array):
+            if data.platform() == "cpu":
+                return np.asarray(data)
+            data.copy_to_host_async()
+        buf = self.buffer(key, tuple(data.shape), dtype or np.dtype(data.dtype))
+        self.copies.append((buf, data))
+        return buf
+
     def run_copies(self) -> None:
         """Copies every pending source into its buffer (two threads: memcpy drops the GIL)."""
         pending, self.copies = self.copies, []
@@ -234,25 +248,16 @@ def _shard_getter(
     part = tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(region, index, strict=True))
     if host is None:
         return lambda: np.asarray(data)[part]
-    if data.platform() == "cpu":
-        # The device buffer is host memory already. A NumPy view of it is a snapshot: jax
-        # arrays are immutable, and while the view lives XLA will not donate the buffer to a
-        # later computation (it allocates a new output instead), so nothing overwrites it.
-        view = np.asarray(data)[part]
-        return lambda: view
-    if region != index:  # copy only this process's part to the host
-        data = data[part]
-    data.copy_to_host_async()
-    buf = host.buffer((name, region), tuple(data.shape), np.dtype(data.dtype))
-    host.copies.append((buf, data))
-    return lambda: buf
+    if region != index and data.platform() != "cpu":  # copy only this process's part
+        data, part = data[part], ()
+    snap = host.snapshot((name, region), data)[part]
+    return lambda: snap
 
 
 def _numpy_getter(arr: np.ndarray, host: HostCopies | None, name: str) -> Callable[[], np.ndarray]:
     if host is None:
         return lambda: np.array(arr, order="C", copy=not arr.flags.c_contiguous)
-    buf = host.buffer((name, None), arr.shape, arr.dtype)
-    host.copies.append((buf, arr))
+    buf = host.snapshot((name, None), arr)
     return lambda: buf
 
 
