@@ -2,6 +2,8 @@
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -61,17 +63,23 @@ def test_claim_makes_the_work_directory_already_locked(tmp_path):
 
 
 def test_clean_leftovers_removes_a_claim_killed_before_its_rename(tmp_path):
+    """A claim's hidden directory names its host and process: on this host it is removed
+    once that process is gone, whatever the moment it died; another host's after a minute."""
     root = location(tmp_path)
-    killed = _dir(root, ".init-killed")  # its lock file exists, nobody holds it
-    killed.write_bytes(".owner", f"{socket.gethostname()} 1".encode())
-    live = _dir(root, ".init-live")  # a claim in progress holds its lock
-    fd = hold_owner_lock(live)
-    _dir(root, ".init-young")  # made, not yet locked: left alone for a minute
-    old = _dir(root, ".init-old")  # made and never locked, long ago
+    host = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process id that no longer runs
+    _dir(root, f".init-{host}-{gone.pid}-a")  # killed before it took its lock
+    locked_then_killed = _dir(root, f".init-{host}-{gone.pid}-b")
+    locked_then_killed.write_bytes(".owner", f"{host} {gone.pid}".encode())
+    _dir(root, f".init-{host}-{os.getpid()}-c")  # this process: a claim in progress
+    _dir(root, ".init-elsewhere-7-d")  # another host, young: left alone
+    old = _dir(root, ".init-elsewhere-7-e")  # another host, long ago
     os.utime(old.url, (1, 1))
-    try:
-        removed = steps.clean_leftovers(root, grace_s=60)
-    finally:
-        release_owner_lock(fd)
-    assert sorted(removed) == [".init-killed", ".init-old"]
-    assert sorted(os.listdir(tmp_path)) == [".init-live", ".init-young"]
+    removed = steps.clean_leftovers(root, grace_s=60)
+    assert sorted(removed) == sorted(
+        [f".init-{host}-{gone.pid}-a", f".init-{host}-{gone.pid}-b", ".init-elsewhere-7-e"]
+    )
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [".init-elsewhere-7-d", f".init-{host}-{os.getpid()}-c"]
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import uuid
 
@@ -26,6 +27,7 @@ from .storage import (
 )
 
 log = logging.getLogger("jaxckpt")
+_CLAIM = ".init-"  # prefix of a claim's hidden directory (see ``claim``)
 
 
 def step_dir(directory: Location, step: int, digits: int = 8) -> Location:
@@ -37,11 +39,13 @@ def claim(work: Location) -> int | None:
     """Creates the local temporary directory ``work`` (a new, unique name) already holding
     its owner lock, and returns the lock's descriptor (``storage.release_owner_lock``). A
     manager cleaning leftovers meanwhile must never see it unlocked, so it is made under a
-    hidden name, locked there, then renamed into place; ``clean_leftovers`` removes a hidden
-    one whose claim was killed before the rename."""
+    hidden name, locked there, then renamed into place. The hidden name carries the host
+    and the process id, so ``clean_leftovers`` can tell a claim killed before its lock
+    (or its rename) from one in progress."""
     if not work.is_local:
         return None
-    hidden = work.parent().join(f".init-{uuid.uuid4().hex[:12]}")
+    owner = f"{socket.gethostname()}-{os.getpid()}"
+    hidden = work.parent().join(f"{_CLAIM}{owner}-{uuid.uuid4().hex[:8]}")
     os.makedirs(hidden.url)
     fd = hold_owner_lock(hidden)
     try:
@@ -92,9 +96,8 @@ def clean_leftovers(directory: Location, *, grace_s: float) -> list[str]:
     removed = []
     for name in directory.list_children():
         child = directory.join(name)
-        if name.startswith(".init-"):
-            # A claim killed before its rename; one without its lock yet is left a minute.
-            if not _claim_abandoned(child):
+        if name.startswith(_CLAIM):
+            if not _claim_abandoned(name, child):
                 continue
         elif not (".tmp-" in name or (name.isdigit() and not child.exists(COMMIT_FILE))):
             continue
@@ -107,9 +110,18 @@ def clean_leftovers(directory: Location, *, grace_s: float) -> list[str]:
     return removed
 
 
-def _claim_abandoned(hidden: Location) -> bool:
-    if hidden.exists(OWNER_FILE):
-        return True  # ``being_written`` then says whether its owner lives
+def _claim_abandoned(name: str, hidden: Location) -> bool:
+    """Whether the claim ``.init-<host>-<pid>-<id>`` was killed before its rename: its
+    process is gone (this host), or it is a minute old (another host: no pids to ask)."""
+    host, _, pid = name[len(_CLAIM) :].rpartition("-")[0].rpartition("-")
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
     try:
         return time.time() - os.path.getmtime(hidden.url) > 60
     except FileNotFoundError:
