@@ -57,7 +57,8 @@ def publish_holdings(
 
     Returns ({step: this process's copy}, every process's view): a view is
     {"remote": [step, ...], "steps": {str(step): {"digest", "need": {leaf: slice count},
-    "held": {leaf: [index key, ...]}}}}, as :mod:`jaxckpt._src.recovery` reads it.
+    "held": {leaf: [index key, ...]}, "per_process": [process whose record it holds]}}},
+    as :mod:`jaxckpt._src.planner` reads it.
     """
     mine = {
         s: ls
