@@ -13,7 +13,7 @@ write_bytes) and bytes read from the files (TensorStore's file kvstore counter, 
 libraries read through; page cache of the checkpoint dropped before each restore).
 Each process stands for one machine (``$JAXCKPT_HOST``), as in the multi-host jobs the
 table is about; ``JAXCKPT_BENCH_HOSTS=same`` runs them as one machine instead (jaxckpt then
-reads per process: see ``jaxckpt/read_once.py``). Orbax runs with its defaults: replica-parallel saving on (``use_replica_parallel`` defaults
+reads per process: see ``jaxckpt/_src/read_once.py``). Orbax runs with its defaults: replica-parallel saving on (``use_replica_parallel`` defaults
 to True off GPU), load-and-broadcast off (it needs ``SingleReplicaArrayHandler``).
 """
 
