@@ -101,6 +101,8 @@ def test_emergency_manager_keeps_it_in_both_tiers(tmp_path):
         assert mgr.per_process() == {"next_index": 3}
         assert mgr.last_report.per_process_from == 0
         assert mgr.per_process(2) == {"next_index": 2}  # the remote tier's step
+        with pytest.raises(errors.CheckpointNotFoundError, match="local step 1.*restore"):
+            mgr.per_process(1)  # a local step not restored
     doc = json.loads((tmp_path / "l" / "00000003" / "local.json").read_text())
     assert doc["per_process"]["0"]["value"] == {"next_index": 3}
 

@@ -499,10 +499,12 @@ class EmergencyCheckpointManager:
             )
         if step is None and restored is not None:
             step = restored[0]
-        if step is None:
+        if step is None or step not in self._remote.all_steps():
             raise CheckpointNotFoundError(
-                f"{self.local_directory.url}: no step restored yet; call restore() first, or "
-                "pass a step of the remote tier"
+                f"{self.local_directory.url}: the per-process values of "
+                f"{'a step' if step is None else f'local step {step}'} come with its restore "
+                "(every process gathers them from the copies); call restore() first, or pass "
+                f"a step of the remote tier ({self._remote.all_steps()})"
             )
         return self._remote.per_process(step, process=process, all=all)
 
