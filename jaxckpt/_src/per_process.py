@@ -16,6 +16,7 @@ redistributed by the caller, who knows what they mean) and gives one (``process=
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -43,13 +44,7 @@ class Record:
     sha256: str
 
     def to_json(self) -> dict:
-        return {
-            "process_index": self.process_index,
-            "process_count": self.process_count,
-            "kind": self.kind,
-            "value": self.value,
-            "sha256": self.sha256,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict, *, where: str) -> Record:
