@@ -6,8 +6,9 @@ also sends them to k other processes ``p + j`` (mod the process count; shifts ``
 once so that copies leave their host, ``peers.peer_shifts``; written in ``local.json``)
 through a JAX collective (``ppermute``, device to device, see :mod:`jaxckpt._src.peers`), which
 store them too.
-``save`` only starts the transfer; the writer thread waits for it. No cross-host filesystem
-traffic, no barrier: each process commits its own copy.
+``save`` only starts the transfer; the writer thread waits for it (both halves in
+:mod:`jaxckpt._src.local_save`). No cross-host filesystem traffic, no barrier: each process
+commits its own copy.
 
 Remote tier (every ``remote_interval_steps``): a normal checkpoint through an inner
 :class:`CheckpointManager`.
@@ -20,68 +21,29 @@ next older step when it proves unusable, and fall back to the remote tier.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import json
 import logging
-import math
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from ..errors import CheckpointError, CheckpointNotFoundError
-from . import local, local_restore, multihost, staging, steps
+from . import local_restore, local_save, multihost, steps
 from . import per_process as pp
-from . import tree as tree_lib
 from .manager import CheckpointManager
-from .manifest import LeafRecord
 from .monitoring import Figures
 from .options import EmergencyOptions, Options
-from .peers import PeerCopies, exchange_rows, peer_shifts, send_shards
+from .peers import peer_shifts
 from .planner import BadCopy, Rejected, StepUnusable, candidates
 from .recovery import RecoveryReport
-from .sharding import layout
-from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
 from .storage import location
 from .writer import Writer
 
 log = logging.getLogger("jaxckpt")
 
 _seq = itertools.count()  # names of key-value exchanges (main thread only)
-
-
-def _required(records: list[LeafRecord], flat, key_data) -> dict[str, list[str]]:
-    """Every slice of every array leaf (``local.json``'s ``slices``)."""
-    out: dict[str, list[str]] = {}
-    for i, (rec, (_, leaf)) in enumerate(zip(records, flat, strict=True)):
-        if not rec.has_array or not math.prod(rec.shape):
-            continue
-        if rec.kind == "numpy":
-            out[rec.name] = [local.index_key(tuple((0, d) for d in rec.shape))]
-        else:
-            arr = key_data.get(i, leaf)
-            out[rec.name] = list(_index_keys(arr.sharding, tuple(arr.shape)))
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _index_keys(sharding, shape: tuple[int, ...]) -> tuple[str, ...]:
-    """Every slice of an array (``local.index_key``), sorted: recorded at each local save."""
-    return tuple(local.index_key(i) for i in layout(sharding, shape).indices)
-
-
-@dataclass(frozen=True)
-class RecordsToKeep:
-    """The per-process records a local step keeps: this process's own, and those its
-    ``senders`` leave under ``tag`` with their peer copies."""
-
-    own: dict[int, pp.Record]
-    tag: str | None
-    senders: tuple[int, ...] | list[int]
 
 
 class EmergencyCheckpointManager:
@@ -127,12 +89,9 @@ class EmergencyCheckpointManager:
         )
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(steps.committed(self.local_directory))
-        self._host = HostCopies()  # reused host buffers of NumPy leaves and device shards
+        self._saver = local_save.LocalSaver()  # and the host buffers it reuses
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
-        self._pack_buffer: np.ndarray | None = None  # the peer-exchange row, reused across saves
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
-        self._received: PeerCopies | None = None  # the last peer copies: their CPU buffers
-        # receive the next ones
         self._closed = False
         self.last_save_figures: Figures | None = None  # the calling thread's part
         self.last_write_figures: Figures | None = None  # the local step's writer
@@ -224,47 +183,25 @@ class EmergencyCheckpointManager:
         return f"jaxckpt/emergency/{what}/{next(_seq)}"
 
     def _save_local(self, step: int, state: Any, fig: Figures, record) -> None:
-        """On the calling thread only what cannot wait: snapshots of the held shards (views
-        on CPU) and the peer copies' dispatch. Records, names and the rest of the step's
-        description are worked out by the writer thread, from the leaves' metadata."""
+        """On the calling thread only snapshots and the peer copies' dispatch; the rest on
+        the writer thread (see :mod:`jaxckpt._src.local_save`)."""
         self._wait_local()  # host buffers are reused
-        flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
-        slices, on_devices, key_data = self._snapshot(flat)
-        pid, count = multihost.process_index(), multihost.process_count()
-        origins = dict.fromkeys(slices, pid)
         shifts, hosts = self._peer_shifts()
-        doc = functools.partial(
-            local.LocalStep,
-            step=step,
-            process_index=pid,
-            process_count=count,
-            replication=len(shifts),
+        pending = self._saver.start(
+            step,
+            state,
+            record,
+            shifts=shifts,
             hosts=hosts,
-            sends_to=[(pid + j) % count for j in shifts],
-            receives_from=[(pid - j) % count for j in shifts],
+            tag=self._tag,
+            timeout_s=self.options.timeout_s,
+            fig=fig,
         )
-        peers = None
-        own = {pid: record} if record is not None else {}
-        records = RecordsToKeep(own, None, ())
-        if shifts:
-            with fig.phase("peer_exchange"):
-                # each receiver gets this process's record (or nothing): a few hundred bytes
-                # through the key-value store; its writer thread collects them
-                tag = self._tag("per_process")
-                text = "" if record is None else json.dumps(record.to_json())
-                for j in shifts:
-                    multihost.send_text(tag, (pid + j) % count, text)
-                records = RecordsToKeep(own, tag, doc.keywords["receives_from"])
-                peers, as_rows = send_shards(on_devices, shifts, reuse=self._received)
-                self._received = peers
-                if as_rows:  # the same leaves on every process
-                    self._exchange_rows(set(as_rows), slices, origins, shifts)
-        job = (step, flat, key_data, slices, origins, doc, peers, records)
         what = f"saving local step {step} to {self.local_directory.url}"
         if self.options.async_save:
-            self._writer.submit(what, self._write, *job)
+            self._writer.submit(what, self._write, step, pending)
         else:
-            self._writer.run_now(what, self._write, *job)
+            self._writer.run_now(what, self._write, step, pending)
 
     def _peer_shifts(self) -> tuple[tuple[int, ...], list[str]]:
         """Where the peer copies go (see ``peers.peer_shifts``) and every process's host;
@@ -288,94 +225,18 @@ class EmergencyCheckpointManager:
             self._shifts = (shifts, hosts)
         return self._shifts
 
-    def _exchange_rows(self, names: set[str], slices, origins, shifts) -> None:
-        """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
-        per process, exchanged and unpacked here (blocking)."""
-        pid = multihost.process_index()
-        mine = {key: v for key, v in slices.items() if key[0] in names}
-        row = local.pack(mine, dict.fromkeys(mine, pid), reuse=self._pack_buffer)
-        if self._pack_buffer is None or row.size > self._pack_buffer.size:
-            self._pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
-        rows = exchange_rows(
-            row, shifts=shifts, name=self._tag("peers"), timeout_s=self.options.timeout_s
-        )
-        for got in rows:
-            peer_slices, peer_origins = local.unpack(got)
-            for key, data in peer_slices.items():
-                if key not in slices:
-                    slices[key], origins[key] = data, peer_origins[key]
-
-    def _snapshot(self, flat: list[tuple[Any, Any]]):
-        """Host snapshots of every distinct shard this process holds, keyed by (leaf position
-        as text, global index); the device arrays for the peer copies; PRNG keys' data.
-
-        NumPy leaves and accelerator shards are copied into reused buffers; CPU device
-        buffers are taken as zero-copy views. Unsupported leaves raise here, before anything
-        is written.
-        """
-        slices: local.Slices = {}
-        on_devices: dict[str, jax.Array] = {}
-        key_data: dict[int, jax.Array] = {}
-        host = self._host
-        for i, (keypath, leaf) in enumerate(flat):
-            if type(leaf) in PY_TYPES:
-                continue  # kept in the record
-            if isinstance(leaf, (np.ndarray, np.generic)):
-                arr = np.asarray(leaf)
-                check_numpy(arr, tree_lib.path_name(tree_lib.path_to_json(keypath)))
-                if arr.size:  # copied: NumPy arrays can change after save returns
-                    key = (str(i), tuple((0, d) for d in arr.shape))
-                    slices[key] = host.snapshot(key, arr, arr.dtype.newbyteorder("="))
-                continue
-            if not isinstance(leaf, jax.Array):
-                raise unsupported(leaf, tree_lib.path_name(tree_lib.path_to_json(keypath)))
-            arr = leaf
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                arr = key_data[i] = jax.random.key_data(leaf)
-            shape = tuple(arr.shape)
-            if not math.prod(shape):
-                continue
-            on_devices[str(i)] = arr
-            for k, index in layout(arr.sharding, shape).held_at:  # one device per index
-                key = (str(i), index)
-                slices[key] = host.snapshot(key, arr.addressable_data(k))
-        host.run_copies()  # all D2H copies were started above
-        return slices, on_devices, key_data
-
-    def _write(self, step, flat, key_data, slices, origins, doc, peers, to_keep) -> None:
+    def _write(self, step: int, pending: local_save.Pending) -> None:
         fig = Figures("emergency_write", self.local_directory.url)
-        held_records = dict(to_keep.own)
-        for sender in to_keep.senders:
-            with fig.phase("peer_wait"):
-                text = multihost.receive_text(to_keep.tag, sender, self.options.timeout_s)
-                if text:
-                    record = pp.Record.from_json(json.loads(text), where=f"process {sender}")
-                    held_records[sender] = record
-        if peers is not None:
-            with fig.phase("peer_wait"):
-                got, got_origins = peers.collect()  # waits for the transfers
-            for key, data in got.items():
-                if key not in slices:
-                    slices[key], origins[key] = data, got_origins[key]
         digits = self.options.step_digits
-        if step not in self._local_steps:
-            with fig.phase("write"):
-                paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in flat]
-                records, meshes = staging.records(paths, key_data)
-                name = {str(i): r.name for i, r in enumerate(records)}
-                slices = {(name[p], index): v for (p, index), v in slices.items()}
-                origins = {(name[p], index): o for (p, index), o in origins.items()}
-                doc = doc(
-                    digest=local.tree_digest(records),
-                    meshes=meshes,
-                    leaves=tuple(records),
-                    held=local.held_keys(slices, origins),
-                    required=_required(records, flat, key_data),
-                    per_process={str(p): r.to_json() for p, r in sorted(held_records.items())},
-                )
-                local.write_step(self.local_directory, doc, slices, digits)
-                fig.bytes = sum(v.nbytes for v in slices.values())
-            self._local_steps.add(step)
+        local_save.finish(
+            self.local_directory,
+            pending,
+            digits=digits,
+            timeout_s=self.options.timeout_s,
+            fig=fig,
+            write=step not in self._local_steps,
+        )
+        self._local_steps.add(step)
         keep = self.options.local_max_to_keep
         if keep is not None:
             for old in sorted(self._local_steps)[:-keep]:
@@ -407,8 +268,7 @@ class EmergencyCheckpointManager:
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
-        self._host = HostCopies()
-        self._pack_buffer = self._received = None
+        self._saver = local_save.LocalSaver()
         timeout = self.options.timeout_s
         tag = self._tag("restore")
         fig = Figures("emergency_restore", self.local_directory.url)

@@ -1,0 +1,209 @@
+"""Saving one local step of the emergency tier (for :class:`EmergencyCheckpointManager`).
+
+On the calling thread only what cannot wait (:meth:`LocalSaver.start`): host snapshots of
+every distinct shard this process holds (views on CPU) and the dispatch of the peer copies,
+device to device, with this process's per-process record beside them. The writer thread
+(:func:`finish`) waits for what the peers send, describes the leaves from their metadata and
+writes the step (:func:`local.write_step`). The restore side is :mod:`local_restore`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import local, multihost, staging
+from . import per_process as pp
+from . import tree as tree_lib
+from .manifest import LeafRecord
+from .monitoring import Figures
+from .peers import PeerCopies, exchange_rows, send_shards
+from .sharding import Index, layout
+from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
+from .storage import Location
+
+
+@dataclass
+class Pending:
+    """A local step between :meth:`LocalSaver.start` and :func:`finish`. Slices are keyed
+    by (leaf position as text, global index) until the leaves' names are known."""
+
+    flat: list[tuple[Any, Any]]
+    key_data: dict[int, jax.Array]  # PRNG keys' data, by leaf position
+    slices: local.Slices
+    origins: dict[tuple[str, Index], int]  # the process that held each slice when saved
+    doc: Callable[..., local.LocalStep]  # local.LocalStep, less what ``finish`` works out
+    peers: PeerCopies | None  # peer copies in flight to this process
+    records: dict[int, pp.Record]  # per-process records kept with the step
+    records_tag: str | None  # where the senders' records are left for this process
+    senders: list[int]
+
+
+class LocalSaver:
+    """Starts local saves, keeping the host buffers they reuse from one save to the next."""
+
+    def __init__(self) -> None:
+        self.host = HostCopies()  # snapshots of NumPy leaves and accelerator shards
+        self.received: PeerCopies | None = None  # the last peer copies: they receive the next
+        self.pack_buffer: np.ndarray | None = None  # the packed peer-exchange row
+
+    def start(
+        self,
+        step: int,
+        state: Any,
+        record: pp.Record | None,
+        *,
+        shifts: tuple[int, ...],
+        hosts: list[str],
+        tag: Callable[[str], str],
+        timeout_s: float,
+        fig: Figures,
+    ) -> Pending:
+        """Snapshots ``state`` and dispatches its peer copies to ``p + j`` for each shift;
+        ``tag`` names key-value exchanges (the same on every process)."""
+        flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
+        slices, on_devices, key_data = self._snapshot(flat)
+        pid, count = multihost.process_index(), multihost.process_count()
+        senders = [(pid - j) % count for j in shifts]
+        doc = functools.partial(
+            local.LocalStep,
+            step=step,
+            process_index=pid,
+            process_count=count,
+            replication=len(shifts),
+            hosts=hosts,
+            sends_to=[(pid + j) % count for j in shifts],
+            receives_from=senders,
+        )
+        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, None, {}, None, [])
+        if record is not None:
+            out.records[pid] = record
+        if shifts:
+            with fig.phase("peer_exchange"):
+                # each receiver gets this process's record (or nothing): a few hundred bytes
+                # through the key-value store, taken by its writer thread
+                out.records_tag, out.senders = tag("per_process"), senders
+                text = "" if record is None else json.dumps(record.to_json())
+                for j in shifts:
+                    multihost.send_text(out.records_tag, (pid + j) % count, text)
+                out.peers, as_rows = send_shards(on_devices, shifts, reuse=self.received)
+                self.received = out.peers
+                if as_rows:  # the same leaves on every process
+                    self._exchange_rows(set(as_rows), out, shifts, tag("peers"), timeout_s)
+        return out
+
+    def _exchange_rows(self, names: set[str], out: Pending, shifts, name, timeout_s) -> None:
+        """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
+        per process, exchanged and unpacked here (blocking)."""
+        pid = multihost.process_index()
+        mine = {key: v for key, v in out.slices.items() if key[0] in names}
+        row = local.pack(mine, dict.fromkeys(mine, pid), reuse=self.pack_buffer)
+        if self.pack_buffer is None or row.size > self.pack_buffer.size:
+            self.pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
+        for got in exchange_rows(row, shifts=shifts, name=name, timeout_s=timeout_s):
+            peer_slices, peer_origins = local.unpack(got)
+            for key, data in peer_slices.items():
+                if key not in out.slices:
+                    out.slices[key], out.origins[key] = data, peer_origins[key]
+
+    def _snapshot(self, flat: list[tuple[Any, Any]]):
+        """Host snapshots of every distinct shard this process holds; the device arrays for
+        the peer copies; PRNG keys' data. Unsupported leaves raise here, before anything is
+        written."""
+        slices: local.Slices = {}
+        on_devices: dict[str, jax.Array] = {}
+        key_data: dict[int, jax.Array] = {}
+        for i, (keypath, leaf) in enumerate(flat):
+            if type(leaf) in PY_TYPES:
+                continue  # kept in the record
+            if isinstance(leaf, (np.ndarray, np.generic)):
+                arr = np.asarray(leaf)
+                check_numpy(arr, tree_lib.path_name(tree_lib.path_to_json(keypath)))
+                if arr.size:  # copied: NumPy arrays can change after save returns
+                    key = (str(i), tuple((0, d) for d in arr.shape))
+                    slices[key] = self.host.snapshot(key, arr, arr.dtype.newbyteorder("="))
+                continue
+            if not isinstance(leaf, jax.Array):
+                raise unsupported(leaf, tree_lib.path_name(tree_lib.path_to_json(keypath)))
+            arr = leaf
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                arr = key_data[i] = jax.random.key_data(leaf)
+            shape = tuple(arr.shape)
+            if not math.prod(shape):
+                continue
+            on_devices[str(i)] = arr
+            for k, index in layout(arr.sharding, shape).held_at:  # one device per index
+                key = (str(i), index)
+                slices[key] = self.host.snapshot(key, arr.addressable_data(k))
+        self.host.run_copies()  # all D2H copies were started above
+        return slices, on_devices, key_data
+
+
+def finish(
+    directory: Location,
+    pending: Pending,
+    *,
+    digits: int,
+    timeout_s: float,
+    fig: Figures,
+    write: bool = True,
+) -> None:
+    """Takes what the peers sent (their shards and records) and writes the step (unless
+    ``write`` is False: a step already committed here is not written again)."""
+    p = pending
+    for sender in p.senders:
+        with fig.phase("peer_wait"):
+            text = multihost.receive_text(p.records_tag, sender, timeout_s)
+        if text:
+            p.records[sender] = pp.Record.from_json(json.loads(text), where=f"process {sender}")
+    if p.peers is not None:
+        with fig.phase("peer_wait"):
+            got, got_origins = p.peers.collect()  # waits for the transfers
+        for key, data in got.items():
+            if key not in p.slices:
+                p.slices[key], p.origins[key] = data, got_origins[key]
+    if not write:
+        return
+    with fig.phase("write"):
+        paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in p.flat]
+        records, meshes = staging.records(paths, p.key_data)
+        name = {str(i): r.name for i, r in enumerate(records)}
+        slices = {(name[i], index): v for (i, index), v in p.slices.items()}
+        origins = {(name[i], index): o for (i, index), o in p.origins.items()}
+        doc = p.doc(
+            digest=local.tree_digest(records),
+            meshes=meshes,
+            leaves=tuple(records),
+            held=local.held_keys(slices, origins),
+            required=_required(records, p.flat, p.key_data),
+            per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
+        )
+        local.write_step(directory, doc, slices, digits)
+        fig.bytes = sum(v.nbytes for v in slices.values())
+
+
+def _required(records: list[LeafRecord], flat, key_data) -> dict[str, list[str]]:
+    """Every slice of every array leaf (``local.json``'s ``slices``)."""
+    out: dict[str, list[str]] = {}
+    for i, (rec, (_, leaf)) in enumerate(zip(records, flat, strict=True)):
+        if not rec.has_array or not math.prod(rec.shape):
+            continue
+        if rec.kind == "numpy":
+            out[rec.name] = [local.index_key(tuple((0, d) for d in rec.shape))]
+        else:
+            arr = key_data.get(i, leaf)
+            out[rec.name] = list(_index_keys(arr.sharding, tuple(arr.shape)))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _index_keys(sharding, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """Every slice of an array (``local.index_key``), sorted: recorded at each local save."""
+    return tuple(local.index_key(i) for i in layout(sharding, shape).indices)
