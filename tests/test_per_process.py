@@ -44,6 +44,30 @@ def test_values_round_trip(tmp_path, value):
     assert manifest["per_process"] == [0] and manifest["format_version"] == [1, 4]
 
 
+def test_a_grain_dataloader_resumes_from_its_saved_bytes(tmp_path):
+    """grain.DataLoader's iterator state is bytes: saved per process, it resumes the loader
+    at the same record."""
+    import grain
+
+    def loader():
+        sampler = grain.samplers.IndexSampler(
+            num_records=100, shuffle=True, seed=3, num_epochs=1,
+            shard_options=grain.sharding.NoSharding(),
+        )  # fmt: skip
+        src = grain.sources.RangeDataSource(0, 100, 1)
+        return grain.DataLoader(data_source=src, sampler=sampler, worker_count=0)
+
+    it = iter(loader())
+    seen = [next(it) for _ in range(5)]
+    jaxckpt.save(tmp_path / "c", small(), per_process=it.get_state())
+    rest = [next(it) for _ in range(5)]
+    state = jaxckpt.per_process(tmp_path / "c")
+    assert isinstance(state, bytes)
+    resumed = iter(loader())
+    resumed.set_state(state)
+    assert [next(resumed) for _ in range(5)] == rest and rest[0] not in seen
+
+
 def test_none_saves_no_record(tmp_path):
     jaxckpt.save(tmp_path / "c", small())
     assert jaxckpt.per_process(tmp_path / "c") is None
