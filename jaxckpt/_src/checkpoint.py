@@ -264,11 +264,13 @@ def per_process(
     """
     loc = location(path)
     manifest = read_manifest(loc)
-    records: list[pp.Record | None] = [None] * manifest.process_count
-    for i in manifest.per_process or ():
-        records[i] = pp.read_record(loc, i)
+    saved = set(manifest.per_process or ())
+
+    def record(i: int) -> pp.Record | None:  # read only the records asked for
+        return pp.read_record(loc, i) if i in saved else None
+
     return pp.choose(
-        records, saved_count=manifest.process_count, where=loc.url, process=process, all=all
+        record, saved_count=manifest.process_count, where=loc.url, process=process, all=all
     )
 
 

@@ -355,7 +355,7 @@ class EmergencyCheckpointManager:
             s, records, saved_count = restored
             where = f"{self.local_directory.url} step {s} (local copies)"
             return pp.choose(
-                list(records), saved_count=saved_count, where=where, process=process, all=all
+                records.__getitem__, saved_count=saved_count, where=where, process=process, all=all
             )
         if step is None and restored is not None:
             step = restored[0]

@@ -19,6 +19,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +121,7 @@ def decode(record: Record, *, where: str) -> Any:
 
 
 def choose(
-    records: list[Record | None],
+    record: Callable[[int], Record | None],
     *,
     saved_count: int,
     where: str,
@@ -128,8 +129,10 @@ def choose(
     all: bool = False,  # noqa: A002 - the keyword users write
 ) -> Any:
     """The value for this process (matched by index), for ``process``, or every process's
-    (``all=True``, a list with None where a process saved none)."""
+    (``all=True``, a list with None where a process saved none). ``record(i)`` gives process
+    i's record; only the records asked for are fetched."""
     if all:
+        records = [record(i) for i in range(saved_count)]
         return [None if r is None else decode(r, where=where) for r in records]
     if process is None:
         count = multihost.process_count()
@@ -145,8 +148,8 @@ def choose(
         raise ProcessCountChangedError(
             f"{where}: process={process}, but the step was saved by {saved_count} processes"
         )
-    record = records[process]
-    return None if record is None else decode(record, where=where)
+    found = record(process)
+    return None if found is None else decode(found, where=where)
 
 
 def _is_numpy_tree(value: Any) -> bool:
