@@ -34,10 +34,6 @@ class Writer:
         self._thread: threading.Thread | None = None
         _live.add(self)
 
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
-
     def submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         """Runs ``fn(*args)`` in the background; ``what`` names the job in its error."""
         self._idle.clear()
@@ -89,9 +85,6 @@ class Writer:
                 "timeout_s"
             )
         self.raise_error()
-
-    def idle(self, timeout_s: float | None = None) -> bool:
-        return self._idle.wait(timeout_s)
 
     def close(self, where: str) -> None:
         """Waits for the job in flight, stops the thread, raises a pending error."""
