@@ -39,10 +39,6 @@ class Location:
         return self.scheme == "file"
 
     @property
-    def path(self) -> str:
-        return self.url
-
-    @property
     def name(self) -> str:
         return self.url.rstrip("/").rsplit("/", 1)[-1]
 
