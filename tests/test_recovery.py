@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from jaxckpt._src.planner import (
+    Holdings,
+    StepHolding,
     StepUnusable,
     candidates,
     intersect,
@@ -18,10 +20,10 @@ from jaxckpt._src.recovery import fill
 S = 7  # the step
 
 
-def view(held: dict[str, list[str]], need=None, digest="d") -> dict:
+def view(held: dict[str, list[str]], need=None, digest="d") -> Holdings:
     """What a process publishes it holds of step S (as local_restore.publish_holdings)."""
-    need = need or {"w": 4}
-    return {"remote": [], "steps": {str(S): {"digest": digest, "need": need, "held": held}}}
+    holding = StepHolding(digest, need or {"w": 4}, {n: frozenset(k) for n, k in held.items()})
+    return Holdings((), {S: holding})
 
 
 ALL = ["0:2", "2:4", "4:6", "6:8"]
@@ -67,10 +69,10 @@ def test_plan_sends(held, needs, bad, sends):
 
 def test_candidates_newest_coverable_first_and_why_the_others_are_not():
     def views(remote, **steps):  # steps: name -> held slices, as step "s<n>"
-        out = [{"remote": remote, "steps": {}}, {"remote": remote, "steps": {}}]
+        out = [Holdings(tuple(remote), {}), Holdings(tuple(remote), {})]
         for name, (held0, held1) in steps.items():
             for v, held in zip(out, (held0, held1), strict=True):
-                v["steps"][name[1:]] = {"digest": "d", "need": {"w": 4}, "held": {"w": held}}
+                v.steps[int(name[1:])] = StepHolding("d", {"w": 4}, {"w": frozenset(held)})
         return out
 
     both = (ALL[:2], ALL[2:])
@@ -87,6 +89,12 @@ def test_a_slice_nobody_holds_verified_makes_the_step_unusable():
     views = [view({"w": ALL}), view({"w": []})]
     with pytest.raises(StepUnusable, match=r"no verified copy of w\[6:8\]"):
         plan_sends(S, views, [0], [{}, {"w": ["6:8"]}], {(0, "w", "6:8")}, [(0, "w", "6:8", "crc")])
+
+
+def test_holdings_travel_as_json_unchanged():
+    h = Holdings((3, 5), {S: StepHolding("d", {"w": 4}, {"w": frozenset(ALL[:2])}, (0, 1))})
+    assert Holdings.from_json(h.to_json()) == h
+    assert h.holds(S, "w", "0:2") and not h.holds(S, "w", "4:6") and not h.holds(8, "w", "0:2")
 
 
 def test_shift_rounds_are_partial_permutations_in_order():

@@ -134,7 +134,7 @@ class EmergencyCheckpointManager:
             digits=self.options.step_digits,
         )
         tries, _ = candidates(views)
-        return tries[0] if tries else max(views[0]["remote"], default=None)
+        return tries[0] if tries else max(views[0].remote, default=None)
 
     def reached_preemption(self, step: int) -> bool:
         return multihost.reached_preemption(step)
@@ -279,7 +279,7 @@ class EmergencyCheckpointManager:
             timeout_s=timeout,
             digits=self.options.step_digits,
         )
-        remote_steps = views[0]["remote"]
+        remote_steps = views[0].remote
         newest_remote = max(remote_steps, default=None)
         tries, rejected = candidates(views, step)
         bad_all: list[BadCopy] = []

@@ -214,9 +214,9 @@ def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
 
 
 def read_slices(
-    step: LocalStep, wanted: dict[str, list[str]], into: Slices | None = None
+    step: LocalStep, wanted: Iterable[tuple[str, str]], into: Slices | None = None
 ) -> tuple[Slices, list[tuple[str, str, str]]]:
-    """Reads the held slices in ``wanted`` ({leaf: [index key]}), verifying checksums.
+    """Reads the held slices in ``wanted`` ((leaf, index key) pairs), verifying checksums.
 
     Returns (slices read, [(leaf, index key, why)] for copies that failed to read: those
     count as missing, their data is never used). A slice with a buffer in ``into`` (same
@@ -225,13 +225,13 @@ def read_slices(
     into = into or {}
     db = step.path.join("arrays")
     ctx = arrays.new_context()
-    held = step.held
+    by_leaf: dict[str, list[str]] = {}
+    for name, k in sorted(wanted):
+        if k in step.held.get(name, {}):
+            by_leaf.setdefault(name, []).append(k)
     futures = []
     bad: list[tuple[str, str, str]] = []
-    for name, keys in wanted.items():
-        keys = [k for k in keys if k in held.get(name, {})]
-        if not keys:
-            continue
+    for name, keys in by_leaf.items():
         try:
             store = arrays.open_leaf(db, name, ctx).result()
         except Exception as e:

@@ -25,8 +25,17 @@ from . import per_process as pp
 from . import tree as tree_lib
 from .monitoring import Figures
 from .peers import send_rows
-from .planner import BadCopy, PeerSlice, StepUnusable, plan_sends, sent_by, shift_rounds, verified
-from .recovery import SavedMeshes, assemble, needed_slices, read_held
+from .planner import (
+    BadCopy,
+    Holdings,
+    PeerSlice,
+    StepHolding,
+    StepUnusable,
+    plan_sends,
+    sent_by,
+    shift_rounds,
+)
+from .recovery import SavedMeshes, assemble, needed_slices
 from .restoring import want_saved, want_target
 from .sharding import Index
 from .storage import Location
@@ -51,42 +60,37 @@ class Restored:
 
 def publish_holdings(
     directory: Location, remote_steps: list[int], *, tag: str, timeout_s: float, digits: int = 8
-) -> tuple[dict[int, local.LocalStep], list[dict]]:
+) -> tuple[dict[int, local.LocalStep], list[Holdings]]:
     """Reads this process's committed local steps and publishes what it holds of each (and
     ``remote_steps``) through the key-value store; every process calls it.
 
-    Returns ({step: this process's copy}, every process's view): a view is
-    {"remote": [step, ...], "steps": {str(step): {"digest", "need": {leaf: slice count},
-    "held": {leaf: [index key, ...]}, "per_process": [process whose record it holds]}}},
-    as :mod:`jaxckpt._src.planner` reads it.
+    Returns ({step: this process's copy}, every process's :class:`Holdings`).
     """
     mine = {
         s: ls
         for s in steps.committed(directory)
         if (ls := local.read_step(directory, s, digits)) is not None
     }
-    published = {
-        "remote": remote_steps,
-        "steps": {
-            str(s): {
-                "digest": ls.digest,
-                "need": {n: len(keys) for n, keys in ls.required.items()},
-                "held": {n: sorted(h) for n, h in ls.held.items()},
-                "per_process": sorted(int(q) for q in ls.per_process),
-            }
+    published = Holdings(
+        tuple(remote_steps),
+        {
+            s: StepHolding(
+                ls.digest,
+                {n: len(keys) for n, keys in ls.required.items()},
+                {n: frozenset(h) for n, h in ls.held.items()},
+                tuple(sorted(int(q) for q in ls.per_process)),
+            )
             for s, ls in mine.items()
         },
-    }
-    views = [
-        json.loads(v) for v in multihost.all_gather(f"{tag}/held", json.dumps(published), timeout_s)
-    ]
-    return mine, views
+    )
+    gathered = multihost.all_gather(f"{tag}/held", published.to_json(), timeout_s)
+    return mine, [Holdings.from_json(text) for text in gathered]
 
 
 def restore_step(
     directory: Location,
     s: int,
-    views: list[dict],
+    views: list[Holdings],
     mine: local.LocalStep | None,
     target: Any,
     mesh: Mesh | None,
@@ -106,7 +110,7 @@ def restore_step(
     pid = multihost.process_index()
     tag = f"{tag}/{s}"
     bad_copies: list[BadCopy] = []
-    holders = [p for p, v in enumerate(views) if str(s) in v["steps"]]
+    holders = [p for p, v in enumerate(views) if s in v.steps]
     elected = holders[0]
     docs = multihost.all_gather(
         f"{tag}/doc", json.dumps(mine.to_json()) if pid == elected else "", timeout_s
@@ -133,7 +137,7 @@ def restore_step(
     # re-plans, and a new sender reads in another round. Every process computes the same
     # plan from the same published facts, so all run the same number of rounds.
     read_by = [
-        {(n, k) for n, keys in need.items() for k in keys if verified(views[p], s, n, k)}
+        {(n, k) for n, keys in need.items() for k in keys if views[p].holds(s, n, k)}
         for p, need in enumerate(all_needs)
     ]
     # The plan with no failed copies (the usual case) is known now: senders read what
@@ -149,7 +153,9 @@ def restore_step(
     bad_set: set[tuple[int, str, str]] = set()
     fig.lap("plan")
     for round_ in range(len(views) + 2):
-        got, bad = ({}, []) if mine is None or not to_read else read_held(mine, to_read, into)
+        got, bad = (
+            ({}, []) if mine is None or not to_read else local.read_slices(mine, to_read, into)
+        )
         data.update(got)
         gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(bad), timeout_s)
         for p, text in enumerate(gathered):
@@ -200,30 +206,28 @@ def restore_step(
         ),
         tuple(bad_copies),
         records,
-        records_from.get(pid),
+        records_from,
     )
 
 
 def _gather_records(s, views, mine, saved_count, tag, timeout_s):
     """Every saved process's per-process record of step ``s``, each sent by the lowest
-    process holding a copy of it (its own, or one a peer sent it), and who that was.
-    No round when nobody holds one."""
+    process holding a copy of it (its own, or one a peer sent it), and which process sent
+    this process's own record. No round when nobody holds one."""
     holder: dict[int, int] = {}
     for p, view in enumerate(views):
-        for q in view["steps"].get(str(s), {}).get("per_process", []):
+        for q in view.steps[s].per_process if s in view.steps else ():
             holder.setdefault(q, p)
     records: list[pp.Record | None] = [None] * saved_count
-    if not holder:
-        return tuple(records), holder
     pid = multihost.process_index()
-    mine_to_send = {q: mine.per_process[str(q)] for q, p in holder.items() if p == pid}
-    for p, text in enumerate(
-        multihost.all_gather(f"{tag}/per_process", json.dumps(mine_to_send), timeout_s)
-    ):
-        for q, doc in json.loads(text).items():
-            if int(q) < saved_count:
-                records[int(q)] = pp.Record.from_json(doc, where=f"process {p}'s copy")
-    return tuple(records), {q: p for q, p in holder.items()}
+    if holder:
+        mine_to_send = {q: mine.per_process[str(q)] for q, p in holder.items() if p == pid}
+        gathered = multihost.all_gather(f"{tag}/per_process", json.dumps(mine_to_send), timeout_s)
+        for p, text in enumerate(gathered):
+            for q, doc in json.loads(text).items():
+                if int(q) < saved_count:
+                    records[int(q)] = pp.Record.from_json(doc, where=f"process {p}'s copy")
+    return tuple(records), holder.get(pid)
 
 
 def _rows_to_read_into(first, my_needs, mine, by_name) -> dict:

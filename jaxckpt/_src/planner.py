@@ -4,9 +4,47 @@ which ``ppermute`` rounds. Every process computes the same plan from the same fa
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from dataclasses import dataclass
 from typing import NamedTuple
 
 Index = tuple[tuple[int, int], ...]  # per dimension: [start, stop), as jaxckpt._src.sharding
+
+
+@dataclass(frozen=True)
+class StepHolding:
+    """What one process holds of one local step (published before a restore)."""
+
+    digest: str  # of the step's tree: copies of different trees are never combined
+    need: dict[str, int]  # leaf -> how many slices the step has
+    held: dict[str, frozenset[str]]  # leaf -> index keys of the slices in this copy
+    per_process: tuple[int, ...] = ()  # processes whose per-process records the copy has
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one process publishes before a restore: its local steps and the remote ones."""
+
+    remote: tuple[int, ...]
+    steps: dict[int, StepHolding]
+
+    def holds(self, s: int, leaf: str, key: str) -> bool:
+        """Whether this process's copy of step ``s`` has slice ``key`` of ``leaf``."""
+        entry = self.steps.get(s)
+        return entry is not None and key in entry.held.get(leaf, ())
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), default=sorted)  # frozensets as lists
+
+    @classmethod
+    def from_json(cls, text: str) -> Holdings:
+        doc = json.loads(text)
+        steps = {}
+        for s, h in doc["steps"].items():
+            held = {n: frozenset(keys) for n, keys in h["held"].items()}
+            steps[int(s)] = StepHolding(h["digest"], h["need"], held, tuple(h["per_process"]))
+        return cls(tuple(doc["remote"]), steps)
 
 
 class PeerSlice(NamedTuple):
@@ -45,7 +83,14 @@ class StepUnusable(Exception):
 Moves = dict[tuple[int, int], set[tuple[str, str]]]
 
 
-def plan_sends(s, views, holders, all_needs, bad_set, bad_all) -> Moves:
+def plan_sends(
+    s: int,
+    views: list[Holdings],
+    holders: list[int],
+    all_needs: list[dict[str, list[str]]],
+    bad_set: set[tuple[int, str, str]],
+    bad_all: list[BadCopy],
+) -> Moves:
     """Who sends what to whom: {(sender, receiver): {(leaf, index key)}}.
 
     For every slice a process needs and has no verified copy of, the lowest process holding
@@ -55,12 +100,12 @@ def plan_sends(s, views, holders, all_needs, bad_set, bad_all) -> Moves:
     for q, need in enumerate(all_needs):
         for name, keys in need.items():
             for key in keys:
-                if verified(views[q], s, name, key) and (q, name, key) not in bad_set:
+                if views[q].holds(s, name, key) and (q, name, key) not in bad_set:
                     continue
                 ok = [
                     p
                     for p in holders
-                    if verified(views[p], s, name, key) and (p, name, key) not in bad_set
+                    if views[p].holds(s, name, key) and (p, name, key) not in bad_set
                 ]
                 if not ok:
                     raise StepUnusable(
@@ -89,19 +134,13 @@ def shift_rounds(sends: Moves, count: int) -> list[tuple[int, tuple[tuple[int, i
     return [(j, tuple(sorted(pairs))) for j, pairs in sorted(rounds.items())]
 
 
-def verified(view: dict, s: int, name: str, key: str) -> bool:
-    entry = view["steps"].get(str(s))
-    return entry is not None and key in entry["held"].get(name, ())
-
-
-def uncovered(s: int, views: list[dict]) -> str | None:
+def uncovered(s: int, views: list[Holdings]) -> str | None:
     """Why step ``s`` cannot be assembled from what the processes say they hold (or None)."""
-    entries = [v["steps"][str(s)] for v in views if str(s) in v["steps"]]
-    if len({e["digest"] for e in entries}) > 1:
+    entries = [v.steps[s] for v in views if s in v.steps]
+    if len({e.digest for e in entries}) > 1:
         return "processes hold different trees under this step"
-    need = entries[0]["need"]
-    for name, count in need.items():
-        held = set().union(*(e["held"].get(name, ()) for e in entries))
+    for name, count in entries[0].need.items():
+        held = set().union(*(e.held.get(name, ()) for e in entries))
         if len(held) < count:
             return (
                 f"{count - len(held)} of {count} slices of leaf {name!r} are held by none of "
@@ -115,12 +154,12 @@ def intersect(a: Index, b: Index) -> Index | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def candidates(views: list[dict], step: int | None = None) -> tuple[list[int], list[Rejected]]:
+def candidates(views: list[Holdings], step: int | None = None) -> tuple[list[int], list[Rejected]]:
     """The local steps worth trying, newest first (every slice held somewhere), and the ones
     rejected before any read: not coverable, or older than the newest remote step (unless
     ``step`` asks for one)."""
-    newest_remote = max(views[0]["remote"], default=None)
-    steps = sorted({int(s) for v in views for s in v["steps"]}, reverse=True)
+    newest_remote = max(views[0].remote, default=None)
+    steps = sorted({s for v in views for s in v.steps}, reverse=True)
     if step is not None:
         steps = [s for s in steps if s == step]
     out: list[int] = []

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import arrays, local
+from . import arrays
 from .placement import Placement
 from .planner import BadCopy, PeerSlice, Rejected, intersect
 from .restoring import Want, place_key
@@ -51,13 +51,6 @@ class RecoveryReport:
 @dataclass(frozen=True)
 class SavedMeshes:
     meshes: list[dict]
-
-
-def read_held(mine: local.LocalStep, keys: set[tuple[str, str]], into: local.Slices | None = None):
-    wanted: dict[str, list[str]] = {}
-    for name, key in sorted(keys):
-        wanted.setdefault(name, []).append(key)
-    return local.read_slices(mine, wanted, into)
 
 
 def needed_slices(w: Want, required: list[Index]) -> list[Index]:
