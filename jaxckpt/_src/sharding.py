@@ -11,6 +11,7 @@ import copy
 import functools
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,13 +81,10 @@ def sharding_to_json(sharding: jax.sharding.Sharding, meshes: list[dict]) -> dic
 
 
 def normalize_index(index: tuple, shape: tuple[int, ...]) -> Index:
-    out = []
-    for sl, dim in zip(index, shape, strict=False):
-        start, stop, _ = sl.indices(dim)
-        out.append((start, stop))
-    for dim in shape[len(index) :]:
-        out.append((0, dim))
-    return tuple(out)
+    """A device's index (a tuple of slices, maybe shorter than ``shape``) as
+    ``((start, stop), ...)`` over every dimension."""
+    given = tuple(sl.indices(dim)[:2] for sl, dim in zip(index, shape, strict=False))
+    return given + tuple((0, dim) for dim in shape[len(index) :])
 
 
 @dataclass(frozen=True)
@@ -163,6 +161,13 @@ class WriteSplit:
     def writer(self, index: Index, group: int, salt: int) -> int:
         procs = self.procs[index]
         return procs[(group + self.ordinal[index] + salt) % len(procs)]
+
+    def chunk_writers(self, salt: int) -> Iterator[tuple[tuple[int, ...], int]]:
+        """(grid position, writing process) of every chunk of the array."""
+        for index, parts in self.parts.items():
+            for region, group in parts:
+                for coords in chunks_in(region, self.chunks):
+                    yield coords, self.writer(index, group, salt)
 
     @functools.cached_property
     def ordinal(self) -> dict[Index, int]:
@@ -283,13 +288,7 @@ def saved_writers(record, meshes: list[dict]) -> dict[tuple[int, ...], int]:
     itemsize = record.nbytes // max(1, math.prod(shape))
     held = named_indices(sharding["spec"], meshes[sharding["mesh"]], shape)
     split = _split(_holders(held), shape, tuple(record.chunk_shape), itemsize)
-    salt = record.writer_salt or 0
-    return {
-        coords: split.writer(index, group, salt)
-        for index, parts in split.parts.items()
-        for region, group in parts
-        for coords in chunks_in(region, split.chunks)
-    }
+    return dict(split.chunk_writers(record.writer_salt or 0))
 
 
 def chunks_in(region: Index, chunks: tuple[int, ...]):

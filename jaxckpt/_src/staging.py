@@ -24,7 +24,7 @@ from ..errors import UnsupportedLeafError
 from . import arrays, multihost
 from . import tree as tree_lib
 from .manifest import LeafRecord
-from .sharding import chunks_in, layout, sharding_to_json, write_split
+from .sharding import layout, sharding_to_json, write_split
 
 PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
 
@@ -232,13 +232,7 @@ def _writers(
     sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None, salt: int
 ) -> tuple[tuple[tuple[int, ...], int], ...]:
     """(grid position, writing process) of every chunk (``chunk_writers``)."""
-    split = write_split(sharding, shape, itemsize, chunk_bytes)
-    return tuple(
-        (coords, split.writer(index, group, salt))
-        for index, parts in split.parts.items()
-        for region, group in parts
-        for coords in chunks_in(region, split.chunks)
-    )
+    return tuple(write_split(sharding, shape, itemsize, chunk_bytes).chunk_writers(salt))
 
 
 def _shard_getter(
