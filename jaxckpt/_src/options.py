@@ -56,18 +56,12 @@ class Options:
     read_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.read_budget_bytes is not None and self.read_budget_bytes < 1:
-            raise OptionsError(
-                f"read_budget_bytes must be >= 1 or None, got {self.read_budget_bytes}"
-            )
-        if self.chunk_bytes is not None and self.chunk_bytes < 1:
-            raise OptionsError(f"chunk_bytes must be >= 1 or None, got {self.chunk_bytes}")
         if self.save_interval_steps < 1:
             raise OptionsError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise OptionsError(f"max_to_keep must be >= 1 or None, got {self.max_to_keep}")
-        if self.keep_period is not None and self.keep_period < 1:
-            raise OptionsError(f"keep_period must be >= 1 or None, got {self.keep_period}")
+        for name in ("read_budget_bytes", "chunk_bytes", "max_to_keep", "keep_period"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise OptionsError(f"{name} must be >= 1 or None, got {value}")
         if self.best_mode not in ("min", "max"):
             raise OptionsError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
         if self.compression not in (None, "zstd"):
