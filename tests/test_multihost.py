@@ -227,9 +227,15 @@ def test_data_parallel_state_is_written_by_every_process(tmp_path, n):
 def test_leaf_on_one_process_restores_everywhere(tmp_path):
     """A leaf that lives only on process 0's devices (a pipeline stage) restores in a
     2-process job through jaxckpt.restore, the manager and the emergency manager: the
-    process holding none of it builds its (empty) part too."""
+    process holding none of it builds its (empty) part too; and again from the peer copies,
+    which that leaf reaches as a packed row, after process 0's local disk is lost."""
     worker = os.path.join(HERE, "workers", "submesh_leaf.py")
     res = multiproc.run(worker, 2, devices_per_process=4, args=[str(tmp_path)]).check()
     for pid, out in enumerate(res.outputs):
-        for how in ("jaxckpt.restore", "CheckpointManager", "EmergencyCheckpointManager"):
+        for how in (
+            "jaxckpt.restore",
+            "CheckpointManager",
+            "EmergencyCheckpointManager",
+            "from peer copies",
+        ):
             assert f"restored {how} {pid}" in out, out

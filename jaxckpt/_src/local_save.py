@@ -24,7 +24,7 @@ from . import per_process as pp
 from . import tree as tree_lib
 from .manifest import LeafRecord
 from .monitoring import Figures
-from .peers import PeerCopies, exchange_rows, send_shards
+from .peers import PeerCopies, send_rows, send_shards
 from .sharding import Index, layout
 from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
 from .storage import Location
@@ -107,7 +107,10 @@ class LocalSaver:
         row = local.pack(mine, dict.fromkeys(mine, pid), reuse=self.pack_buffer)
         if self.pack_buffer is None or row.size > self.pack_buffer.size:
             self.pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
-        for got in exchange_rows(row, shifts=shifts, name=name, timeout_s=timeout_s):
+        count = multihost.process_count()
+        for j in shifts:
+            pairs = tuple((p, (p + j) % count) for p in range(count))
+            got = send_rows(row, pairs, name=f"{name}/{j}", timeout_s=timeout_s)
             peer_slices, peer_origins = local.unpack(got)
             for key, data in peer_slices.items():
                 if key not in out.slices:

@@ -5,10 +5,10 @@
   ``ppermute`` per shift inside a single jitted program, *dispatched* on the calling thread
   (so every process issues its collectives in the same order as its training steps) and
   waited for by the writer thread. ``save`` therefore does not wait for the transfer.
-* ``exchange_rows``: the same for leaves that cannot go device to device (arrays on a subset
-  of the processes, or uneven shards): one packed byte row per process, one device each.
-* ``send_rows``: on restore, missing slices go only to the process that needs them (a
-  ``ppermute`` of a partial permutation of packed rows).
+* ``send_rows``: packed byte rows, one device per process, in a ``ppermute`` of a (partial)
+  permutation: on save, the peer copies of leaves that cannot go device to device (arrays
+  on a subset of the processes, or uneven shards); on restore, missing slices, only to the
+  process that needs them.
 """
 
 from __future__ import annotations
@@ -243,27 +243,6 @@ def _row_mesh() -> Mesh:
     for d in sorted(jax.devices(), key=lambda d: d.id):
         first.setdefault(d.process_index, d)
     return Mesh(np.array([first[p] for p in range(jax.process_count())]), ("p",))
-
-
-def exchange_rows(row: np.ndarray, *, name: str, timeout_s: float, shifts=()) -> list[np.ndarray]:
-    """Moves one uint8 row per process through a JAX collective (a collective call).
-
-    Returns, per ``j`` in ``shifts``, the row of process ``(me - j) % count`` (a full
-    ``ppermute`` per shift; each process holds 2 rows at a time). Rows are zero-padded to the
-    longest one (lengths agreed through the key-value store).
-    """
-    count = jax.process_count()
-    shifts = list(shifts)
-    width = _width(row, name, timeout_s)
-    if width == 0:
-        return [np.zeros(0, np.uint8)] * len(shifts)
-    mesh = _row_mesh()
-    x = _global_row(mesh, row, width)
-    out = []
-    for j in shifts:
-        perm = tuple((i, (i + j) % count) for i in range(count))
-        out.append(np.asarray(_permute_fn(mesh, perm)(x).addressable_shards[0].data)[0])
-    return out
 
 
 def send_rows(

@@ -6,6 +6,7 @@ usage: submesh_leaf.py ROOT
 """
 
 import os
+import shutil
 import sys
 
 import multiproc
@@ -60,6 +61,14 @@ def main(root: str) -> None:
     mgr.wait_until_finished()
     check(mgr.restore(target=target), "EmergencyCheckpointManager")
     mgr.close()
+    # Process 0's disk is lost: its stage comes back from the copy process 1 received as a
+    # packed row (the leaf cannot go device to device: process 1 holds none of it).
+    if jax.process_index() == 0:
+        shutil.rmtree(local)
+    with jaxckpt.EmergencyCheckpointManager(local, os.path.join(root, "remote"), opts) as mgr:
+        check(mgr.restore(target=target), "from peer copies")
+        if jax.process_index() == 0:
+            assert {p.leaf for p in mgr.last_report.from_peers} == {"stage0", "shared"}
 
 
 if __name__ == "__main__":
