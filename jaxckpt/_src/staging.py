@@ -193,12 +193,6 @@ class HostCopies:
         self.buffers: dict[tuple, np.ndarray] = {}
         self.copies: list[tuple[np.ndarray, Any]] = []  # (destination, source) pending
 
-    def buffer(self, key: tuple, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        buf = self.buffers.get(key)
-        if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self.buffers[key] = np.empty(shape, dtype)
-        return buf
-
     def snapshot(self, key: tuple, data: Any, dtype: np.dtype | None = None) -> np.ndarray:
         """A host snapshot of ``data`` (one device's buffer, or a NumPy array) in the reused
         buffer ``key``, filled by :meth:`run_copies` (device copies start now). A CPU device
@@ -209,7 +203,10 @@ class HostCopies:
             if data.platform() == "cpu":
                 return np.asarray(data)
             data.copy_to_host_async()
-        buf = self.buffer(key, tuple(data.shape), dtype or np.dtype(data.dtype))
+        shape, dtype = tuple(data.shape), dtype or np.dtype(data.dtype)
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.buffers[key] = np.empty(shape, dtype)
         self.copies.append((buf, data))
         return buf
 
