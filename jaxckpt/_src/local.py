@@ -13,6 +13,7 @@ Also here: packing held slices into one byte buffer (and back), for the peer exc
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -91,23 +92,14 @@ class LocalStep:
     path: Location | None = field(default=None, compare=False)  # where it was read from
 
     def to_json(self) -> dict:
-        return {
-            "format": LOCAL_FORMAT,
-            "format_version": list(self.format_version),
-            "step": self.step,
-            "process_index": self.process_index,
-            "process_count": self.process_count,
-            "digest": self.digest,
-            "replication": self.replication,
-            "hosts": self.hosts,
-            "sends_to": self.sends_to,
-            "receives_from": self.receives_from,
-            "meshes": self.meshes,
-            "leaves": [r.to_dict() for r in self.leaves],
-            "held": self.held,
-            "slices": self.required,
-            "per_process": self.per_process,
-        }
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "path"}
+        doc.update(
+            format=LOCAL_FORMAT,
+            format_version=list(self.format_version),
+            leaves=[r.to_dict() for r in self.leaves],
+            slices=doc.pop("required"),  # the field's name in local.json
+        )
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict, *, where: str, path: Location | None = None) -> LocalStep:
@@ -119,21 +111,12 @@ class LocalStep:
                 f"{where}: not a jaxckpt local step (no 'format': '{LOCAL_FORMAT}')"
             )
         version = check_format_version(doc, where=where, legacy_key="version")
+        known = {f.name for f in dataclasses.fields(cls)} - {"leaves", "format_version", "path"}
         try:
             return cls(
-                step=doc["step"],
-                process_index=doc["process_index"],
-                process_count=doc["process_count"],
-                digest=doc["digest"],
-                meshes=doc["meshes"],
+                **{k: v for k, v in doc.items() if k in known},
                 leaves=tuple(LeafRecord.from_dict(r) for r in doc["leaves"]),
-                held=doc["held"],
                 required=doc["slices"],
-                replication=doc.get("replication", 0),
-                hosts=doc.get("hosts", []),
-                sends_to=doc.get("sends_to", []),
-                receives_from=doc.get("receives_from", []),
-                per_process=doc.get("per_process", {}),
                 format_version=version,
                 path=path,
             )
