@@ -64,7 +64,10 @@ class CheckpointManager:
         self._metrics: dict[int, dict | None] = {}
         self._restored_step: int | None = None
         if self.options.cleanup_tmp and multihost.process_index() == 0:
-            self._cleanup()
+            # Leftovers of interrupted saves; a save still in progress (another manager on
+            # this directory) is left alone: its writer holds the lock on its owner file
+            # (see ``storage.being_written``).
+            steps.clean_leftovers(self.directory, grace_s=self.options.timeout_s)
         self.reload()
 
     # --- listing -------------------------------------------------------------------------
@@ -172,20 +175,19 @@ class CheckpointManager:
         with fig.phase("blocking"):
             self.wait_until_finished()
             opts = self.options
-            staged = state if isinstance(state, Staged) else None
-            if staged is None and opts.async_save and not self._over_budget(state):
-                staged = describe(
+            if not isinstance(state, Staged) and opts.async_save and not self._over_budget(state):
+                state = describe(
                     state,
                     compression=opts.compression,
                     host=self._host,
                     chunk_bytes=opts.chunk_bytes,
                 )
-            job = (step, staged if staged is not None else state, metrics, metadata, record)
+            job = (step, state, metrics, metadata, record)
             what = f"saving step {step} to {self.directory.url}"
-            if staged is None or not opts.async_save:
-                self._writer.run_now(what, self._write, *job)
-            else:
+            if isinstance(state, Staged) and opts.async_save:
                 self._writer.submit(what, self._write, *job)
+            else:
+                self._writer.run_now(what, self._write, *job)
         self.last_save_blocking_s = fig.done().phases["blocking"]
         return True
 
@@ -261,30 +263,19 @@ class CheckpointManager:
         keep = set(candidates[: opts.max_to_keep]) | forever | {newest}
         for step in steps:
             if step not in keep:
-                if multihost.process_index() == 0:
-                    self._delete(step)
-                self._metrics.pop(step, None)
+                self._delete(step)
 
     def delete(self, step: int) -> None:
         """Deletes a committed step (its marker first, so a half-deleted step is invisible)."""
         self._require(step)
         self.wait_until_finished()
-        if multihost.process_index() == 0:
-            self._delete(step)
-        else:
-            self._metrics.pop(step, None)
+        self._delete(step)
 
     def _delete(self, step: int) -> None:
-        steps.delete(self.step_path(step))
+        """Forgets ``step``; process 0 deletes it from storage."""
+        if multihost.process_index() == 0:
+            steps.delete(self.step_path(step))
         self._metrics.pop(step, None)
-
-    def _cleanup(self) -> None:
-        """Deletes temporary and uncommitted step directories left by interrupted saves.
-
-        A save still in progress (another manager on this directory) is left alone: its
-        writer holds the lock on its owner file (see ``storage.being_written``).
-        """
-        steps.clean_leftovers(self.directory, grace_s=self.options.timeout_s)
 
     # --- restore -------------------------------------------------------------------------
 
