@@ -200,6 +200,8 @@ def manifest_of(
     metadata: Any,
     metrics: dict | None,
 ) -> Manifest:
+    from .. import __version__  # imported here: jaxckpt/__init__ imports this module
+
     return Manifest(
         leaves=tuple(leaf.record for leaf in leaves),
         meshes=meshes,
@@ -210,7 +212,7 @@ def manifest_of(
         metrics=metrics,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         writer={
-            "jaxckpt": _version(),
+            "jaxckpt": __version__,
             "jax": jax.__version__,
             "tensorstore": _dist_version("tensorstore"),
         },
@@ -224,12 +226,6 @@ def _dist_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         return "?"
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 # --- what a committed checkpoint holds, no array data read ---------------------------------

@@ -207,8 +207,5 @@ def array_info(leaf: LeafRecord, meshes: list[dict]) -> ArrayInfo:
 
 
 def _dtype_or_none(name: str | None) -> np.dtype | None:
-    if name is None:
-        return None
-    import jax.numpy as jnp
-
-    return jnp.dtype(name)
+    # jax.numpy.dtype is np.dtype; names like "bfloat16" resolve once jax (ml_dtypes) is in
+    return None if name is None else np.dtype(name)
