@@ -88,8 +88,8 @@ class Served:
                 if why is None and got % k:
                     why = (
                         f"has size {got} in dimension {d}, which is split {k} ways on the "
-                        f"{self.variant['device_count']}-device mesh {self._axes()}; pass a "
-                        f"multiple of {k}"
+                        f"{self.variant['device_count']}-device mesh {dict(self.mesh.shape)}; "
+                        f"pass a multiple of {k}"
                     )
                 if why is not None:
                     raise self._arg_error(i, shape, dtype, why)
@@ -100,9 +100,6 @@ class Served:
             f"{self.path}: argument {i} ({want['name']!r}) {why}: expected "
             f"{_fmt_shape(want['shape'])} {want['dtype']}, got {_fmt_shape(shape)} {dtype}"
         )
-
-    def _axes(self) -> dict[str, int]:
-        return dict(zip(self.mesh.axis_names, self.mesh.devices.shape, strict=True))
 
 
 def load(path: str | os.PathLike, mesh: Mesh | None = None) -> Served:
@@ -136,7 +133,7 @@ def _serving_mesh(mesh: Mesh | None, sig: dict, variant: dict, loc: Location) ->
     types = tuple(AxisType[t] for t in sig["mesh"]["axis_types"])
     if mesh is None:
         return jax.make_mesh(sizes, names, axis_types=types)
-    got = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    got = dict(mesh.shape)
     if tuple(mesh.axis_names) != names or tuple(mesh.devices.shape) != sizes:
         raise ExportError(
             f"{loc.url}: the serving mesh has axes {got}, but the {variant['device_count']}-"
