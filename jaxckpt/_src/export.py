@@ -48,15 +48,11 @@ def axis_sizes_for(sizes: Sequence[int], count: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _spec_axes(spec: PartitionSpec) -> list[str]:
-    return [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
-
-
-def _ways(entry: Any, sizes: Mapping[str, int]) -> int:
-    """How many pieces a PartitionSpec entry cuts its dimension into."""
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name or a tuple of them)."""
     if entry is None:
-        return 1
-    return math.prod(sizes[a] for a in (entry if isinstance(entry, tuple) else (entry,)))
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
 
 
 def _check_spec(spec: Any, names: tuple[str, ...], what: str, loc: Location) -> PartitionSpec:
@@ -70,7 +66,7 @@ def _check_spec(spec: Any, names: tuple[str, ...], what: str, loc: Location) -> 
                 f"{loc.url}: {what} {spec} has the entry {entry!r}; only axis names, tuples "
                 "of axis names and None can be exported"
             )
-    missing = [a for a in _spec_axes(spec) if a not in names]
+    missing = [a for entry in spec for a in _entry_axes(entry) if a not in names]
     if missing:
         raise ExportError(
             f"{loc.url}: {what} {spec} names axes {missing} that the mesh {names} lacks; use "
@@ -297,7 +293,8 @@ def _export_variant(
     divisors: list[list[int]] = []
     multiples: dict[str, int] = {}  # symbol -> what it must be a multiple of
     for i, (spec, pspec) in enumerate(zip(arg_specs, in_specs, strict=True)):
-        ways = ([_ways(e, by_name) for e in pspec] + [1] * len(spec.shape))[: len(spec.shape)]
+        ways = [math.prod(by_name[a] for a in _entry_axes(e)) for e in pspec]  # pieces per dim
+        ways = (ways + [1] * len(spec.shape))[: len(spec.shape)]
         divisors.append(ways)
         for d, (dim, k) in enumerate(zip(spec.shape, ways, strict=True)):
             if k == 1 or not jax.export.is_symbolic_dim(dim):
