@@ -43,11 +43,7 @@ def path_name(path: PathJson) -> str:
     """``[["k","params"],["a","w"]]`` -> ``"params/w"``; the root leaf is ``"_root"``."""
     if not path:
         return "_root"
-    parts = []
-    for _, key in path:
-        text = str(key)
-        parts.append(quote(text, safe=_SAFE) if text else "%")
-    return "/".join(parts)
+    return "/".join(quote(str(key), safe=_SAFE) or "%" for _, key in path)
 
 
 def leaves(tree: Any) -> list[Any]:
@@ -77,13 +73,9 @@ def unflatten_paths(items: list[tuple[PathJson, Any]]) -> Any:
     root: dict = {}
     for path, leaf in items:
         node = root
-        for depth, (kind, key) in enumerate(path):
-            last = depth == len(path) - 1
-            slot = (kind, key)
-            if last:
-                node[slot] = leaf
-            else:
-                node = node.setdefault(slot, {})
+        for slot in path[:-1]:
+            node = node.setdefault(tuple(slot), {})  # slot: (kind, key)
+        node[tuple(path[-1])] = leaf
     return _materialize(root)
 
 
