@@ -45,8 +45,7 @@ def coordination_stats(reset: bool = False) -> dict[str, float]:
     """A copy of the coordination timers; ``reset`` zeroes them afterwards."""
     out = dict(STATS)
     if reset:
-        for k in STATS:
-            STATS[k] = 0
+        STATS.update(dict.fromkeys(STATS, 0))
     return out
 
 
@@ -114,12 +113,8 @@ def _missing(error: Exception) -> list[int]:
     match = _TIMED_OUT.search(str(error))
     if not match:
         return []
-    ids = []
-    for token in re.split(r"[\s,]+", match.group(1)):
-        if not token.isdigit():
-            break
-        ids.append(int(token))
-    return sorted(set(ids))
+    tokens = re.split(r"[\s,]+", match.group(1))
+    return sorted({int(t) for t in itertools.takewhile(str.isdigit, tokens)})
 
 
 def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
@@ -252,11 +247,11 @@ def agree(
 
 
 def _disagreement(got: list[dict], what: str) -> str | None:
-    if len({g["h"] for g in got}) == 1:
-        return None
     groups: dict[str, list[int]] = {}
     for pid, g in enumerate(got):
         groups.setdefault(g["h"], []).append(pid)
+    if len(groups) == 1:
+        return None
     lines = "; ".join(
         f"process(es) {pids}: path {got[pids[0]].get('path')}, "
         f"{got[pids[0]].get('leaves')} leaves, tree/shape/dtype hash {h}"
