@@ -155,8 +155,7 @@ def want_saved(rec: LeafRecord, manifest: Manifest, mesh, dtype=None) -> Want:
     sharding = None
     sj = rec.sharding or {}
     if sj.get("type") == "named":
-        saved_mesh = manifest.meshes[sj["mesh"]]
-        bound = mesh if mesh is not None else mesh_by_position(saved_mesh)
+        bound = mesh if mesh is not None else mesh_by_position(manifest.meshes[sj["mesh"]])
         if bound is not None:
             sharding = bind_spec(sj["spec"], bound, leaf=rec.name, shape=tuple(rec.shape))
     elif sj.get("type") == "single_device":
@@ -203,7 +202,7 @@ def _read_once(
     budget: int,
     meshes: list[dict],
     fig: Figures,
-    source: orbax.OrbaxCheckpoint | None = None,
+    source: orbax.OrbaxCheckpoint | None,
 ) -> list[Any]:
     """``_read_all``, with leaves that processes share read once and moved (``read_once``)."""
     moves: dict[int, jax.sharding.Sharding] = {}
@@ -233,10 +232,10 @@ def _read_once(
 def _read_all(
     loc: Location,
     wants: list[Want],
-    budget: int = READ_BUDGET_BYTES,
-    meshes: list[dict] = (),
-    fig: Figures | None = None,
-    source: orbax.OrbaxCheckpoint | None = None,
+    budget: int,
+    meshes: list[dict],
+    fig: Figures,
+    source: orbax.OrbaxCheckpoint | None,
 ) -> list[Any]:
     ctx = arrays.new_context()
     if source is None:
@@ -249,18 +248,16 @@ def _read_all(
         for w in wants
         if w.record.has_array and math.prod(w.record.shape)
     }
-    reader = _BoundedReader(db, budget, list(meshes))
+    reader = _BoundedReader(db, budget, meshes)
     finishers: list[Callable[[], Any]] = []
     try:
         for w in wants:
-            rec = w.record
-            if not rec.has_array:
-                finishers.append(lambda rec=rec: rec.value)
-                continue
-            finishers.append(_plan_leaf(w, stores.get(rec.name), reader))
+            if w.record.has_array:
+                finishers.append(_plan_leaf(w, stores.get(w.record.name), reader))
+            else:
+                finishers.append(lambda rec=w.record: rec.value)
         reader.drain()
-        if fig is not None:
-            fig.bytes += reader.total
+        fig.bytes += reader.total
     finally:
         reader.close()  # also on errors: no placing thread outlives the call
     return [f() for f in finishers]
