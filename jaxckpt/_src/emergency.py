@@ -21,6 +21,7 @@ next older step when it proves unusable, and fall back to the remote tier.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -126,15 +127,19 @@ class EmergencyCheckpointManager:
         if multihost.process_count() == 1:
             return max(self.all_steps(), default=None)
         self._remote.reload()
-        _, views = local_restore.publish_holdings(
+        _, views = self._publish_holdings(self._tag("latest"))
+        tries, _ = candidates(views)
+        return tries[0] if tries else max(views[0].remote, default=None)
+
+    def _publish_holdings(self, tag: str):
+        """This process's local steps, and every process's holdings (one key-value round)."""
+        return local_restore.publish_holdings(
             self.local_directory,
             self._remote.all_steps(),
-            tag=self._tag("latest"),
+            tag=tag,
             timeout_s=self.options.timeout_s,
             digits=self.options.step_digits,
         )
-        tries, _ = candidates(views)
-        return tries[0] if tries else max(views[0].remote, default=None)
 
     def reached_preemption(self, step: int) -> bool:
         return multihost.reached_preemption(step)
@@ -263,26 +268,16 @@ class EmergencyCheckpointManager:
         ``last_report``. Every process must call it.
         """
         self.wait_until_finished()
-        self._remote.wait_until_finished()
         self._remote.reload()
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
         self._saver = local_save.LocalSaver()
-        timeout = self.options.timeout_s
         tag = self._tag("restore")
         fig = Figures("emergency_restore", self.local_directory.url)
-        mine, views = local_restore.publish_holdings(
-            self.local_directory,
-            self._remote.all_steps(),
-            tag=tag,
-            timeout_s=timeout,
-            digits=self.options.step_digits,
-        )
-        remote_steps = views[0].remote
-        newest_remote = max(remote_steps, default=None)
+        mine, views = self._publish_holdings(tag)
         tries, rejected = candidates(views, step)
-        bad_all: list[BadCopy] = []
+        bad_copies: list[BadCopy] = []
         for s in tries:
             try:
                 got = local_restore.restore_step(
@@ -293,51 +288,48 @@ class EmergencyCheckpointManager:
                     target,
                     mesh,
                     tag=tag,
-                    timeout_s=timeout,
+                    timeout_s=self.options.timeout_s,
                     fig=fig,
                 )
             except StepUnusable as e:
                 rejected.append(Rejected(s, str(e)))
-                rejected.sort(key=lambda r: -r.step)  # newest first, as they were considered
-                bad_all.extend(e.bad_copies)
+                bad_copies.extend(e.bad_copies)
                 continue
-            bad_all.extend(got.bad_copies)
+            bad_copies.extend(got.bad_copies)
             fig.bytes = sum(
                 a.nbytes for a in jax.tree_util.tree_leaves(got.state) if hasattr(a, "nbytes")
             )
             self.last_restore_figures = fig.done()
-            self.last_report = RecoveryReport(
+            self._restored = (s, got.per_process, got.saved_process_count)
+            report = RecoveryReport(
                 "local",
                 s,
                 multihost.process_count(),
                 got.saved_process_count,
                 from_peers=got.from_peers,
-                rejected=tuple(rejected),
-                bad_copies=tuple(bad_all),
                 per_process_from=got.per_process_from,
             )
-            self._restored = (s, got.per_process, got.saved_process_count)
-            log.info("jaxckpt: restored %s", self.last_report)
-            return got.state
-        chosen = step if step is not None else newest_remote
-        if chosen is None or chosen not in remote_steps:
-            raise CheckpointNotFoundError(
-                f"no step to restore{f' (asked for {step})' if step is not None else ''}: no "
-                f"local step is complete on the {len(views)} processes ({rejected or 'none'}) "
-                f"and the remote tier {self._remote.directory.url} has {remote_steps}"
-            )
-        out = self._remote.restore(chosen, target, mesh=mesh)
-        self._restored = (chosen, None, None)
-        self.last_report = RecoveryReport(
-            "remote",
-            chosen,
-            multihost.process_count(),
-            None,
-            rejected=tuple(rejected),
-            bad_copies=tuple(bad_all),
+            state = got.state
+            break
+        else:
+            remote_steps = views[0].remote
+            chosen = step if step is not None else max(remote_steps, default=None)
+            if chosen is None or chosen not in remote_steps:
+                raise CheckpointNotFoundError(
+                    f"no step to restore{f' (asked for {step})' if step is not None else ''}: "
+                    f"no local step is complete on the {len(views)} processes "
+                    f"({rejected or 'none'}) and the remote tier {self._remote.directory.url} "
+                    f"has {list(remote_steps)}"
+                )
+            state = self._remote.restore(chosen, target, mesh=mesh)
+            self._restored = (chosen, None, None)
+            report = RecoveryReport("remote", chosen, multihost.process_count())
+        rejected.sort(key=lambda r: -r.step)  # newest first, as they were considered
+        self.last_report = dataclasses.replace(
+            report, rejected=tuple(rejected), bad_copies=tuple(bad_copies)
         )
         log.info("jaxckpt: restored %s", self.last_report)
-        return out
+        return state
 
     def per_process(
         self,
