@@ -79,12 +79,12 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def encode(value: Any, *, where: str, process: int | None = None) -> Record | None:
+def encode(value: Any, *, where: str) -> Record | None:
     """This process's ``value`` as a :class:`Record` (None for None); refuses, before anything
     is written, a value that is neither JSON, bytes nor a pytree of NumPy arrays."""
     if value is None or isinstance(value, Record):
         return value
-    pid = multihost.process_index() if process is None else process
+    pid = multihost.process_index()
     count = multihost.process_count()
     if isinstance(value, (bytes, bytearray, memoryview)):
         kind, stored = "bytes", base64.b64encode(bytes(value)).decode()
