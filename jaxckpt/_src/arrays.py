@@ -66,9 +66,7 @@ def _zarr_supports(dtype_name: str) -> bool:
 
 def stored_dtype(dtype: np.dtype) -> str:
     """The zarr data type for ``dtype``; types zarr lacks are stored as unsigned bits."""
-    if _zarr_supports(dtype.name):
-        return dtype.name
-    return f"uint{dtype.itemsize * 8}"
+    return dtype.name if _zarr_supports(dtype.name) else f"uint{dtype.itemsize * 8}"
 
 
 def zarr_metadata(
@@ -109,9 +107,9 @@ def kvstore_spec(db: Location, data_file_bytes: int = 0) -> dict:
     }
 
 
-def array_spec(db: Location, name: str) -> dict:
+def array_spec(db: Location, name: str, data_file_bytes: int = 0) -> dict:
     """The TensorStore spec that opens leaf ``name`` (what docs/FORMAT.md describes)."""
-    return {"driver": "zarr3", "kvstore": kvstore_spec(db), "path": name + "/"}
+    return {"driver": "zarr3", "kvstore": kvstore_spec(db, data_file_bytes), "path": name + "/"}
 
 
 def new_context() -> ts.Context:
@@ -132,15 +130,12 @@ def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
     ctx = new_context()
     total = sum(w.nbytes for w in writes)
     file_bytes = max(MIN_DATA_FILE_BYTES, -(-total // DATA_FILES_PER_PROCESS))
-    kv = kvstore_spec(db, file_bytes)
     try:
         txn = ts.Transaction(atomic=False)
         opens = []
         for w in writes:
             spec = {
-                "driver": "zarr3",
-                "kvstore": kv,
-                "path": w.name + "/",
+                **array_spec(db, w.name, file_bytes),
                 "metadata": w.metadata,
                 # every chunk on disk, zeros too: a missing chunk is then an error, never a
                 # silent zero (``jaxckpt verify`` checks that every chunk exists)
