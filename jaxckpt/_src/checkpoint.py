@@ -104,12 +104,10 @@ def save(
     pid, count = multihost.process_index(), multihost.process_count()
     my_id = uuid.uuid4().hex[:12]
     work = loc.parent().join(f"{loc.name}.tmp-{my_id}") if loc.is_local else loc
-    owner = None
+    # Process 0's temporary directory exists, locked (steps.claim; none on object stores),
+    # before the others learn its name and make their parts in it; removed if they disagree.
+    owner = steps.claim(work) if pid == 0 else None
     try:
-        if pid == 0 and work != loc:
-            # Process 0's temporary directory exists, locked (steps.claim), before the others
-            # learn its name and make their parts in it; it is removed if they disagree.
-            owner = steps.claim(work)
         # One round before any data is written: the same path, tree, shapes and dtypes on
         # every process? Who runs where, and process 0's id for this save (temporary
         # directory and barrier names, so a restarted job never meets a stale one).
