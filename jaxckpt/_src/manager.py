@@ -118,7 +118,7 @@ class CheckpointManager:
         """This process's ``per_process=`` value of ``step`` (default: the step last
         restored, else the newest); see :func:`jaxckpt.per_process` for ``process`` and
         ``all`` after a process-count change."""
-        if step is None and self._restored_step is not None:
+        if step is None:
             step = self._restored_step
         path = self.step_path(self._step_or_latest(step)).url
         return checkpoint.per_process(path, process=process, all=all)
