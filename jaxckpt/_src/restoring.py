@@ -93,9 +93,9 @@ def restore(
 
 
 def _wants(manifest: Manifest, target: Any, mesh, loc: Location) -> list[Want]:
-    by_name = {leaf.name: leaf for leaf in manifest.leaves}
     if target is None:
         return [want_saved(rec, manifest, mesh) for rec in manifest.leaves]
+    by_name = {leaf.name: leaf for leaf in manifest.leaves}
     flat = tree_lib.flatten(target)
     wants = [want_target(p, t, by_name, loc) for p, t in flat]
     if mesh is None:
