@@ -75,8 +75,7 @@ class Location:
         if self.is_local:
             if create_dir:
                 os.makedirs(self.url, exist_ok=True)
-            target = os.path.join(self.url, name)
-            with open(target, "wb") as f:
+            with open(os.path.join(self.url, name), "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -138,9 +137,7 @@ def location(path: str | os.PathLike | Location) -> Location:
     """Parses a local path, ``file://`` URL, ``s3://bucket/prefix`` or ``gs://bucket/prefix``."""
     if isinstance(path, Location):
         return path
-    text = os.fspath(path)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
+    text = os.fspath(path).removeprefix("file://")
     parsed = urlparse(text)
     if "://" in text:
         if parsed.scheme not in _REMOTE_SCHEMES:
