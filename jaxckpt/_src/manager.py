@@ -159,7 +159,8 @@ class CheckpointManager:
         deprecated name of ``custom_metadata=``.
         """
         metadata = checkpoint.renamed_metadata(custom_metadata, metadata)
-        self._check_open()
+        if self._closed:
+            raise CheckpointError(f"the manager of {self.directory.url} is closed")
         self._writer.raise_error()
         if not force and not self.should_save(step):
             return False
@@ -314,10 +315,6 @@ class CheckpointManager:
             )
 
     # --- lifetime ------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError(f"the manager of {self.directory.url} is closed")
 
     def close(self) -> None:
         """Finishes the save in flight, stops the writer thread, raises a pending error."""
