@@ -151,9 +151,8 @@ class Manifest:
             raise ManifestError(f"{where}: not a jaxckpt manifest (no 'format': 'jaxckpt')")
         version = check_format_version(doc, where=where)
         try:
-            leaves = tuple(LeafRecord.from_dict(leaf) for leaf in doc["leaves"])
             return cls(
-                leaves=leaves,
+                leaves=tuple(LeafRecord.from_dict(leaf) for leaf in doc["leaves"]),
                 meshes=doc["meshes"],
                 process_count=doc["process_count"],
                 process_hosts=doc.get("process_hosts"),
