@@ -19,9 +19,9 @@ from . import safetensors as st
 from . import tree as tree_lib
 from .manifest import COMMIT_FILE, MANIFEST_FILE
 from .restoring import read_manifest, restore
-from .safetensors_format import INDEX_FILE, index_json, plan
+from .safetensors_format import INDEX_FILE, create_files, index_json, plan
 from .staging import describe
-from .storage import fsync_dir, location, rename_dir
+from .storage import location, rename_dir
 
 BATCH_BYTES = 256 << 20  # host memory of a conversion: leaves read and written together
 
@@ -145,12 +145,8 @@ def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
     specs = [(names[r.name], jax.numpy.dtype(r.dtype), tuple(r.shape)) for r in leaves]
     files, placed = plan(specs, max_file_bytes, {"format": "jaxckpt"})
     work = d.parent().join(f"{d.name}.tmp-{uuid.uuid4().hex[:8]}")
-    work.makedirs()
     try:
-        for f in files:
-            with open(os.path.join(work.url, f.name), "wb") as fh:
-                fh.write(f.header)
-                fh.truncate(f.size)
+        create_files(work, files)
         for rec, data in host_leaves(s, leaves):
             t = placed[names[rec.name]]
             with open(os.path.join(work.url, t.file), "r+b") as fh:
@@ -161,9 +157,8 @@ def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
             os.fsync(fd)
             os.close(fd)
         if len(files) > 1:
-            work.write_bytes(INDEX_FILE, index_json(files, placed, {"format": "jaxckpt"}))
+            work.write_bytes(INDEX_FILE, index_json(placed, {"format": "jaxckpt"}))
         rename_dir(work, d)
-        fsync_dir(d.parent().url)
     except BaseException:
         work.remove()
         raise

@@ -25,7 +25,6 @@ from .safetensors_format import (
     checked,
     coalesce,
     read_header,
-    read_range,
     runs,
 )
 from .safetensors_map import (
@@ -75,19 +74,25 @@ def _files(path: str | os.PathLike | Sequence) -> tuple[Location, list[str]]:
     return loc, found
 
 
+def _headers(path) -> tuple[Location, ts.KvStore, dict[str, TensorInfo], dict]:
+    """The directory of ``path``, its kvstore, and the tensors and ``__metadata__`` of all
+    its files."""
+    loc, files = _files(path)
+    kv = ts.KvStore.open(loc.kvstore()).result()
+    tensors: dict[str, TensorInfo] = {}
+    meta: dict = {}
+    for f in files:
+        file_tensors, file_meta = read_header(kv, f, loc.url)
+        tensors.update(file_tensors)
+        meta.update(file_meta)
+    return loc, kv, tensors, meta
+
+
 def metadata(path: str | os.PathLike | Sequence) -> dict[str, TensorInfo]:
     """Every tensor's dtype, shape, file and bytes, from the headers alone (no data read).
     ``__metadata__`` of the files is under the key ``"__metadata__"`` (a dict)."""
-    loc, files = _files(path)
-    kv = ts.KvStore.open(loc.kvstore()).result()
-    out: dict[str, Any] = {}
-    meta: dict = {}
-    for f in files:
-        tensors, m = read_header(kv, f, loc.url)
-        out.update(tensors)
-        meta.update(m)
-    out["__metadata__"] = meta
-    return out
+    _, _, tensors, meta = _headers(path)
+    return {**tensors, "__metadata__": meta}
 
 
 @dataclass(frozen=True)
@@ -115,11 +120,7 @@ def load(
     results); other leaves are returned as they are. Each process reads only the byte
     ranges its devices need, at most ``read_budget_bytes`` (default 128 MiB) in flight.
     """
-    loc, files = _files(path)
-    kv = ts.KvStore.open(loc.kvstore()).result()
-    tensors: dict[str, TensorInfo] = {}
-    for f in files:
-        tensors.update(read_header(kv, f, loc.url)[0])
+    loc, kv, tensors, _ = _headers(path)
     flat = tree_lib.flatten(target)
     wants: list[_Want | None] = [
         _want(p, t, tensors, names, transforms, loc) if _is_array(t) else None for p, t in flat
@@ -193,15 +194,14 @@ class _Reader:
 
     def leaf(self, w: _Want) -> Callable[[], Any]:
         holder: dict = {}
+        whole = tuple((0, d) for d in w.shape)
         if w.sharding is None:
-            whole = tuple((0, d) for d in w.shape)
             self._submit(w, whole, lambda data: holder.__setitem__("v", data))
             return lambda: holder["v"]
         out = Placement(w.sharding, w.shape, w.dtype)
         put, by_index = out.put, out.indices
         block = bounding(by_index)
         itemsize = w.tensors[0].dtype.itemsize
-        whole = tuple((0, d) for d in w.shape)
         if block == whole and volume(block) * itemsize <= self.budget // 2:
             # this process needs the whole leaf: one read, and jax slices it onto the devices
             self._submit(
@@ -231,9 +231,10 @@ class _Reader:
         for i, rbox in tensor_boxes(w.m, box):
             info = w.tensors[i]
             rshape = w.m.reshape.shape if w.m.reshape else info.shape
-            pieces = runs(rshape, info.dtype.itemsize, rbox)
+            # absolute offsets in the file
+            pieces = [(info.begin + off, n) for off, n in runs(rshape, info.dtype.itemsize, rbox)]
             reads = [
-                (read_range(self.kv, info.file, info.begin + off, n, self.url), off, n, members)
+                (self.kv.read(info.file, byte_range=slice(off, off + n)), off, n, members)
                 for off, n, members in coalesce(pieces)
             ]
             parts.append((info, rbox, reads))
@@ -250,12 +251,12 @@ class _Reader:
             extent = tuple(b - a for a, b in rbox)
             if len(reads) == 1 and len(reads[0][3]) == 1:  # one run: the read is the block
                 fut, off, n, _ = reads[0]
-                buf = checked(fut.result(), info.file, info.begin + off, n, self.url)
+                buf = checked(fut.result(), info.file, off, n, self.url)
             else:
                 buf = np.empty(math.prod(extent) * info.dtype.itemsize, np.uint8)
                 pos = 0
                 for fut, off, n, members in reads:
-                    data = checked(fut.result(), info.file, info.begin + off, n, self.url)
+                    data = checked(fut.result(), info.file, off, n, self.url)
                     for moff, mn in members:
                         buf[pos : pos + mn] = np.frombuffer(
                             data[moff - off : moff - off + mn], np.uint8

@@ -26,6 +26,7 @@ import tensorstore as ts
 
 from ..errors import SafetensorsError
 from .sharding import Index
+from .storage import Location
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -135,16 +136,11 @@ def read_header(kv: ts.KvStore, file: str, url: str) -> tuple[dict[str, TensorIn
 
 def _size(kv: ts.KvStore, file: str) -> float:
     """The size of a local file; object stores have no cheap stat in TensorStore, so there
-    a truncated file is found when a read comes back short (``read_range``)."""
+    a truncated file is found when a read comes back short (``checked``)."""
     spec = kv.spec().to_json()
     if spec.get("driver") == "file":
         return os.path.getsize(os.path.join(spec["path"], file))
     return math.inf
-
-
-def read_range(kv: ts.KvStore, file: str, offset: int, length: int, url: str) -> ts.Future:
-    """A future of exactly ``length`` bytes at ``offset`` of ``file``."""
-    return kv.read(file, byte_range=slice(offset, offset + length))
 
 
 def checked(result, file: str, offset: int, length: int, url: str) -> memoryview:
@@ -202,19 +198,6 @@ def coalesce(pieces: Iterable[tuple[int, int]], *, waste: float = 0.5, max_bytes
 
 
 @dataclass(frozen=True)
-class PlannedTensor:
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    file: str
-    begin: int  # absolute offset in the file
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
 class FilePlan:
     name: str
     header: bytes  # the 8-byte length and the padded JSON
@@ -225,7 +208,7 @@ def plan(
     tensors: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
     max_file_bytes: float,
     metadata: dict[str, str] | None,
-) -> tuple[list[FilePlan], dict[str, PlannedTensor]]:
+) -> tuple[list[FilePlan], dict[str, TensorInfo]]:
     """Assigns tensors, in the order given, to files of at most ``max_file_bytes`` of data
     (a tensor larger than that gets a file of its own) and lays out each file."""
     groups: list[list] = [[]]
@@ -256,12 +239,22 @@ def plan(
         header = len(text).to_bytes(8, "little") + text
         files.append(FilePlan(fname, header, len(header) + offset))
         for name, dtype, shape in group:
-            begin = doc[name]["data_offsets"][0] + len(header)
-            placed[name] = PlannedTensor(name, np.dtype(dtype), tuple(shape), fname, begin)
+            begin, end = (x + len(header) for x in doc[name]["data_offsets"])
+            placed[name] = TensorInfo(name, np.dtype(dtype), tuple(shape), fname, begin, end)
     return files, placed
 
 
-def index_json(files: list[FilePlan], placed: dict[str, PlannedTensor], metadata) -> bytes:
+def create_files(directory: Location, files: Iterable[FilePlan]) -> None:
+    """Creates the planned files in the local ``directory``: each its header, then zeros up to
+    its size, for the data to be written in place."""
+    directory.makedirs()
+    for f in files:
+        with open(os.path.join(directory.url, f.name), "wb") as fh:
+            fh.write(f.header)
+            fh.truncate(f.size)
+
+
+def index_json(placed: dict[str, TensorInfo], metadata) -> bytes:
     total = sum(t.nbytes for t in placed.values())
     doc = {
         "metadata": {"total_size": total, **(metadata or {})},

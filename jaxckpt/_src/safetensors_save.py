@@ -15,7 +15,7 @@ import tensorstore as ts
 from ..errors import SafetensorsError, UnsupportedLeafError
 from . import multihost
 from . import tree as tree_lib
-from .safetensors_format import INDEX_FILE, index_json, plan, runs
+from .safetensors_format import INDEX_FILE, create_files, index_json, plan, runs
 from .safetensors_map import (
     LeafMap,
     Names,
@@ -28,7 +28,7 @@ from .safetensors_map import (
     volume,
 )
 from .sharding import Index, layout, write_split
-from .storage import Location, fsync_dir, location, rename_dir
+from .storage import Location, location, rename_dir
 
 WRITE_BLOCK_BYTES = 128 << 20  # a leaf's owned parts joined into one host block up to this
 
@@ -87,11 +87,7 @@ def save(
         raise SafetensorsError(f"{loc.url} already exists; choose a new directory or delete it")
     work = loc.parent().join(f"{loc.name}.tmp-{agreed.first}")
     if multihost.process_index() == 0:
-        work.makedirs()
-        for f in files:
-            with open(os.path.join(work.url, f.name), "wb") as fh:
-                fh.write(f.header)
-                fh.truncate(f.size)
+        create_files(work, files)
     multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/created", timeout_s, what=loc.url)
     fds = {f.name: os.open(os.path.join(work.url, f.name), os.O_WRONLY) for f in files}
     try:
@@ -107,9 +103,8 @@ def save(
     multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/written", timeout_s, what=loc.url)
     if multihost.process_index() == 0:
         if len(files) > 1:
-            work.write_bytes(INDEX_FILE, index_json(files, placed, metadata))
+            work.write_bytes(INDEX_FILE, index_json(placed, metadata))
         rename_dir(work, loc)
-        fsync_dir(loc.parent().url)
     multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/committed", timeout_s, what=loc.url)
 
 
@@ -194,4 +189,4 @@ def _save_object_store(loc: Location, leaves, files, placed, metadata) -> None:
                         buf[offset : offset + len(chunk)] = chunk
         kv.write(f.name, bytes(buf)).result()
     if len(files) > 1:
-        kv.write(INDEX_FILE, index_json(files, placed, metadata)).result()
+        kv.write(INDEX_FILE, index_json(placed, metadata)).result()
