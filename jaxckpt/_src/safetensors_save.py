@@ -57,14 +57,14 @@ def save(
     loc = location(path)
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise SafetensorsError(f"{loc.url}: metadata values must be strings, got {metadata!r}")
-    leaves = [(m, v) for m, v in _save_leaves(tree, names, transforms, loc)]
+    leaves = list(_save_leaves(tree, names, transforms, loc))
     specs = [
         (name, m.cast or np.dtype(v.dtype), m.tensor_shape(tuple(v.shape)))
         for m, v in leaves
         for name in m.names(v.shape[0] if m.stacked else 1)
     ]
-    if len({s[0] for s in specs}) != len(specs):
-        dup = [n for n, c in collections.Counter(s[0] for s in specs).items() if c > 1]
+    dup = [n for n, c in collections.Counter(s[0] for s in specs).items() if c > 1]
+    if dup:
         raise SafetensorsError(f"{loc.url}: several leaves map to tensor(s) {dup[:5]}; fix names=")
     files, placed = plan(specs, max_file_bytes, metadata)
     count = multihost.process_count()
@@ -116,10 +116,8 @@ def _save_leaves(tree, names, transforms, loc: Location):
                 "tensors: save jax.random.key_data(key) instead"
             )
         if isinstance(v, (jax.Array, np.ndarray, np.generic)):
-            yield (
-                leaf_map(dotted(path), names, transforms),
-                (v if isinstance(v, jax.Array) else np.asarray(v)),
-            )
+            m = leaf_map(dotted(path), names, transforms)
+            yield m, (v if isinstance(v, jax.Array) else np.asarray(v))
 
 
 def _owned(v, salt: int):
@@ -147,14 +145,14 @@ def _blocks(parts, budget: int):
     part); else as they come."""
     parts = list(parts)
     block = bounding([b for b, _ in parts]) if len(parts) > 1 else None
-    if block is None or volume(block) != sum(volume(b) for b, _ in parts):
+    if (
+        block is None
+        or volume(block) != sum(volume(b) for b, _ in parts)
+        or volume(block) * parts[0][1].itemsize > budget
+    ):
         yield from parts
         return
-    dtype = parts[0][1].dtype
-    if volume(block) * dtype.itemsize > budget:
-        yield from parts
-        return
-    out = np.empty(tuple(b - a for a, b in block), dtype)
+    out = np.empty(tuple(b - a for a, b in block), parts[0][1].dtype)
     for box, data in parts:
         out[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(box, block, strict=True))] = data
     yield block, out
