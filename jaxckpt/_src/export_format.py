@@ -188,8 +188,7 @@ def read_artifact(loc: Location, sig: dict, variant: dict) -> jax.export.Exporte
             f"least {writer}, or re-export with the installed jax"
         )
     require_flatbuffers(loc)
-    folder, _, name = variant["file"].rpartition("/")
-    blob = loc.join(folder).read_bytes(name) if folder else loc.read_bytes(name)
+    blob = loc.read_bytes(variant["file"])
     if blob is None:
         raise ExportError(f"{where} is missing; the export is incomplete, re-export it")
     digest = hashlib.sha256(blob).hexdigest()
