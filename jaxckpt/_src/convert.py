@@ -20,6 +20,7 @@ from . import tree as tree_lib
 from .manifest import COMMIT_FILE, MANIFEST_FILE
 from .restoring import read_manifest, restore
 from .safetensors_format import INDEX_FILE, create_files, index_json, plan
+from .safetensors_map import dotted
 from .staging import describe
 from .storage import location, rename_dir
 
@@ -47,9 +48,7 @@ def to_jaxckpt(src, dst) -> None:
         custom = None
 
         def read(batch):
-            return st.load(
-                s, {p[0][1]: _numpy_spec(jax.ShapeDtypeStruct(t.shape, t.dtype)) for p, t in batch}
-            )
+            return st.load(s, {p[0][1]: _numpy_spec(t.shape, t.dtype) for p, t in batch})
 
     if d.exists(COMMIT_FILE) or os.path.exists(d.url):
         raise CheckpointExistsError(f"{d.url} already exists; choose a new path or delete it")
@@ -61,9 +60,10 @@ def to_jaxckpt(src, dst) -> None:
         for batch in _batches(leaves):
             tree = read(batch)
             described = describe(tree).leaves
-            arrays.write(db, [leaf.write for leaf in described if leaf.write is not None])
+            writes = [leaf.write for leaf in described if leaf.write is not None]
+            arrays.write(db, writes)
             staged += described
-            total += sum(leaf.write.nbytes for leaf in described if leaf.write is not None)
+            total += sum(w.nbytes for w in writes)
             del tree
         order = {tree_lib.path_name(p): k for k, (p, _) in enumerate(leaves)}
         staged.sort(key=lambda leaf: order[leaf.record.name])
@@ -92,9 +92,9 @@ def _batches(leaves):
         yield batch
 
 
-def _numpy_spec(sds: jax.ShapeDtypeStruct) -> np.ndarray:
+def _numpy_spec(shape, dtype) -> np.ndarray:
     """A NumPy target leaf (NumPy result) that takes no memory: a zero-stride view."""
-    return np.lib.stride_tricks.as_strided(np.zeros(1, sds.dtype), sds.shape, (0,) * len(sds.shape))
+    return np.broadcast_to(np.zeros((), dtype), tuple(shape))
 
 
 def _host_target(records):
@@ -102,11 +102,9 @@ def _host_target(records):
     items = []
     for rec in records:
         if rec.kind in ("array", "numpy"):
-            spec = jax.ShapeDtypeStruct(tuple(rec.shape), jax.numpy.dtype(rec.dtype))
-            items.append((rec.path, _numpy_spec(spec)))
+            items.append((rec.path, _numpy_spec(rec.shape, rec.dtype)))
         elif rec.kind == "prng_key":  # the target has the key's shape, the record its data's
-            spec = jax.ShapeDtypeStruct(tuple(rec.shape[:-1]), np.uint32)
-            items.append((rec.path, _numpy_spec(spec)))
+            items.append((rec.path, _numpy_spec(rec.shape[:-1], np.uint32)))
         else:
             items.append((rec.path, rec.value))
     return tree_lib.unflatten_paths(items)
@@ -135,14 +133,14 @@ def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
     if os.path.exists(d.url):
         raise CheckpointExistsError(f"{d.url} already exists; choose a new directory or delete it")
     manifest = read_manifest(s)
-    leaves = [r for r in manifest.leaves if r.kind in ("array", "numpy")]
-    if any(r.kind == "prng_key" for r in manifest.leaves):
-        name = next(r.name for r in manifest.leaves if r.kind == "prng_key")
+    keys = [r.name for r in manifest.leaves if r.kind == "prng_key"]
+    if keys:
         raise UnsupportedLeafError(
-            f"{s.url}: leaf {name!r} is a PRNG key, which safetensors cannot hold"
+            f"{s.url}: leaf {keys[0]!r} is a PRNG key, which safetensors cannot hold"
         )
-    names = {r.name: ".".join(str(k) for _, k in r.path) for r in leaves}
-    specs = [(names[r.name], jax.numpy.dtype(r.dtype), tuple(r.shape)) for r in leaves]
+    leaves = [r for r in manifest.leaves if r.kind in ("array", "numpy")]
+    names = {r.name: dotted(r.path) for r in leaves}
+    specs = [(names[r.name], np.dtype(r.dtype), tuple(r.shape)) for r in leaves]
     files, placed = plan(specs, max_file_bytes, {"format": "jaxckpt"})
     work = d.parent().join(f"{d.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
