@@ -256,11 +256,9 @@ class CheckpointManager:
         steps = self.all_steps()
         newest = steps[-1] if steps else None
         forever = {s for s in steps if opts.keep_period and s % opts.keep_period == 0}
-        ranked = self._ranked()
-        if ranked is None:
-            candidates = list(reversed(steps))
-        else:  # best first; steps without metrics rank after, newest first
-            candidates = ranked + [s for s in reversed(steps) if s not in ranked]
+        ranked = self._ranked() or []  # best first (with a best_fn)
+        # then the steps without a rank, newest first
+        candidates = ranked + [s for s in reversed(steps) if s not in ranked]
         keep = set(candidates[: opts.max_to_keep]) | forever | {newest}
         for step in steps:
             if step not in keep:
