@@ -14,6 +14,7 @@ installed and stderr is a terminal.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -21,12 +22,11 @@ from typing import Any
 import numpy as np
 
 from .. import errors
+from .local import LOCAL_FILE
 from .manifest import COMMIT_FILE, LeafRecord, Manifest
 from .restoring import read_manifest
 from .sharding import spec_from_json
 from .storage import Location, location
-
-LOCAL_FILE = "local.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +127,7 @@ def leaf_json(rec: LeafRecord, manifest: Manifest) -> dict:
     if sharding.get("type") == "named":
         mesh = manifest.meshes[sharding["mesh"]]
         out["mesh"] = dict(zip(mesh["axis_names"], mesh["shape"], strict=True))
-        out["spec"] = [e for e in sharding["spec"]]
+        out["spec"] = list(sharding["spec"])
     elif sharding:
         out["sharding"] = sharding
     if rec.kind == "python":
@@ -194,8 +194,8 @@ def verify(args) -> int:
     bad = 0
     for path in paths:
         total = sum(r.nbytes for r in read_manifest(path).leaves if r.has_array)
-        with _progress(total, path.name) as tick:
-            report = verify_one(path, progress=tick)
+        with _progress(total, path.name) as bar:
+            report = verify_one(path, progress=None if bar is None else bar.update)
         for p in report.problems:
             chunk = "whole leaf" if p.chunk is None else f"chunk {list(p.chunk)}"
             print(f"DAMAGED {path.url}: leaf {p.leaf!r} {chunk} in {p.where}: {p.why}")
@@ -207,25 +207,16 @@ def verify(args) -> int:
     return 1 if bad else 0
 
 
-class _progress:
-    """tqdm's bar on a terminal (if tqdm is installed), else nothing."""
-
-    def __init__(self, total: int, what: str):
-        self.bar = None
-        if sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=what, leave=False)
-            except ImportError:
-                pass
-
-    def __enter__(self):
-        return (lambda n: self.bar.update(n)) if self.bar is not None else None
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
+def _progress(total: int, what: str):
+    """tqdm's bar on a terminal (if tqdm is installed), else a context of None."""
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            return tqdm(total=total, unit="B", unit_scale=True, desc=what, leave=False)
+    return contextlib.nullcontext()
 
 
 # --- convert -----------------------------------------------------------------------------------
@@ -281,9 +272,9 @@ def diff(args) -> int:
             continue
         fa, fb = va.astype(np.float64), vb.astype(np.float64)
         abs_diff = np.abs(fa - fb)
-        max_abs = float(np.nanmax(abs_diff)) if abs_diff.size else 0.0
-        rel = abs_diff / np.maximum(np.abs(fb), np.finfo(np.float64).tiny)
-        max_rel = float(np.nanmax(rel)) if rel.size else 0.0
+        # not empty: empty arrays of one shape and dtype have equal bytes
+        max_abs = float(np.nanmax(abs_diff))
+        max_rel = float(np.nanmax(abs_diff / np.maximum(np.abs(fb), np.finfo(np.float64).tiny)))
         close = np.allclose(fa, fb, atol=args.atol, rtol=args.rtol, equal_nan=True)
         print(f"{x.name}: max abs diff {max_abs:.6g}, max rel diff {max_rel:.6g}"
               f"{' (within tolerance)' if close else ''}")  # fmt: skip
