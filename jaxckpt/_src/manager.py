@@ -227,10 +227,11 @@ class CheckpointManager:
 
     # --- retention -----------------------------------------------------------------------
 
-    def _ranked(self) -> list[int] | None:
+    def _ranked(self) -> list[int]:
+        """Steps with metrics, best first by ``Options.best_fn`` (none without one)."""
         fn = self.options.best_fn
         if fn is None:
-            return None
+            return []
         scored = []
         for step in self._metrics:
             m = self.metrics(step)
@@ -256,8 +257,8 @@ class CheckpointManager:
         steps = self.all_steps()
         newest = steps[-1] if steps else None
         forever = {s for s in steps if opts.keep_period and s % opts.keep_period == 0}
-        ranked = self._ranked() or []  # best first (with a best_fn)
-        # then the steps without a rank, newest first
+        ranked = self._ranked()
+        # the best first (with a best_fn), then the steps without a rank, newest first
         candidates = ranked + [s for s in reversed(steps) if s not in ranked]
         keep = set(candidates[: opts.max_to_keep]) | forever | {newest}
         for step in steps:
