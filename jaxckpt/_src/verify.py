@@ -76,8 +76,12 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
     leaves = [r for r in manifest.leaves if r.has_array and math.prod(r.shape)]
     # before 1.3, chunks equal to the fill value (all zeros) were not stored
     every_chunk_stored = tuple(manifest.format_version) >= (1, 3)
+    progress = progress or (lambda nbytes: None)
     in_flight: collections.deque = collections.deque()
     held = 0
+
+    def damaged(rec: LeafRecord, coords: tuple[int, ...], why: str) -> None:
+        report.problems.append(Problem(rec.name, coords, _where(rec, coords, manifest, db), why))
 
     def finish_one() -> None:
         nonlocal held
@@ -87,12 +91,9 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
             report.chunks += 1
             report.bytes += nbytes
         except Exception as e:
-            report.problems.append(
-                Problem(rec.name, coords, _where(rec, coords, manifest, db), _first_line(e))
-            )
+            damaged(rec, coords, _first_line(e))
         held -= nbytes
-        if progress is not None:
-            progress(nbytes)
+        progress(nbytes)
 
     for rec in leaves:
         try:
@@ -110,13 +111,8 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
             )
             nbytes = math.prod(b.stop - b.start for b in box) * itemsize
             if every_chunk_stored and chunk_key(rec, coords) not in present:
-                report.problems.append(
-                    Problem(
-                        rec.name, coords, _where(rec, coords, manifest, db), "the chunk is missing"
-                    )
-                )
-                if progress is not None:
-                    progress(nbytes)
+                damaged(rec, coords, "the chunk is missing")
+                progress(nbytes)
                 continue
             while in_flight and held + nbytes > BUDGET_BYTES:
                 finish_one()
@@ -134,7 +130,7 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
 
 
 def _where(rec: LeafRecord, coords, manifest: Manifest, db: Location) -> str:
-    writer = saved_writers(rec, manifest.meshes).get(tuple(coords)) if coords is not None else None
+    writer = saved_writers(rec, manifest.meshes).get(tuple(coords))
     if writer is None or manifest.process_count == 1:
         return f"{db.url}/d/ (the data files)"
     return f"{db.url}/p{writer}/d/ (process {writer}'s data files)"
