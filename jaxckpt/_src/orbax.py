@@ -19,7 +19,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 import tensorstore as ts
 
@@ -44,12 +43,14 @@ class OrbaxCheckpoint:
     zarr3: bool
     keys: dict[str, str]  # a leaf's jaxckpt name -> its Orbax name (keys joined by ".")
 
+    def kvstore(self) -> dict:
+        """The item's keys: its OCDBT database, or (``use_ocdbt=False``) its directory."""
+        base = self.item.kvstore()
+        return {"driver": "ocdbt", "base": base} if self.use_ocdbt else base
+
     def spec(self, name: str) -> dict:
         driver = "zarr3" if self.zarr3 else "zarr"
-        if self.use_ocdbt:
-            kv = {"driver": "ocdbt", "base": self.item.kvstore()}
-            return {"driver": driver, "kvstore": kv, "path": name + ("/" if self.zarr3 else "")}
-        return {"driver": driver, "kvstore": self.item.join(name).kvstore()}
+        return {"driver": driver, "kvstore": self.kvstore(), "path": name + "/"}
 
     def opener(self, ctx: ts.Context) -> Callable[[str], ts.Future]:
         """Opens a leaf by its jaxckpt name."""
@@ -93,7 +94,7 @@ def read(item: Location) -> OrbaxCheckpoint:
     zarr3 = bool(doc.get("use_zarr3", False))
     ckpt = OrbaxCheckpoint(item, Manifest((), [], 1, []), use_ocdbt, zarr3, {})
     keys: dict[str, str] = {}
-    kv = ts.KvStore.open(ckpt.spec("")["kvstore"]).result() if use_ocdbt else None
+    kv = ts.KvStore.open(ckpt.kvstore()).result()
     meshes: list[dict] = []
     leaves = []
     for entry in tree.values():
@@ -116,8 +117,8 @@ def read(item: Location) -> OrbaxCheckpoint:
         if kind == "none":  # an empty node (optax's EmptyState, a None field)
             leaves.append(LeafRecord(path, ours, "python", python_type="NoneType"))
             continue
-        meta = _zarr_metadata(item, kv, name, zarr3, use_ocdbt)
-        shape, dtype, chunks = _shape_dtype_chunks(meta, zarr3, item, name)
+        meta = _zarr_metadata(item, kv, name, zarr3)
+        shape, dtype, chunks = _shape_dtype_chunks(meta, zarr3)
         if kind == "python":  # a scalar: read now, restored as a Python number
             data = ts.open({**ckpt.spec(name), "open": True}).result().read().result()
             number = np.asarray(data).item()
@@ -148,9 +149,9 @@ def read(item: Location) -> OrbaxCheckpoint:
     return OrbaxCheckpoint(item, manifest, use_ocdbt, zarr3, keys)
 
 
-def _zarr_metadata(item: Location, kv, name: str, zarr3: bool, use_ocdbt: bool) -> dict:
+def _zarr_metadata(item: Location, kv: ts.KvStore, name: str, zarr3: bool) -> dict:
     key = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
-    raw = kv.read(key).result().value if use_ocdbt else item.read_bytes(key)
+    raw = kv.read(key).result().value
     if not raw:
         raise OrbaxFormatError(
             f"{item.url}: leaf {name!r} has no array metadata ({key}); the checkpoint is "
@@ -159,17 +160,16 @@ def _zarr_metadata(item: Location, kv, name: str, zarr3: bool, use_ocdbt: bool) 
     return json.loads(raw)
 
 
-def _shape_dtype_chunks(meta: dict, zarr3: bool, item: Location, name: str):
+def _shape_dtype_chunks(meta: dict, zarr3: bool):
+    shape = tuple(meta["shape"])
     if zarr3:
-        shape = tuple(meta["shape"])
-        dtype = jax.numpy.dtype(meta["data_type"])
+        dtype = np.dtype(meta["data_type"])
         chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
     else:
-        shape = tuple(meta["shape"])
         text = meta["dtype"]
-        dtype = jax.numpy.dtype(text[1:] if text[0] in "<>|" and not text[1:2].isdigit() else text)
+        dtype = np.dtype(text[1:] if text[0] in "<>|" and not text[1:2].isdigit() else text)
         chunks = tuple(meta["chunks"]) or shape
-    return shape, np.dtype(dtype), tuple(c if c else 1 for c in chunks) if shape else ()
+    return shape, dtype, tuple(c if c else 1 for c in chunks) if shape else ()
 
 
 def _sharding(shardings: dict, name: str, meshes: list[dict]) -> dict | None:
