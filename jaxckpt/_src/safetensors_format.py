@@ -213,12 +213,13 @@ def plan(
     (a tensor larger than that gets a file of its own) and lays out each file."""
     groups: list[list] = [[]]
     used = 0
-    for t in tensors:
-        nbytes = math.prod(t[2]) * np.dtype(t[1]).itemsize
+    for name, dtype, shape in tensors:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         if groups[-1] and used + nbytes > max_file_bytes:
             groups.append([])
             used = 0
-        groups[-1].append(t)
+        groups[-1].append((name, dtype, tuple(shape), nbytes))
         used += nbytes
     count = len(groups)
     files, placed = [], {}
@@ -226,8 +227,7 @@ def plan(
         fname = SINGLE_FILE if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
         doc: dict = {"__metadata__": dict(metadata)} if metadata else {}
         offset = 0
-        for name, dtype, shape in group:
-            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        for name, dtype, shape, nbytes in group:
             doc[name] = {
                 "dtype": dtype_name(dtype, name),
                 "shape": list(shape),
@@ -238,9 +238,9 @@ def plan(
         text += b" " * (-len(text) % 8)
         header = len(text).to_bytes(8, "little") + text
         files.append(FilePlan(fname, header, len(header) + offset))
-        for name, dtype, shape in group:
+        for name, dtype, shape, _ in group:
             begin, end = (x + len(header) for x in doc[name]["data_offsets"])
-            placed[name] = TensorInfo(name, np.dtype(dtype), tuple(shape), fname, begin, end)
+            placed[name] = TensorInfo(name, dtype, shape, fname, begin, end)
     return files, placed
 
 
