@@ -119,6 +119,11 @@ def test_restore_onto_another_target(tmp_path, mesh42):
         out = mgr.restore(mesh=jax.make_mesh((8, 1), ("data", "model")))
         assert out["w"].sharding.mesh.shape == {"data": 8, "model": 1}
         np.testing.assert_array_equal(out["w"], make_state(mesh42, 5)["w"])
+        # as jaxckpt.restore: a ShapeDtypeStruct without a sharding takes its saved spec on mesh
+        w = make_state(mesh42, 5)["w"]
+        out = mgr.restore(target={"w": jax.ShapeDtypeStruct(w.shape, w.dtype)}, mesh=mesh)
+        assert out["w"].sharding == NamedSharding(mesh, w.sharding.spec)
+        np.testing.assert_array_equal(out["w"], w)
 
 
 def test_uncommitted_and_tmp_leftovers_are_removed(tmp_path, mesh42):

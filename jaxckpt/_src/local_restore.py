@@ -20,9 +20,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from . import local, multihost, steps
+from . import local, multihost, restoring, steps
 from . import per_process as pp
-from . import tree as tree_lib
 from .monitoring import Figures
 from .peers import send_rows
 from .planner import (
@@ -35,8 +34,7 @@ from .planner import (
     sent_by,
     shift_rounds,
 )
-from .recovery import SavedMeshes, assemble, needed_slices
-from .restoring import want_saved, want_target
+from .recovery import assemble, needed_slices
 from .sharding import Index
 from .storage import Location
 
@@ -118,14 +116,8 @@ def restore_step(
     doc = local.LocalStep.from_json(
         json.loads(docs[elected]), where=f"process {elected}'s step {s}"
     )
-    records = doc.leaves
-    by_name = {r.name: r for r in records}
-    meshes = SavedMeshes(doc.meshes)
-    if target is None:
-        wants = [want_saved(r, meshes, mesh) for r in records]
-    else:
-        flat = tree_lib.flatten(target)
-        wants = [want_target(p, t, by_name, directory) for p, t in flat]
+    by_name = {r.name: r for r in doc.leaves}
+    wants = restoring.wants(doc.leaves, doc.meshes, target, mesh, directory)
     required = {n: [local.parse_index(k) for k in keys] for n, keys in doc.required.items()}
     needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
     needs = {n: [local.index_key(i) for i in idx] for n, idx in needs.items() if idx}
@@ -190,16 +182,10 @@ def restore_step(
                 used_from[key] = (pid, origins_mine[key])
     fig.lap("move")
     values = [assemble(w, required.get(w.record.name, []), data) for w in wants]
-    if target is None:
-        result = tree_lib.unflatten_paths(
-            [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
-        )
-    else:
-        result = tree_lib.unflatten_like(target, values)
     records, records_from = _gather_records(s, views, mine, doc.process_count, tag, timeout_s)
     fig.lap("place")
     return Restored(
-        result,
+        restoring.result(target, wants, values),
         doc.process_count,
         tuple(
             sorted(PeerSlice(n, local.index_key(i), h, w) for (n, i), (h, w) in used_from.items())

@@ -48,11 +48,6 @@ class RecoveryReport:
     per_process_from: int | None = None
 
 
-@dataclass(frozen=True)
-class SavedMeshes:
-    meshes: list[dict]
-
-
 def needed_slices(w: Want, required: list[Index]) -> list[Index]:
     """The saved slices this process must have to build ``w``."""
     rec = w.record

@@ -1,13 +1,13 @@
 """``restore``: reading a committed checkpoint onto the devices and shardings asked for.
 
-A restore goes: ``read_manifest`` -> one :class:`Want` per leaf (the saved record, the dtype
-and the sharding it should come back with), from the target (``want_target``) or from the
-saved specs (``want_saved``) -> each leaf's slices, one per distinct device index, are read
+A restore goes: ``read_manifest`` -> one :class:`Want` per leaf (``wants``: the saved record,
+the dtype and the sharding it should come back with), from the target (``want_target``) or
+from the saved specs (``want_saved``) -> each leaf's slices, one per distinct device index, are read
 through a bounded reader (at most ``READ_BUDGET_BYTES`` read but not yet on a device) while
-two threads copy them onto their devices -> the arrays are assembled into the tree.
+two threads copy them onto their devices -> the arrays are assembled into the tree
+(``result``).
 
-``Want``, ``want_saved``, ``want_target`` and ``place_key`` are also used to restore from
-local copies (:mod:`jaxckpt._src.local_restore`, :mod:`jaxckpt._src.recovery`). (Named ``restoring`` so that
+``wants``, ``result``, ``Want`` and ``place_key`` are also used to restore from local copies (:mod:`jaxckpt._src.local_restore`, :mod:`jaxckpt._src.recovery`). (Named ``restoring`` so that
 ``jaxckpt.restore`` stays the function, unshadowed.)
 """
 
@@ -19,7 +19,7 @@ import difflib
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -78,34 +78,43 @@ def restore(
     fig = Figures("restore", loc.url)
     with fig.phase("plan"):
         source, manifest = any_manifest(loc)
-        try:
-            wants = _wants(manifest, target, mesh, loc)
-        except ShardingError as e:  # bind_spec knows the leaf, not the path
-            raise ShardingError(f"{loc.url}: {e}") from e
+        want = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
     budget = read_budget_bytes or READ_BUDGET_BYTES
-    values = _read_once(loc, wants, budget, manifest.meshes, fig, source)
+    values = _read_once(loc, want, budget, manifest.meshes, fig, source)
     fig.done()
+    return result(target, want, values)
+
+
+def wants(
+    leaves: Sequence[LeafRecord], meshes: list[dict], target: Any, mesh, loc: Location
+) -> list[Want]:
+    """What each leaf should become: the target's leaves (a ``ShapeDtypeStruct`` without a
+    sharding takes its saved spec on ``mesh``), or every saved leaf on its saved spec."""
+    try:
+        if target is None:
+            return [want_saved(rec, meshes, mesh) for rec in leaves]
+        by_name = {leaf.name: leaf for leaf in leaves}
+        flat = tree_lib.flatten(target)
+        out = [want_target(p, t, by_name, loc) for p, t in flat]
+        if mesh is None:
+            return out
+        return [
+            want_saved(w.record, meshes, mesh, dtype=w.dtype)
+            if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None
+            else w
+            for (_, t), w in zip(flat, out, strict=True)
+        ]
+    except ShardingError as e:  # bind_spec knows the leaf, not the path
+        raise ShardingError(f"{loc.url}: {e}") from e
+
+
+def result(target: Any, wants: list[Want], values: list[Any]) -> Any:
+    """The restored tree: the target's structure, or the saved paths without a target."""
     if target is None:
         return tree_lib.unflatten_paths(
             [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
         )
     return tree_lib.unflatten_like(target, values)
-
-
-def _wants(manifest: Manifest, target: Any, mesh, loc: Location) -> list[Want]:
-    if target is None:
-        return [want_saved(rec, manifest, mesh) for rec in manifest.leaves]
-    by_name = {leaf.name: leaf for leaf in manifest.leaves}
-    flat = tree_lib.flatten(target)
-    wants = [want_target(p, t, by_name, loc) for p, t in flat]
-    if mesh is None:
-        return wants
-    return [  # ShapeDtypeStructs without a sharding: the saved spec on ``mesh``
-        want_saved(w.record, manifest, mesh, dtype=w.dtype)
-        if isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None
-        else w
-        for (_, t), w in zip(flat, wants, strict=True)
-    ]
 
 
 def any_manifest(loc: Location) -> tuple[orbax.OrbaxCheckpoint | None, Manifest]:
@@ -148,14 +157,14 @@ class Want:
     sharding: jax.sharding.Sharding | None  # None: a NumPy array
 
 
-def want_saved(rec: LeafRecord, manifest: Manifest, mesh, dtype=None) -> Want:
+def want_saved(rec: LeafRecord, meshes: list[dict], mesh, dtype=None) -> Want:
     """``rec`` with its saved spec bound to ``mesh`` (default: the saved mesh, if it fits)."""
     if not rec.has_array:
         return Want(rec, None, None)
     sharding = None
     sj = rec.sharding or {}
     if sj.get("type") == "named":
-        bound = mesh if mesh is not None else mesh_by_position(manifest.meshes[sj["mesh"]])
+        bound = mesh if mesh is not None else mesh_by_position(meshes[sj["mesh"]])
         if bound is not None:
             sharding = bind_spec(sj["spec"], bound, leaf=rec.name, shape=tuple(rec.shape))
     elif sj.get("type") == "single_device":
