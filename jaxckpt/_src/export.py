@@ -28,7 +28,7 @@ from .export_format import (
     variant_record,
     write,
 )
-from .sharding import spec_to_json
+from .sharding import entry_axes, spec_to_json
 from .storage import Location, location
 
 # --- axis sizes and small helpers ---------------------------------------------------------
@@ -48,13 +48,6 @@ def axis_sizes_for(sizes: Sequence[int], count: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry (None, an axis name or a tuple of them)."""
-    if entry is None:
-        return ()
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def _check_spec(spec: Any, names: tuple[str, ...], what: str, loc: Location) -> PartitionSpec:
     if spec is None:
         return PartitionSpec()
@@ -66,7 +59,7 @@ def _check_spec(spec: Any, names: tuple[str, ...], what: str, loc: Location) -> 
                 f"{loc.url}: {what} {spec} has the entry {entry!r}; only axis names, tuples "
                 "of axis names and None can be exported"
             )
-    missing = [a for entry in spec for a in _entry_axes(entry) if a not in names]
+    missing = [a for entry in spec for a in entry_axes(entry) if a not in names]
     if missing:
         raise ExportError(
             f"{loc.url}: {what} {spec} names axes {missing} that the mesh {names} lacks; use "
@@ -293,7 +286,7 @@ def _export_variant(
     divisors: list[list[int]] = []
     multiples: dict[str, int] = {}  # symbol -> what it must be a multiple of
     for i, (spec, pspec) in enumerate(zip(arg_specs, in_specs, strict=True)):
-        ways = [math.prod(by_name[a] for a in _entry_axes(e)) for e in pspec]  # pieces per dim
+        ways = [math.prod(by_name[a] for a in entry_axes(e)) for e in pspec]  # pieces per dim
         ways = (ways + [1] * len(spec.shape))[: len(spec.shape)]
         divisors.append(ways)
         for d, (dim, k) in enumerate(zip(spec.shape, ways, strict=True)):

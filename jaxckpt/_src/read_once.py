@@ -24,13 +24,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .sharding import normalize_index
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+from .sharding import entry_axes, normalize_index
 
 
 def shared_across_processes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
@@ -73,7 +67,7 @@ def read_spec(
     """``spec`` with the mesh axes it leaves out (the ones the leaf is replicated over)
     added, largest first, each to the dimension with the largest slices that it divides
     into whole chunks; None when no axis can be added."""
-    entries = [_axes(e) for e in spec] + [()] * (len(shape) - len(spec))
+    entries = [entry_axes(e) for e in spec] + [()] * (len(shape) - len(spec))
     used = {a for entry in entries for a in entry}
     free = sorted(
         (a for a, k in axis_sizes.items() if a not in used and k > 1), key=lambda a: -axis_sizes[a]

@@ -56,6 +56,13 @@ def spec_to_json(spec: PartitionSpec) -> list:
     return out
 
 
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name or a tuple of them)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def spec_from_json(spec: list) -> PartitionSpec:
     return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in spec))
 
@@ -267,9 +274,8 @@ def named_indices(
     for coords in itertools.product(*(range(s) for s in sizes)):
         index = []
         for dim, entry in zip(shape, spec, strict=True):
-            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
             block, count = 0, 1
-            for axis in axes:
+            for axis in entry_axes(entry):
                 k = sizes[names.index(axis)]
                 block, count = block * k + coords[names.index(axis)], count * k
             extent = -(-dim // count)
@@ -314,8 +320,7 @@ def mesh_by_position(mesh_json: dict) -> Mesh | None:
 def bind_spec(spec_json: list, mesh: Mesh, *, leaf: str, shape: tuple[int, ...]) -> NamedSharding:
     """Binds a saved PartitionSpec to ``mesh`` (same axis names, sizes may differ)."""
     spec = spec_from_json(spec_json)
-    used = [n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))]
-    missing = [n for n in used if n not in mesh.axis_names]
+    missing = [n for e in spec for n in entry_axes(e) if n not in mesh.axis_names]
     if missing:
         raise ShardingError(
             f"leaf {leaf!r} was saved with PartitionSpec {spec} but the mesh has axes "
@@ -328,12 +333,11 @@ def bind_spec(spec_json: list, mesh: Mesh, *, leaf: str, shape: tuple[int, ...])
             "dimensions; give a restore target with a sharding that fits the shape"
         )
     for dim, entry in enumerate(spec):
-        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        parts = math.prod(mesh.shape[n] for n in names)
+        parts = math.prod(mesh.shape[n] for n in entry_axes(entry))
         if shape[dim] % parts:
             raise ShardingError(
                 f"leaf {leaf!r}: dimension {dim} of shape {shape} does not split into {parts} "
-                f"parts over mesh axes {names} of mesh {dict(mesh.shape)}; give a restore "
+                f"parts over mesh axes {entry_axes(entry)} of mesh {dict(mesh.shape)}; give a restore "
                 "target with a sharding that divides it"
             )
     return NamedSharding(mesh, spec)
