@@ -460,3 +460,8 @@ def test_close_reports_a_save_it_could_not_finish(mesh42, tmp_path):
     mgr.save(1, big)
     with pytest.raises(BackgroundSaveError, match="still writing"):
         mgr.close()
+    # the save goes on in the background and its thread ends after it (joined here, so its
+    # figures don't reach the next test's listeners)
+    for t in [t for t in threading.enumerate() if t.name == "jaxckpt-writer"]:
+        t.join(120)
+        assert not t.is_alive()
