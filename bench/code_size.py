@@ -22,11 +22,30 @@ ROOT = Path(__file__).resolve().parent.parent
 # Modules by the behaviour they hold; a module split in two stays in its group.
 GROUPS = {
     "emergency": [
-        "emergency", "local", "local_save", "local_restore", "recovery", "planner", "peers",
+        "emergency",
+        "local",
+        "local_save",
+        "local_restore",
+        "recovery",
+        "planner",
+        "peers",
     ],
     "core": [
-        "checkpoint", "restoring", "manifest", "arrays", "sharding", "tree", "storage", "steps",
-        "placement", "staging", "writer", "multihost", "options", "errors", "__init__",
+        "checkpoint",
+        "restoring",
+        "manifest",
+        "arrays",
+        "sharding",
+        "tree",
+        "storage",
+        "steps",
+        "placement",
+        "staging",
+        "writer",
+        "multihost",
+        "options",
+        "errors",
+        "__init__",
     ],
     "manager": ["manager"],
     "export": ["export", "export_format", "serving"],
@@ -42,8 +61,15 @@ def code_lines(source: str) -> int:
             value = body[0].value
             if isinstance(value, ast.Constant) and isinstance(value.value, str):
                 docstring_lines.update(range(value.lineno, value.end_lineno + 1))
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-            tokenize.ENDMARKER, tokenize.ENCODING}
+    skip = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+        tokenize.ENCODING,
+    }
     lines: set[int] = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type not in skip:
@@ -54,20 +80,33 @@ def code_lines(source: str) -> int:
 def modules(rev: str | None) -> dict[str, int]:
     """{module name: code lines} of jaxckpt at ``rev`` (None: the working tree)."""
     if rev is None:
-        files = {p.relative_to(ROOT).as_posix(): p.read_text() for p in ROOT.glob("jaxckpt/**/*.py")}
+        files = {
+            p.relative_to(ROOT).as_posix(): p.read_text() for p in ROOT.glob("jaxckpt/**/*.py")
+        }
     else:
-        names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "jaxckpt/"],
-                               cwd=ROOT, check=True, capture_output=True, text=True).stdout
-        files = {n: subprocess.run(["git", "show", f"{rev}:{n}"], cwd=ROOT, check=True,
-                                   capture_output=True, text=True).stdout
-                 for n in names.split() if n.endswith(".py")}
+        names = subprocess.run(
+            ["git", "ls-tree", "-r", "--name-only", rev, "jaxckpt/"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        files = {
+            n: subprocess.run(
+                ["git", "show", f"{rev}:{n}"], cwd=ROOT, check=True, capture_output=True, text=True
+            ).stdout
+            for n in names.split()
+            if n.endswith(".py")
+        }
     out: dict[str, int] = {}
     for path, source in files.items():
         parts = path.split("/")
         # Public facades (jaxckpt/x.py over jaxckpt/_src/x.py) count as "x.facade".
         name = parts[-1][:-3] if "_src" in parts or len(parts) == 2 else path
-        if "_src" not in parts and len(parts) == 2 and any(
-            p.endswith(f"_src/{parts[-1]}") for p in files
+        if (
+            "_src" not in parts
+            and len(parts) == 2
+            and any(p.endswith(f"_src/{parts[-1]}") for p in files)
         ):
             name += ".facade"
         out[name] = out.get(name, 0) + code_lines(source)
@@ -78,16 +117,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="7897e92", help="git revision to compare against")
     ap.add_argument("--head", help="git revision to measure (default: the working tree)")
-    ap.add_argument("--group", choices=sorted(GROUPS), help="print one group's modules only")
+    ap.add_argument(
+        "--group", choices=[*GROUPS, "facades", "added since"], help="print one group only"
+    )
     args = ap.parse_args()
     before, now = modules(args.base), modules(args.head)
     named = {m for ms in GROUPS.values() for m in ms}
     groups = dict(GROUPS)
     groups["facades"] = sorted(n for n in before.keys() | now.keys() if n.endswith(".facade"))
     groups["added since"] = sorted(
-        n for n in now.keys() - before.keys() if n not in named and not n.endswith(".facade"))
+        n for n in now.keys() - before.keys() if n not in named and not n.endswith(".facade")
+    )
     shown = [args.group] if args.group else list(groups)
-    print(f"code lines (no blank, comment or docstring lines): {args.base} -> {args.head or 'working tree'}")
+    print(
+        f"code lines (no blank, comment or docstring lines): {args.base} -> {args.head or 'working tree'}"
+    )
     for group in shown:
         print(f"== {group}")
         for m in groups[group]:
@@ -97,8 +141,10 @@ def main() -> None:
         b = sum(before.get(m, 0) for m in groups[group])
         n = sum(now.get(m, 0) for m in groups[group])
         print(f"  {'total':22s} {b:6d} {n:6d} {n - b:+6d}")
-    print(f"package: {sum(before.values())} -> {sum(now.values())} "
-          f"({sum(now.values()) - sum(before.values()):+d})")
+    print(
+        f"package: {sum(before.values())} -> {sum(now.values())} "
+        f"({sum(now.values()) - sum(before.values()):+d})"
+    )
 
 
 if __name__ == "__main__":
