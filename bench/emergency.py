@@ -132,16 +132,17 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
     # Optax AdamW of examples/train_flax.py (as in examples/resilient_training.py)
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from jax.sharding import AxisType
-    from train_flax import batch, create_state, train_step
+    from train_flax import batches, create_state, global_batch, train_step
 
     mesh2 = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    batches = [batch(i, mesh2) for i in range(20)]
+    it = batches()  # the example's Grain pipeline, 20 batches taken before timing
+    feed = [global_batch(next(it), mesh2) for _ in range(20)]
     em2 = jaxckpt.EmergencyCheckpointManager(
         os.path.join(root, f"small{pid}"), os.path.join(root, "small_remote"), opts
     )
     per_step: dict[bool, list[float]] = {False: [], True: []}
     for rep, with_save in enumerate((False, True) * (repeats + 1)):
-        s, _ = train_step(create_state(mesh2), *batches[0])
+        s, _ = train_step(create_state(mesh2), *feed[0])
         if with_save:
             em2.save(10**6 * (rep + 1), s)  # compiles the exchange before timing
             em2.wait_until_finished()
@@ -149,7 +150,7 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
         barrier(f"steps{rep}")
         t = time.perf_counter()
         for i in range(20):
-            s, loss = train_step(s, *batches[i])
+            s, loss = train_step(s, *feed[i])
             if with_save:
                 em2.save(10**6 * (rep + 1) + i + 1, s)
         jax.block_until_ready(s)

@@ -107,9 +107,9 @@ def kvstore_spec(db: Location, data_file_bytes: int = 0) -> dict:
     }
 
 
-def array_spec(db: Location, name: str, data_file_bytes: int = 0) -> dict:
+def array_spec(db: Location, name: str) -> dict:
     """The TensorStore spec that opens leaf ``name`` (what docs/FORMAT.md describes)."""
-    return {"driver": "zarr3", "kvstore": kvstore_spec(db, data_file_bytes), "path": name + "/"}
+    return {"driver": "zarr3", "kvstore": kvstore_spec(db), "path": name + "/"}
 
 
 def new_context() -> ts.Context:
@@ -130,12 +130,15 @@ def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
     ctx = new_context()
     total = sum(w.nbytes for w in writes)
     file_bytes = max(MIN_DATA_FILE_BYTES, -(-total // DATA_FILES_PER_PROCESS))
+    kv = kvstore_spec(db, file_bytes)  # one spec for every leaf (it reads the environment)
     try:
         txn = ts.Transaction(atomic=False)
         opens = []
         for w in writes:
             spec = {
-                **array_spec(db, w.name, file_bytes),
+                "driver": "zarr3",
+                "kvstore": kv,
+                "path": w.name + "/",
                 "metadata": w.metadata,
                 # every chunk on disk, zeros too: a missing chunk is then an error, never a
                 # silent zero (``jaxckpt verify`` checks that every chunk exists)

@@ -33,11 +33,12 @@ from jax.sharding import Mesh
 from ..errors import CheckpointError, CheckpointNotFoundError
 from . import local_restore, local_save, multihost, steps
 from . import per_process as pp
+from .local import LocalStep
 from .manager import CheckpointManager
 from .monitoring import Figures
 from .options import EmergencyOptions, Options
 from .peers import peer_shifts
-from .planner import BadCopy, Rejected, StepUnusable, candidates
+from .planner import BadCopy, Holdings, Rejected, StepUnusable, candidates
 from .recovery import RecoveryReport
 from .storage import location
 from .writer import Writer
@@ -131,7 +132,7 @@ class EmergencyCheckpointManager:
         tries, _ = candidates(views)
         return tries[0] if tries else max(views[0].remote, default=None)
 
-    def _publish_holdings(self, tag: str):
+    def _publish_holdings(self, tag: str) -> tuple[dict[int, LocalStep], list[Holdings]]:
         """This process's local steps, and every process's holdings (one key-value round)."""
         return local_restore.publish_holdings(
             self.local_directory,

@@ -92,13 +92,14 @@ class LocalStep:
     path: Location | None = field(default=None, compare=False)  # where it was read from
 
     def to_json(self) -> dict:
-        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "path"}
+        doc = {"format": LOCAL_FORMAT}
+        doc.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
         doc.update(
-            format=LOCAL_FORMAT,
             format_version=list(self.format_version),
             leaves=[r.to_dict() for r in self.leaves],
             slices=doc.pop("required"),  # the field's name in local.json
         )
+        del doc["path"]
         return doc
 
     @classmethod

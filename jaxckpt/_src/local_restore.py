@@ -202,7 +202,8 @@ def _gather_records(s, views, mine, saved_count, tag, timeout_s):
     this process's own record. No round when nobody holds one."""
     holder: dict[int, int] = {}
     for p, view in enumerate(views):
-        for q in view.steps[s].per_process if s in view.steps else ():
+        entry = view.steps.get(s)
+        for q in entry.per_process if entry else ():
             holder.setdefault(q, p)
     records: list[pp.Record | None] = [None] * saved_count
     pid = multihost.process_index()
@@ -271,7 +272,7 @@ def _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s) -> d
             out = {key: data[key] for key in keys}
             row = local.pack(out, {key: origins_mine[key] for key in out}) if out else _EMPTY
             del out
-        got = send_rows(row, pairs, name=f"{tag}/move{j}", timeout_s=timeout_s)
+        (got,) = send_rows(row, [pairs], name=f"{tag}/move{j}", timeout_s=timeout_s)
         del row
         for key, at in last.items():
             if at == r and key not in my_needs:

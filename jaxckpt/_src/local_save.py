@@ -108,9 +108,8 @@ class LocalSaver:
         if self.pack_buffer is None or row.size > self.pack_buffer.size:
             self.pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
         count = multihost.process_count()
-        for j in shifts:
-            pairs = tuple((p, (p + j) % count) for p in range(count))
-            got = send_rows(row, pairs, name=f"{name}/{j}", timeout_s=timeout_s)
+        rounds = [tuple((p, (p + j) % count) for p in range(count)) for j in shifts]
+        for got in send_rows(row, rounds, name=name, timeout_s=timeout_s):
             peer_slices, peer_origins = local.unpack(got)
             for key, data in peer_slices.items():
                 if key not in out.slices:

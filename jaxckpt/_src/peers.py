@@ -5,8 +5,8 @@
   ``ppermute`` per shift inside a single jitted program, *dispatched* on the calling thread
   (so every process issues its collectives in the same order as its training steps) and
   waited for by the writer thread. ``save`` therefore does not wait for the transfer.
-* ``send_rows``: packed byte rows, one device per process, in a ``ppermute`` of a (partial)
-  permutation: on save, the peer copies of leaves that cannot go device to device (arrays
+* ``send_rows``: packed byte rows, one device per process, in ``ppermute`` rounds of
+  (partial) permutations: on save, the peer copies of leaves that cannot go device to device (arrays
   on a subset of the processes, or uneven shards); on restore, missing slices, only to the
   process that needs them.
 """
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,8 @@ Slices = dict[tuple[str, Index], np.ndarray]
 def peer_shifts(hosts: list[str], k: int) -> tuple[tuple[int, ...], list[int]]:
     """The ``k`` shifts ``j`` (process ``p`` copies to ``(p + j) % count``) for peer copies,
     given each process's host: the shifts that put the fewest copies on their own host (none,
-    when processes are spread evenly), smallest first. Returns (shifts, processes whose copies share their
-    host under them) — all processes on one host leave no choice.
+    when processes are spread evenly), smallest first. Returns (shifts, processes whose
+    copies share their host under them) — all processes on one host leave no choice.
     """
     count = len(hosts)
     if count < 2 or k < 1:
@@ -246,27 +247,33 @@ def _row_mesh() -> Mesh:
 
 
 def send_rows(
-    row: np.ndarray, pairs: tuple[tuple[int, int], ...], *, name: str, timeout_s: float
-) -> np.ndarray | None:
-    """One ``ppermute`` round of a partial permutation (a collective call: every process
-    calls it with the same ``pairs``).
+    row: np.ndarray,
+    rounds: Sequence[tuple[tuple[int, int], ...]],
+    *,
+    name: str,
+    timeout_s: float,
+) -> list[np.ndarray | None]:
+    """``ppermute`` rounds of partial permutations moving packed rows (a collective call:
+    every process calls it with the same ``rounds``).
 
-    ``pairs`` = ((sender, receiver), ...), each process at most once on each side. A sender
-    passes the row for its receiver (the others pass an empty row, never read); returns the
-    row this process receives (zero-padded to the round's longest row), or None when it
-    receives nothing. Only the pairs' rows move; each process holds at most 2 rows.
+    Each round is ((sender, receiver), ...), each process at most once on each side; a
+    sender's ``row`` goes to its receiver in every round (the others pass an empty row,
+    never read). Returns, per round, the row this process receives (zero-padded to the
+    longest row), or None when it receives nothing. The width is agreed and the row put on
+    the device once for all rounds; only the pairs' rows move.
     """
-    width = _width(row, name, timeout_s)
     me = jax.process_index()
+    width = _width(row, name, timeout_s)
+    receives = [any(b == me for _, b in pairs) for pairs in rounds]
     if width == 0:
-        return np.zeros(0, np.uint8) if any(b == me for _, b in pairs) else None
+        return [np.zeros(0, np.uint8) if r else None for r in receives]
     mesh = _row_mesh()
-    x = _global_row(mesh, row, width, zero=any(a == me for a, _ in pairs))
-    y = _permute_fn(mesh, tuple(pairs))(x)
-    del x
-    if not any(b == me for _, b in pairs):
-        return None
-    return np.asarray(y.addressable_shards[0].data)[0]
+    x = _global_row(mesh, row, width, zero=any(a == me for pairs in rounds for a, _ in pairs))
+    out = []
+    for pairs, receive in zip(rounds, receives, strict=True):
+        y = _permute_fn(mesh, tuple(pairs))(x)
+        out.append(np.asarray(y.addressable_shards[0].data)[0] if receive else None)
+    return out
 
 
 def _width(row: np.ndarray, name: str, timeout_s: float) -> int:

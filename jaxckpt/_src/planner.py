@@ -35,7 +35,11 @@ class Holdings:
         return entry is not None and key in entry.held.get(leaf, ())
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), default=sorted)  # frozensets as lists
+        steps = {
+            s: {**dataclasses.asdict(h), "held": {n: sorted(k) for n, k in h.held.items()}}
+            for s, h in self.steps.items()
+        }
+        return json.dumps({"remote": self.remote, "steps": steps})
 
     @classmethod
     def from_json(cls, text: str) -> Holdings:

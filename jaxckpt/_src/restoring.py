@@ -7,8 +7,9 @@ through a bounded reader (at most ``READ_BUDGET_BYTES`` read but not yet on a de
 two threads copy them onto their devices -> the arrays are assembled into the tree
 (``result``).
 
-``wants``, ``result``, ``Want`` and ``place_key`` are also used to restore from local copies (:mod:`jaxckpt._src.local_restore`, :mod:`jaxckpt._src.recovery`). (Named ``restoring`` so that
-``jaxckpt.restore`` stays the function, unshadowed.)
+``wants``, ``result``, ``Want`` and ``place_key`` are also used to restore from local copies
+(:mod:`jaxckpt._src.local_restore`, :mod:`jaxckpt._src.recovery`). (Named ``restoring`` so
+that ``jaxckpt.restore`` stays the function, unshadowed.)
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def restore(
     the result has its structure, may name fewer leaves than were saved, and casts to its
     dtypes. With ``mesh`` and no target, each leaf's saved PartitionSpec is bound to
     ``mesh`` (with a target, so is each ``ShapeDtypeStruct`` leaf without a sharding; a
-    NumPy target leaf means a NumPy result). With neither, leaves come back on their saved mesh rebuilt over the current
-    devices when the device count allows, else as NumPy arrays.
+    NumPy target leaf means a NumPy result). With neither, leaves come back on their saved
+    mesh rebuilt over the current devices when the device count allows, else as NumPy arrays.
 
     ``read_budget_bytes`` (default ``READ_BUDGET_BYTES``, 128 MiB) bounds the host memory of
     slices read but not yet on their devices; reads within it run concurrently, so a larger
@@ -78,11 +79,11 @@ def restore(
     fig = Figures("restore", loc.url)
     with fig.phase("plan"):
         source, manifest = any_manifest(loc)
-        want = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
+        planned = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
     budget = read_budget_bytes or READ_BUDGET_BYTES
-    values = _read_once(loc, want, budget, manifest.meshes, fig, source)
+    values = _read_once(loc, planned, budget, manifest.meshes, fig, source)
     fig.done()
-    return result(target, want, values)
+    return result(target, planned, values)
 
 
 def wants(
@@ -108,11 +109,11 @@ def wants(
         raise ShardingError(f"{loc.url}: {e}") from e
 
 
-def result(target: Any, wants: list[Want], values: list[Any]) -> Any:
+def result(target: Any, planned: list[Want], values: list[Any]) -> Any:
     """The restored tree: the target's structure, or the saved paths without a target."""
     if target is None:
         return tree_lib.unflatten_paths(
-            [(w.record.path, v) for w, v in zip(wants, values, strict=True)]
+            [(w.record.path, v) for w, v in zip(planned, values, strict=True)]
         )
     return tree_lib.unflatten_like(target, values)
 

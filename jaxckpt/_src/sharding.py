@@ -333,11 +333,12 @@ def bind_spec(spec_json: list, mesh: Mesh, *, leaf: str, shape: tuple[int, ...])
             "dimensions; give a restore target with a sharding that fits the shape"
         )
     for dim, entry in enumerate(spec):
-        parts = math.prod(mesh.shape[n] for n in entry_axes(entry))
+        axes = entry_axes(entry)
+        parts = math.prod(mesh.shape[n] for n in axes)
         if shape[dim] % parts:
             raise ShardingError(
                 f"leaf {leaf!r}: dimension {dim} of shape {shape} does not split into {parts} "
-                f"parts over mesh axes {entry_axes(entry)} of mesh {dict(mesh.shape)}; give a restore "
+                f"parts over mesh axes {axes} of mesh {dict(mesh.shape)}; give a restore "
                 "target with a sharding that divides it"
             )
     return NamedSharding(mesh, spec)
