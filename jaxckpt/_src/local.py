@@ -112,7 +112,8 @@ class LocalStep:
                 f"{where}: not a jaxckpt local step (no 'format': '{LOCAL_FORMAT}')"
             )
         version = check_format_version(doc, where=where, legacy_key="version")
-        known = {f.name for f in dataclasses.fields(cls)} - {"leaves", "format_version", "path"}
+        below = {"leaves", "required", "format_version", "path"}  # not read by their names
+        known = {f.name for f in dataclasses.fields(cls)} - below
         try:
             return cls(
                 **{k: v for k, v in doc.items() if k in known},

@@ -4,7 +4,6 @@ which ``ppermute`` rounds. Every process computes the same plan from the same fa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,7 +35,12 @@ class Holdings:
 
     def to_json(self) -> str:
         steps = {
-            s: {**dataclasses.asdict(h), "held": {n: sorted(k) for n, k in h.held.items()}}
+            s: {
+                "digest": h.digest,
+                "need": h.need,
+                "held": {n: sorted(keys) for n, keys in h.held.items()},
+                "per_process": h.per_process,
+            }
             for s, h in self.steps.items()
         }
         return json.dumps({"remote": self.remote, "steps": steps})
