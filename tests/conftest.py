@@ -9,8 +9,16 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+# Properties (``@pytest.mark.property``) leave max_examples to these profiles: "ci" keeps the
+# suite bounded; bench/fuzz.py runs them under "fuzz" with fresh seeds for as long as asked.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", max_examples=20, deadline=None, suppress_health_check=_SLOW_OK)
+settings.register_profile("fuzz", max_examples=200, deadline=None, suppress_health_check=_SLOW_OK)
+settings.load_profile(os.environ.get("JAXCKPT_HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture
