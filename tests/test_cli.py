@@ -81,17 +81,33 @@ def test_info_json_fields(ckpt):
 def test_verify_good_corrupt_and_missing(ckpt, tmp_path, mesh42):
     res = cli("verify", ckpt)
     assert res.returncode == 0 and res.stdout.startswith("ok "), res.stdout + res.stderr
-    flip_a_byte_in_the_biggest_data_file(ckpt)
+    flipped = flip_a_byte_in_the_biggest_data_file(ckpt)
     res = cli("verify", ckpt)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "DAMAGED" in res.stdout and "leaf 'layer/w' chunk [" in res.stdout, res.stdout
-    assert "arrays/d/" in res.stdout, res.stdout  # where its bytes are
+    assert f"in {flipped} (bytes " in res.stdout, res.stdout  # the data file and byte range
     # every data file gone (one process: the B-tree lives there too): exit 1, named
     for root, _, names in os.walk(ckpt / "arrays" / "d"):
         for f in names:
             os.remove(os.path.join(root, f))
     res = cli("verify", ckpt)
     assert res.returncode == 1 and "cannot list the arrays" in res.stdout, res.stdout
+
+
+def test_verify_names_the_data_file_and_byte_range_of_a_corrupt_chunk(ckpt):
+    """One flipped byte: verify names the leaf, the chunk, the data file and a byte range
+    holding the flipped offset (from the OCDBT B-tree), and only that chunk."""
+    from jaxckpt._src.verify import verify
+
+    flipped = flip_a_byte_in_the_biggest_data_file(ckpt)
+    offset = os.path.getsize(flipped) // 2  # where the helper flips
+    (problem,) = verify(ckpt).problems
+    assert problem.leaf == "layer/w" and problem.chunk is not None, problem
+    assert "Digest mismatch" in problem.why, problem
+    at = problem.location
+    assert at is not None and at.file == str(flipped) and not at.inline, problem
+    assert at.start <= offset < at.stop, (offset, at)
+    assert f"{flipped} (bytes {at.start}-{at.stop - 1})" == problem.where, problem
 
 
 @pytest.mark.slow
