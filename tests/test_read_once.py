@@ -1,7 +1,14 @@
 """read_once: which spec a shared leaf is read with (pure logic; the multi-process reads are
 measured in tests/test_multihost.py)."""
 
+import os
+
 import jax
+import ml_dtypes
+import multiproc
+import numpy as np
+import pytest
+from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,3 +40,37 @@ def test_one_process_never_reads_once(mesh42):
     assert read_once.read_sharding(s, (1024, 512), (256, 256), ("a",)) is None
     assert read_once.move([], []) == []
     assert jax.process_count() == 1
+
+
+HOSTILE = os.path.join(os.path.dirname(__file__), "workers", "hostile_job.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("machines", ["separate", "one"])
+def test_random_bits_of_every_dtype_survive_read_once_and_other_process_counts(tmp_path, machines):
+    """Every dtype (bf16, float8s, int1/int2 included) filled with random bits: saved by 2
+    processes, restored by 2 (read once + move where each process is its own host) and by 4,
+    every shard compared as bytes (tests/workers/hostile_job.py)."""
+    path, env = str(tmp_path / "c"), {"JAXCKPT_TEST_MACHINES": machines}
+    multiproc.run(HOSTILE, 2, args=["save", path], env=env, timeout_s=240).check()
+    multiproc.run(HOSTILE, 2, args=["restore", path], env=env, timeout_s=240).check()
+    if machines == "separate":
+        multiproc.run(
+            HOSTILE, 4, devices_per_process=2, args=["restore", path], env=env, timeout_s=240
+        ).check()
+
+
+def test_moves_carry_bits_not_values(mesh42):
+    """``move`` (and the bitcasts under it) gives back every dtype's bytes; the 1- and 2-bit
+    integers, which devices can't carry safely, are never read once."""
+    rng = np.random.default_rng(0)
+    for dtype in DTYPES:
+        if dtype.itemsize == 8 or not read_once.movable(dtype):
+            continue
+        x = random_bits((8, 16), dtype, rng)
+        a = jax.device_put(x, NamedSharding(mesh42, P("data")))
+        (b,) = read_once.move([a], [NamedSharding(mesh42, P(None, "model"))])
+        assert b.sharding == NamedSharding(mesh42, P(None, "model"))
+        assert_same_bits(x, np.asarray(b), str(dtype))
+    assert not any(read_once.movable(d) for d in (ml_dtypes.int1, ml_dtypes.int2, ml_dtypes.uint1))
+    assert not read_once.movable(ml_dtypes.uint2)

@@ -5,6 +5,8 @@
   ``ppermute`` per shift inside a single jitted program, *dispatched* on the calling thread
   (so every process issues its collectives in the same order as its training steps) and
   waited for by the writer thread. ``save`` therefore does not wait for the transfer.
+  Floating-point shards travel as unsigned integers of their width and 1- and 2-bit
+  integers as packed rows (``bits``): no bit changes on the way.
 * ``send_rows``: packed byte rows, one device per process, in ``ppermute`` rounds of
   (partial) permutations: on save, the peer copies of leaves that cannot go device to device (arrays
   on a subset of the processes, or uneven shards); on restore, missing slices, only to the
@@ -23,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import arrays, multihost
+from . import arrays, bits, multihost
 from .sharding import Index, normalize_index
 
 Slices = dict[tuple[str, Index], np.ndarray]
@@ -106,21 +108,21 @@ class PeerCopies:
     """
 
     def __init__(self, moving, buffers):
-        self._moving: list[tuple[str, _Route, list[jax.Array | None]]] = moving
+        self._moving: list[tuple[str, np.dtype, _Route, list[jax.Array | None]]] = moving
         self._buffers: dict[tuple, list[jax.Array]] = buffers
 
     def collect(self) -> tuple[Slices, dict[tuple[str, Index], int]]:
         """{(leaf, index): host array} of the shards received, and each one's sender."""
         slices: Slices = {}
         origins: dict[tuple[str, Index], int] = {}
-        for name, route, outs in self._moving:
+        for name, dtype, route, outs in self._moving:
             for received, out in zip(route.receives, outs, strict=True):
                 if out is None:
                     continue
                 on = {s.device: s.data for s in out.addressable_shards}
                 for device, index, sender in received:
-                    if (name, index) not in slices:
-                        slices[(name, index)] = np.asarray(on[device])  # a view on CPU
+                    if (name, index) not in slices:  # a view on CPU, of the bits sent
+                        slices[(name, index)] = np.asarray(on[device]).view(dtype)
                         origins[(name, index)] = sender
         self._moving = []
         return slices, origins
@@ -143,7 +145,7 @@ def send_shards(
     rows_instead = []
     for name, arr in arrays_by_name.items():
         route = _route(arr.sharding, tuple(arr.shape), shifts, me, count)
-        if route is None:
+        if route is None or bits.carrier(arr.dtype) is None:
             rows_instead.append(name)
         elif any(route.perms):
             by_devices.setdefault(route.devices, []).append((name, arr, route))
@@ -171,8 +173,9 @@ def send_shards(
         if all(d.platform == "cpu" for d in devices):
             buffers[key] = list(outs)
         outs = iter(outs)
-        for name, _, route in members:
-            moving.append((name, route, [next(outs) if p else None for p in route.perms]))
+        for name, arr, route in members:
+            outs_i = [next(outs) if p else None for p in route.perms]
+            moving.append((name, np.dtype(arr.dtype), route, outs_i))
     old.clear()
     return PeerCopies(moving, buffers), rows_instead
 
@@ -218,10 +221,11 @@ def _shift_fn(
     axes = tuple(mesh.axis_names)
     stacked = P(axes if len(axes) > 1 else axes[0])
 
-    def body(*xs):
+    def body(*xs):  # moves bits, not values (see ``bits``)
+        xs = [jax.lax.bitcast_convert_type(x, bits.carrier(x.dtype)) for x in xs[:n_in]]
         return tuple(
             jax.lax.ppermute(x, axes, list(p))
-            for x, ps in zip(xs[:n_in], perms, strict=True)
+            for x, ps in zip(xs, perms, strict=True)
             for p in ps
             if p
         )

@@ -6,13 +6,16 @@ reads the state N times. Instead the leaf is read with a *read sharding*, its ta
 PartitionSpec with the mesh axes it is replicated over added to dimensions they divide (so
 each slice is read by one device, on one process, and the processes share the reading),
 and then moved onto the target sharding in one ``jax.device_put`` of every such leaf
-(XLA's collectives, device to device).
+(XLA's collectives, device to device), as unsigned integers of the leaf's width
+(``bits``), so no bit of a value changes on the way.
 
-The plain per-process read is kept where it is as fast: one process, a target that no two
-hosts need the same slice of (processes on one host share its page cache, so the second
-read of a slice costs a memory copy, less than a transfer between processes), shardings
-other than ``NamedSharding``, NumPy results and PRNG keys (see ``read_sharding``). A host
-is ``multihost.host_name()``: the hostname, or ``$JAXCKPT_HOST``.
+The plain per-process read is kept where it is as fast or the only safe way: one process, a
+target that no two hosts need the same slice of (processes on one host share its page
+cache, so the second read of a slice costs a memory copy, less than a transfer between
+processes; object stores have no such cache, so there every process counts as its own
+host), shardings other than ``NamedSharding``, NumPy results, PRNG keys and 1- and 2-bit
+integers (see ``read_sharding`` and ``movable``). A host is ``multihost.host_name()``: the
+hostname, or ``$JAXCKPT_HOST``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import bits
 from .sharding import entry_axes, normalize_index
 
 
@@ -90,8 +94,17 @@ def read_spec(
     return PartitionSpec(*(None if not e else (e[0] if len(e) == 1 else e) for e in entries))
 
 
+def movable(dtype) -> bool:
+    """Whether a leaf of ``dtype`` can be read once and moved (not 1- and 2-bit integers:
+    see ``bits``)."""
+    return bits.carrier(dtype) is not None
+
+
 def move(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]) -> list:
-    """``arrays`` moved onto ``shardings`` in one transfer (collectives across processes)."""
+    """``arrays`` moved onto ``shardings`` in one transfer (collectives across processes),
+    as bits: every byte arrives as it left (``bits``). ``arrays`` are donated."""
     if not arrays:
         return []
-    return list(jax.device_put(list(arrays), list(shardings), donate=True))
+    dtypes = [a.dtype for a in arrays]
+    moved = jax.device_put(bits.to_bits(arrays), list(shardings), donate=True)
+    return bits.from_bits(moved, dtypes)

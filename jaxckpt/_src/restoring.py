@@ -222,9 +222,14 @@ def _read_once(
         for i, w in enumerate(wants)
         if w.record.kind == "array"
         and w.sharding is not None
+        and read_once.movable(w.dtype or w.record.data_dtype)
         and read_once.shared_across_processes(w.sharding, tuple(w.record.shape))
     ]
-    hosts = tuple(multihost.process_hosts(READ_ONCE_TIMEOUT_S)) if shared else ()
+    hosts: tuple[str, ...] = ()
+    if shared and loc.is_local:  # processes of one host share its page cache
+        hosts = tuple(multihost.process_hosts(READ_ONCE_TIMEOUT_S))
+    elif shared:  # an object store: no cache is shared, every process reads for itself
+        hosts = tuple(f"process {p}" for p in range(multihost.process_count()))
     for i in shared:
         w, rec = wants[i], wants[i].record
         rs = read_once.read_sharding(w.sharding, tuple(rec.shape), tuple(rec.chunk_shape), hosts)

@@ -1,0 +1,76 @@
+"""Moving bytes, not values: the dtype user data travels as between devices and processes.
+
+A transfer between devices is an XLA program, and XLA may compute on what it moves: on CPU
+its collectives carry bfloat16 and the float8s through float32, which quiets NaNs and drops
+their payloads (bf16 ``7f85 -> 7fc0``); 1- and 2-bit integers crash them. A checkpoint
+must give back the bytes it was given, so every move of user data (read once + move, peer
+copies) bitcasts floating-point data to unsigned integers of the same width, moves those,
+and bitcasts back; sub-byte types that devices can't carry safely move through host memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import ml_dtypes
+import numpy as np
+
+_HOST_ONLY = {
+    np.dtype(t) for t in (ml_dtypes.int1, ml_dtypes.uint1, ml_dtypes.int2, ml_dtypes.uint2)
+}
+
+
+def carrier(dtype) -> np.dtype | None:
+    """The dtype ``dtype``'s data travels as between devices: unsigned integers of its width
+    for floating-point types, the dtype itself for integers, bools, complex and the 4-bit
+    types; None for 1- and 2-bit integers, which must move through host memory."""
+    dtype = np.dtype(dtype)
+    if dtype in _HOST_ONLY:
+        return None
+    if _is_float(dtype) and dtype.itemsize in (1, 2, 4, 8) and _width(dtype) == 8 * dtype.itemsize:
+        return np.dtype(f"uint{8 * dtype.itemsize}")
+    return dtype
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    if dtype.kind == "f":
+        return True
+    try:
+        ml_dtypes.finfo(dtype)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _width(dtype: np.dtype) -> int:
+    try:
+        return int(ml_dtypes.finfo(dtype).bits)
+    except (ValueError, TypeError):
+        return 8 * dtype.itemsize
+
+
+def to_bits(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """Each array as its ``carrier`` (donated: the bits may reuse its buffers)."""
+    return [_bitcast(a, carrier(a.dtype)) for a in arrays]
+
+
+def from_bits(arrays: Sequence[jax.Array], dtypes: Sequence[np.dtype]) -> list[jax.Array]:
+    """The inverse of ``to_bits``: each array back as ``dtypes[i]`` (donated)."""
+    return [_bitcast(a, np.dtype(d)) for a, d in zip(arrays, dtypes, strict=True)]
+
+
+def _bitcast(x: jax.Array, dtype: np.dtype | None) -> jax.Array:
+    if dtype is None:
+        raise ValueError(f"{x.dtype} cannot move between devices; move it through the host")
+    if x.dtype == dtype:
+        return x
+    return _bitcast_fn(dtype, x.sharding)(x)
+
+
+@functools.lru_cache(maxsize=256)
+def _bitcast_fn(dtype: np.dtype, sharding: jax.sharding.Sharding):
+    return jax.jit(
+        lambda x: jax.lax.bitcast_convert_type(x, dtype), out_shardings=sharding, donate_argnums=0
+    )
