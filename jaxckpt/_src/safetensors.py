@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import collections
 import difflib
-import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,8 @@ from .safetensors_format import (
     TensorInfo,
     checked,
     coalesce,
+    index_files,
+    read,
     read_header,
     runs,
 )
@@ -35,6 +36,7 @@ from .safetensors_map import (
     dotted,
     from_reshaped,
     leaf_map,
+    reshaped,
     tensor_boxes,
     volume,
 )
@@ -47,52 +49,76 @@ READ_BUDGET_BYTES = 128 << 20
 # --- metadata and load -------------------------------------------------------------------------
 
 
-def _files(path: str | os.PathLike | Sequence) -> tuple[Location, list[str]]:
-    """The directory and the ``.safetensors`` files of ``path``."""
+def _files(path: str | os.PathLike | Sequence) -> tuple[Location, list[str], str]:
+    """The directory and the ``.safetensors`` files of ``path``, and what errors call it."""
     if isinstance(path, (list, tuple)):
+        if not path:
+            raise SafetensorsError("an empty list of safetensors files; pass at least one")
         locs = [location(p) for p in path]
         parent = locs[0].parent()
         if any(p.parent() != parent for p in locs):
             raise SafetensorsError(f"{[p.url for p in locs]}: the files must share one directory")
-        return parent, [p.name for p in locs]
+        return parent, [p.name for p in locs], parent.url
     loc = location(path)
-    if loc.name.endswith(".safetensors"):
-        return loc.parent(), [loc.name]
+    if loc.name.endswith(".safetensors") or (loc.is_local and os.path.isfile(loc.url)):
+        return loc.parent(), [loc.name], loc.url
     index = loc.read_bytes(INDEX_FILE)
     if index is not None:
-        try:
-            weight_map = json.loads(index)["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise SafetensorsError(f"{loc.url}/{INDEX_FILE} is not a valid index ({e})") from e
-        return loc, sorted(set(weight_map.values()))
+        where = f"{loc.url}/{INDEX_FILE}"
+        return loc, index_files(index, where), where
     found = [n for n in loc.list_children() if n.endswith(".safetensors")]
     if not found:
         raise SafetensorsError(
             f"{loc.url} holds no .safetensors file and no {INDEX_FILE}; pass a file, a "
             "directory in the Hugging Face layout or a list of files"
         )
-    return loc, found
+    return loc, found, loc.url
 
 
-def _headers(path) -> tuple[Location, ts.KvStore, dict[str, TensorInfo], dict]:
-    """The directory of ``path``, its kvstore, and the tensors and ``__metadata__`` of all
-    its files."""
-    loc, files = _files(path)
+@dataclass(frozen=True)
+class Files(Mapping):
+    """What ``metadata`` returns: ``tensors`` by name (this mapping's items) and each file's
+    ``__metadata__`` (``metadata``, file name -> ``{str: str}``; ``{}`` where it has none)."""
+
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, dict[str, str]]
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        if name == "__metadata__" and name not in self.tensors:
+            raise KeyError("'__metadata__' is not a tensor; each file's is in .metadata")
+        return self.tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _headers(path) -> tuple[Location, ts.KvStore, Files, str]:
+    """The directory of ``path``, its kvstore, the tensors and ``__metadata__`` of all its
+    files, and what errors call ``path``."""
+    loc, files, where = _files(path)
     kv = ts.KvStore.open(loc.kvstore()).result()
     tensors: dict[str, TensorInfo] = {}
-    meta: dict = {}
+    meta: dict[str, dict[str, str]] = {}
     for f in files:
-        file_tensors, file_meta = read_header(kv, f, loc.url)
-        tensors.update(file_tensors)
-        meta.update(file_meta)
-    return loc, kv, tensors, meta
+        file_tensors, meta[f] = read_header(kv, f, loc.url)
+        for name, info in file_tensors.items():
+            if name in tensors:
+                raise SafetensorsError(
+                    f"{loc.url}: tensor {name!r} is in both {tensors[name].file} and {f}; "
+                    "the files are not one model (pass the files of one model)"
+                )
+            tensors[name] = info
+    return loc, kv, Files(tensors, meta), where
 
 
-def metadata(path: str | os.PathLike | Sequence) -> dict[str, TensorInfo]:
-    """Every tensor's dtype, shape, file and bytes, from the headers alone (no data read).
-    ``__metadata__`` of the files is under the key ``"__metadata__"`` (a dict)."""
-    _, _, tensors, meta = _headers(path)
-    return {**tensors, "__metadata__": meta}
+def metadata(path: str | os.PathLike | Sequence) -> Files:
+    """Every tensor's dtype, shape, file and bytes, from the headers alone (no data read):
+    a mapping of tensor name to :class:`TensorInfo`; ``.metadata`` holds each file's
+    ``__metadata__`` (file name -> dict), apart from the tensors."""
+    return _headers(path)[2]
 
 
 @dataclass(frozen=True)
@@ -120,10 +146,11 @@ def load(
     results); other leaves are returned as they are. Each process reads only the byte
     ranges its devices need, at most ``read_budget_bytes`` (default 128 MiB) in flight.
     """
-    loc, kv, tensors, _ = _headers(path)
+    loc, kv, tensors, where = _headers(path)
     flat = tree_lib.flatten(target)
     wants: list[_Want | None] = [
-        _want(p, t, tensors, names, transforms, loc) if _is_array(t) else None for p, t in flat
+        _want(p, t, tensors, names, transforms, loc, where) if _is_array(t) else None
+        for p, t in flat
     ]
     reader = _Reader(kv, loc.url, read_budget_bytes or READ_BUDGET_BYTES)
     finish = [
@@ -138,8 +165,11 @@ def _is_array(t: Any) -> bool:
     return isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray))
 
 
-def _want(path, t, tensors, names, transforms, loc: Location) -> _Want:
-    m = leaf_map(dotted(path), names, transforms)
+def _want(path, t, tensors, names, transforms, loc: Location, where: str) -> _Want:
+    try:
+        m = leaf_map(dotted(path), names, transforms)
+    except SafetensorsError as e:
+        raise type(e)(f"{where}: {e}") from None
     shape, dtype = tuple(t.shape), np.dtype(t.dtype)
     count = shape[0] if m.stacked and shape else 1
     found = []
@@ -148,30 +178,31 @@ def _want(path, t, tensors, names, transforms, loc: Location) -> _Want:
         if info is None:
             close = difflib.get_close_matches(name, list(tensors), n=3, cutoff=0.5)
             raise LeafNotFoundError(
-                f"{loc.url}: leaf {m.leaf!r} needs tensor {name!r}, which the files do not "
+                f"{where}: leaf {m.leaf!r} needs tensor {name!r}, which the files do not "
                 f"hold (closest: {close or sorted(tensors)[:3]}); fix names= or the target"
             )
         found.append(info)
     first = found[0]
+    file = f"{loc.url}/{first.file}"
     if any(f.shape != first.shape or f.dtype != first.dtype for f in found):
         raise ShapeMismatchError(
-            f"{loc.url}: the tensors stacked into leaf {m.leaf!r} differ in shape or dtype"
+            f"{where}: the tensors stacked into leaf {m.leaf!r} differ in shape or dtype"
         )
-    if m.reshape and tuple(m.reshape.file_shape) != first.shape:
+    try:
+        got = m.leaf_shape(first.shape, count)
+    except ShapeMismatchError as e:
         raise ShapeMismatchError(
-            f"{loc.url}/{first.file}: tensor {first.name!r} has shape {list(first.shape)}, "
-            f"but leaf {m.leaf!r}'s Reshape expects {list(m.reshape.file_shape)}"
-        )
-    got = m.leaf_shape(first.shape, count)
+            f"{file}: tensor {first.name!r} of shape {list(first.shape)}: {e}"
+        ) from None
     if got != shape:
         raise ShapeMismatchError(
-            f"{loc.url}/{first.file}: tensor {first.name!r} of shape {list(first.shape)} gives "
+            f"{file}: tensor {first.name!r} of shape {list(first.shape)} gives "
             f"leaf {m.leaf!r} shape {list(got)} after the transforms, but the target has "
             f"{list(shape)}; fix the target or the transforms"
         )
     if _kind(first.dtype) != _kind(dtype) and m.cast is None:
         raise SafetensorsError(
-            f"{loc.url}/{first.file}: tensor {first.name!r} is {first.dtype}, leaf {m.leaf!r} "
+            f"{file}: tensor {first.name!r} is {first.dtype}, leaf {m.leaf!r} "
             f"is {dtype}; add a Cast transform to convert across kinds"
         )
     sharding = None if isinstance(t, np.ndarray) else getattr(t, "sharding", None)
@@ -184,6 +215,12 @@ def _kind(dtype: np.dtype) -> str:
     return "int" if np.issubdtype(dtype, np.integer) else "float"
 
 
+def _cut(data: np.ndarray, index: Index, block: Index) -> np.ndarray:
+    """The part ``index`` of ``data``, which holds the box ``block`` of the leaf."""
+    part = tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(index, block, strict=True))
+    return np.ascontiguousarray(data[part])
+
+
 class _Reader:
     """Reads boxes of leaves as coalesced byte ranges, at most ``budget`` bytes in flight."""
 
@@ -193,48 +230,47 @@ class _Reader:
         self.bytes = 0
 
     def leaf(self, w: _Want) -> Callable[[], Any]:
-        holder: dict = {}
         whole = tuple((0, d) for d in w.shape)
         if w.sharding is None:
+            holder: dict = {}
             self._submit(w, whole, lambda data: holder.__setitem__("v", data))
             return lambda: holder["v"]
+        # slices go onto the devices one by one (Placement): never a whole-array device_put,
+        # whose cross-process equality check fails on NaN (NaN != NaN) in a multi-process job
         out = Placement(w.sharding, w.shape, w.dtype)
-        put, by_index = out.put, out.indices
+        by_index = out.indices
+        if not by_index:
+            return out.array
         block = bounding(by_index)
-        itemsize = w.tensors[0].dtype.itemsize
-        if block == whole and volume(block) * itemsize <= self.budget // 2:
-            # this process needs the whole leaf: one read, and jax slices it onto the devices
-            self._submit(
-                w, block, lambda data: holder.__setitem__("v", jax.device_put(data, w.sharding))
+        if not w.m.simple:  # whole tensors are read: read those of all the slices at once
+            block = tuple(
+                (min(i[d][0] for i in by_index), max(i[d][1] for i in by_index))
+                for d in range(len(w.shape))
             )
-            return lambda: holder["v"]
-        if block is not None and volume(block) * itemsize <= self.budget // 2:
+        itemsize = w.tensors[0].dtype.itemsize
+        if block is not None and (not w.m.simple or volume(block) * itemsize <= self.budget // 2):
             # the slices this process needs, read together (a few long runs, not one short
             # run per row of every slice) and cut on the host
             def cut(data, block=block):
                 for i in by_index:
-                    part = tuple(
-                        slice(a - s, b - s) for (a, b), (s, _) in zip(i, block, strict=True)
-                    )
-                    put(i, np.ascontiguousarray(data[part]))
+                    out.put(i, _cut(data, i, block))
 
             self._submit(w, block, cut)
         else:
             for index in by_index:
-                self._submit(w, index, lambda data, i=index: put(i, data))
-
+                self._submit(w, index, lambda data, i=index: out.put(i, data))
         return out.array
 
     def _submit(self, w: _Want, box: Index, consume) -> None:
         parts = []
         nbytes = 0
-        for i, rbox in tensor_boxes(w.m, box):
+        for i, rbox in tensor_boxes(w.m, box, w.tensors[0].shape):
             info = w.tensors[i]
-            rshape = w.m.reshape.shape if w.m.reshape else info.shape
+            rshape = reshaped(w.m, info.shape)
             # absolute offsets in the file
             pieces = [(info.begin + off, n) for off, n in runs(rshape, info.dtype.itemsize, rbox)]
             reads = [
-                (self.kv.read(info.file, byte_range=slice(off, off + n)), off, n, members)
+                (read(self.kv, info.file, off, off + n, self.url), off, n, members)
                 for off, n, members in coalesce(pieces)
             ]
             parts.append((info, rbox, reads))
@@ -251,12 +287,12 @@ class _Reader:
             extent = tuple(b - a for a, b in rbox)
             if len(reads) == 1 and len(reads[0][3]) == 1:  # one run: the read is the block
                 fut, off, n, _ = reads[0]
-                buf = checked(fut.result(), info.file, off, n, self.url)
+                buf = checked(fut, info.file, off, n, self.url)
             else:
                 buf = np.empty(math.prod(extent) * info.dtype.itemsize, np.uint8)
                 pos = 0
                 for fut, off, n, members in reads:
-                    data = checked(fut.result(), info.file, off, n, self.url)
+                    data = checked(fut, info.file, off, n, self.url)
                     for moff, mn in members:
                         buf[pos : pos + mn] = np.frombuffer(
                             data[moff - off : moff - off + mn], np.uint8
@@ -265,6 +301,9 @@ class _Reader:
             block = np.frombuffer(buf, dtype=info.dtype).reshape(extent)
             blocks.append(from_reshaped(w.m, block))
         data = np.stack(blocks) if w.m.stacked else blocks[0]
+        if not w.m.simple:  # whole tensors were read: the box of the leaf
+            inner = box[1:] if w.m.stacked else box
+            data = data[(slice(None),) * w.m.stacked + tuple(slice(a, b) for a, b in inner)]
         consume(data.astype(w.dtype, copy=data.dtype != w.dtype))
         self.bytes -= nbytes
 

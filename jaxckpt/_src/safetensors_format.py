@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -79,11 +80,77 @@ def dtype_name(dtype: np.dtype, where: str) -> str:
     return name
 
 
-def read_header(kv: ts.KvStore, file: str, url: str) -> tuple[dict[str, TensorInfo], dict]:
+def read(kv: ts.KvStore, file: str, start: int, stop: int, url: str) -> Callable[[], Any]:
+    """Starts reading bytes ``[start, stop)`` of ``file``; call the result for them
+    (checked by ``checked``). Errors name the file."""
+    try:
+        future = kv.read(file, byte_range=slice(start, stop))
+    except ValueError as e:
+        raise SafetensorsError(f"{url}/{file} cannot be read ({e})") from None
+
+    def result():
+        try:
+            return future.result()
+        except ValueError as e:  # TensorStore: OUT_OF_RANGE for a range past the end
+            raise SafetensorsError(
+                f"{url}/{file} is truncated or unreadable: bytes [{start}, {stop}) ({e}); "
+                "re-download or re-write the file"
+            ) from None
+
+    return result
+
+
+def index_files(raw: bytes, where: str) -> list[str]:
+    """The files an index's ``weight_map`` names, checked: plain relative names of
+    ``.safetensors`` files inside its directory (never ``..``, absolute or empty parts)."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        weight_map = doc["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SafetensorsError(
+            f"{where} is not a valid index ({type(e).__name__}: {e}); it must be JSON with a "
+            "'weight_map' of tensor name -> file name"
+        ) from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise SafetensorsError(
+            f"{where}: 'weight_map' is {type(weight_map).__name__} {weight_map!r:.80}, not a "
+            "non-empty object of tensor name -> file name"
+        )
+    for name, file in weight_map.items():
+        parts = file.split("/") if isinstance(file, str) else [""]
+        if (
+            any(p in ("", ".", "..") for p in parts)
+            or any(c in file for c in "\\\0:")
+            or not file.endswith(".safetensors")
+        ):
+            raise SafetensorsError(
+                f"{where}: tensor {name!r} is in file {file!r}, which is not a .safetensors "
+                "file inside the index's directory (no '..', absolute paths, '\\' or ':'); "
+                "the index is corrupt or hostile: fix its weight_map"
+            )
+    return sorted(set(weight_map.values()))
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"the key {dup!r} appears twice")
+    return dict(pairs)
+
+
+def _nat(x: Any) -> bool:
+    return type(x) is int and 0 <= x < 1 << 64
+
+
+def read_header(
+    kv: ts.KvStore, file: str, url: str
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """The tensors and ``__metadata__`` of ``file`` (a key of ``kv``; ``url`` names it in
-    errors), checked: offsets inside the file, sizes that match shapes and dtypes."""
+    errors), checked as the reference implementation checks them: a UTF-8 JSON object,
+    known dtypes, tensors that tile the data exactly (no gap, no overlap, none past the end)."""
     where = f"{url}/{file}"
-    head = kv.read(file, byte_range=slice(0, 8)).result()
+    head = read(kv, file, 0, 8, url)()
     if head.state != "value":
         raise SafetensorsError(
             f"{where} does not exist; check the path (or the index's weight_map)"
@@ -97,41 +164,89 @@ def read_header(kv: ts.KvStore, file: str, url: str) -> tuple[dict[str, TensorIn
         raise SafetensorsError(
             f"{where}: header length {n} is out of range; the file is corrupt or not safetensors"
         )
-    raw = bytes(kv.read(file, byte_range=slice(8, 8 + n)).result().value)
+    size = _size(kv, file)
+    if 8 + n > size:
+        raise SafetensorsError(
+            f"{where} is truncated inside its {n}-byte header ({size} bytes in all)"
+        )
+    raw = bytes(read(kv, file, 8, 8 + n, url)().value)
     if len(raw) < n:
         raise SafetensorsError(f"{where} is truncated inside its {n}-byte header")
     try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise SafetensorsError(
-            f"{where}: the header is not valid JSON ({e}); the file is corrupt"
-        ) from e
+            f"{where}: the header is not valid JSON ({type(e).__name__}: {e}); the file is corrupt"
+        ) from None
     if not isinstance(doc, dict):
         raise SafetensorsError(f"{where}: the header is not a JSON object")
-    meta = doc.pop("__metadata__", None) or {}
-    size = _size(kv, file)
+    meta = doc.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SafetensorsError(
+            f"{where}: __metadata__ is {meta!r:.80}, not an object of strings; the header is "
+            "corrupt"
+        )
     tensors = {}
     for name, entry in doc.items():
-        try:
-            dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) + 8 + n for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise SafetensorsError(
-                f"{where}: tensor {name!r} has a bad header entry {entry!r} ({e})"
-            ) from e
-        if end - begin != math.prod(shape) * dtype.itemsize or begin > end:
-            raise SafetensorsError(
-                f"{where}: tensor {name!r} has data_offsets {entry['data_offsets']} for shape "
-                f"{list(shape)} {entry['dtype']}; the header is corrupt"
-            )
-        if end > size:
-            raise SafetensorsError(
-                f"{where} is truncated: tensor {name!r} ends at byte {end} of {size}; "
-                "re-download or re-write the file"
-            )
-        tensors[name] = TensorInfo(name, dtype, shape, file, begin, end)
+        tensors[name] = _entry(name, entry, where, file, 8 + n)
+    _check_tiling(tensors, where, 8 + n, size)
     return tensors, meta
+
+
+def _entry(name: str, entry: Any, where: str, file: str, start: int) -> TensorInfo:
+    ok = isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}
+    dtype = entry.get("dtype") if ok else None
+    shape = entry.get("shape") if ok else None
+    offsets = entry.get("data_offsets") if ok else None
+    if not (
+        ok
+        and isinstance(dtype, str)
+        and isinstance(shape, list)
+        and all(_nat(d) for d in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_nat(x) for x in offsets)
+    ):
+        raise SafetensorsError(
+            f"{where}: tensor {name!r} has a bad header entry {entry!r:.200}: it must be "
+            '{"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}; the '
+            "header is corrupt"
+        )
+    if dtype not in DTYPES:
+        raise SafetensorsError(
+            f"{where}: tensor {name!r} has dtype {dtype!r}, which jaxckpt does not read "
+            f"(it reads {sorted(DTYPES)}); convert the file with the safetensors package"
+        )
+    begin, end = offsets
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    if end < begin or end - begin != nbytes:
+        raise SafetensorsError(
+            f"{where}: tensor {name!r} has data_offsets {offsets} for shape {shape} {dtype} "
+            f"({nbytes} bytes); the header is corrupt"
+        )
+    return TensorInfo(name, DTYPES[dtype], tuple(shape), file, start + begin, start + end)
+
+
+def _check_tiling(tensors: dict[str, TensorInfo], where: str, start: int, size: float) -> None:
+    """The tensors' bytes follow each other from the data's ``start``, with no gap or
+    overlap, to the file's last byte (its ``size``, where known)."""
+    pos = start
+    for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if t.begin != pos:
+            raise SafetensorsError(
+                f"{where}: tensor {t.name!r} has data_offsets from {t.begin - start} but the "
+                f"tensor before it ends at {pos - start}: the tensors "
+                f"{'overlap' if t.begin < pos else 'leave a gap'}; the header is corrupt"
+            )
+        pos = t.end
+    if pos != size and size != math.inf:
+        what = "is truncated" if pos > size else "is corrupt (bytes after its last tensor)"
+        raise SafetensorsError(
+            f"{where} {what}: its tensors hold {pos - start} bytes of data but the file has "
+            f"{size - start} after the header; re-download or re-write it"
+        )
 
 
 def _size(kv: ts.KvStore, file: str) -> float:
@@ -143,10 +258,12 @@ def _size(kv: ts.KvStore, file: str) -> float:
     return math.inf
 
 
-def checked(result, file: str, offset: int, length: int, url: str) -> memoryview:
-    if result.state != "value":
+def checked(result: Callable[[], Any], file: str, offset: int, length: int, url: str):
+    """The bytes of a ``read``, all ``length`` of them, or an error naming the file."""
+    got = result()
+    if got.state != "value":
         raise SafetensorsError(f"{url}/{file} disappeared while reading it")
-    data = memoryview(result.value)
+    data = memoryview(got.value)
     if len(data) != length:
         raise SafetensorsError(
             f"{url}/{file} is truncated: {len(data)} of {length} bytes at offset {offset}; "

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import SafetensorsError
+from ..errors import SafetensorsError, ShapeMismatchError
 from .sharding import Index
 
 # --- the declarative mapping -----------------------------------------------------------------
@@ -20,16 +20,17 @@ from .sharding import Index
 
 @dataclass(frozen=True)
 class Transpose:
-    """The leaf is the tensor with its axes permuted (``np.transpose(tensor, axes)``); HF
-    ``nn.Linear`` weights ``(out, in)`` are Flax ``Dense`` kernels with ``axes=(1, 0)``."""
+    """The axes permuted: ``np.transpose(x, axes)``; HF ``nn.Linear`` weights ``(out, in)``
+    are Flax ``Dense`` kernels with ``axes=(1, 0)``."""
 
     axes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Reshape:
-    """The tensor, of ``file_shape`` in the file, reshaped to ``shape`` (before any
-    Transpose), e.g. fused heads ``(heads * head_dim, d)`` -> ``(heads, head_dim, d)``."""
+    """``x`` of shape ``file_shape`` (the shape this step receives: the tensor's in the file
+    when it comes first) reshaped to ``shape``, e.g. fused heads ``(heads * head_dim, d)``
+    -> ``(heads, head_dim, d)``."""
 
     file_shape: tuple[int, ...]
     shape: tuple[int, ...]
@@ -50,45 +51,147 @@ class Stack:
 
 
 Transform = Transpose | Reshape | Cast | Stack
+Step = Transpose | Reshape
 Names = Callable[[str], str] | Sequence[tuple[str, str]] | None
 Transforms = Callable[[str], Sequence[Transform]] | Sequence[tuple[str, Any]] | None
+PLACEHOLDER = "{i}"
 
 
 @dataclass(frozen=True)
 class LeafMap:
-    """How one leaf relates to its tensor(s)."""
+    """How one leaf relates to its tensor(s): ``steps`` (Reshape, Transpose) turn one tensor,
+    as in the file, into the leaf (one layer of it with ``stacked``), in order."""
 
     leaf: str  # the leaf's path, keys joined by "."
     tensor: str  # the tensor name; with ``stacked``, a pattern with "{i}"
     stacked: bool
-    reshape: Reshape | None
-    axes: tuple[int, ...] | None
+    steps: tuple[Step, ...]
     cast: np.dtype | None
 
     def names(self, count: int) -> list[str]:
-        return [self.tensor.format(i=i) for i in range(count)] if self.stacked else [self.tensor]
+        if not self.stacked:
+            return [self.tensor]
+        return [self.tensor.replace(PLACEHOLDER, str(i)) for i in range(count)]
+
+    @property
+    def simple(self) -> bool:
+        """A Reshape then a Transpose at most (after merging neighbours): a box of the leaf
+        is a box of the reshaped tensor, read as byte runs. Other chains read whole tensors."""
+        return _simple(self.steps) is not None
+
+    @property
+    def reshape(self) -> Reshape | None:
+        return (_simple(self.steps) or (None, None))[0]
+
+    @property
+    def axes(self) -> tuple[int, ...] | None:
+        return (_simple(self.steps) or (None, None))[1]
 
     def tensor_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of one tensor in the file, for a leaf of ``leaf_shape``."""
-        shape = leaf_shape[1:] if self.stacked else leaf_shape
-        if self.axes is not None:
-            shape = tuple(shape[self.axes.index(d)] for d in range(len(shape)))
-        return self.reshape.file_shape if self.reshape else tuple(shape)
+        shape = tuple(leaf_shape[1:] if self.stacked else leaf_shape)
+        for step in reversed(self.steps):
+            if isinstance(step, Transpose):
+                shape = tuple(shape[list(step.axes).index(d)] for d in range(len(shape)))
+            else:
+                if shape != tuple(step.shape):
+                    raise self._bad(step, shape, "gets")
+                shape = tuple(step.file_shape)
+        return shape
 
     def leaf_shape(self, tensor_shape: tuple[int, ...], count: int) -> tuple[int, ...]:
-        shape = self.reshape.shape if self.reshape else tensor_shape
-        if self.axes is not None:
-            shape = tuple(shape[a] for a in self.axes)
-        return (count, *shape) if self.stacked else tuple(shape)
+        """The leaf's shape for tensors of ``tensor_shape``; raises if a step does not fit."""
+        shape = tuple(tensor_shape)
+        for step in self.steps:
+            if isinstance(step, Transpose):
+                if len(step.axes) != len(shape):
+                    raise self._bad(step, shape, "receives")
+                shape = tuple(shape[a] for a in step.axes)
+            else:
+                if shape != tuple(step.file_shape):
+                    raise self._bad(step, shape, "receives")
+                shape = tuple(step.shape)
+        return (count, *shape) if self.stacked else shape
+
+    def _bad(self, step: Step, shape: tuple[int, ...], verb: str) -> ShapeMismatchError:
+        return ShapeMismatchError(
+            f"leaf {self.leaf!r}: transform {step} {verb} shape {list(shape)}; fix the "
+            "transforms (each step's input is the previous step's output, from the file "
+            "towards the leaf)"
+        )
+
+
+def apply(steps: Sequence[Step], x: np.ndarray) -> np.ndarray:
+    """One tensor, as in the file, through ``steps``: the leaf (one layer of it)."""
+    for step in steps:
+        x = np.transpose(x, step.axes) if isinstance(step, Transpose) else x.reshape(step.shape)
+    return x
+
+
+def invert(steps: Sequence[Step], x: np.ndarray) -> np.ndarray:
+    """The leaf (one layer of it) back through ``steps``: the tensor as in the file."""
+    for step in reversed(steps):
+        if isinstance(step, Transpose):
+            x = np.transpose(x, np.argsort(step.axes))
+        else:
+            x = x.reshape(step.file_shape)
+    return x
+
+
+def _simple(steps: tuple[Step, ...]) -> tuple[Reshape | None, tuple[int, ...] | None] | None:
+    merged: list[Step] = []
+    for step in steps:
+        last = merged[-1] if merged else None
+        if isinstance(step, Transpose) and isinstance(last, Transpose):
+            merged[-1] = Transpose(tuple(last.axes[a] for a in step.axes))
+        elif isinstance(step, Reshape) and isinstance(last, Reshape):
+            merged[-1] = Reshape(last.file_shape, step.shape)
+        else:
+            merged.append(step)
+    merged = [
+        s
+        for s in merged
+        if not (isinstance(s, Transpose) and tuple(s.axes) == tuple(range(len(s.axes))))
+        and not (isinstance(s, Reshape) and tuple(s.file_shape) == tuple(s.shape))
+    ]
+    kinds = [type(s) for s in merged]
+    if kinds not in ([], [Reshape], [Transpose], [Reshape, Transpose]):
+        return None
+    reshape = merged[0] if kinds and kinds[0] is Reshape else None
+    axes = tuple(merged[-1].axes) if kinds and kinds[-1] is Transpose else None
+    return reshape, axes
+
+
+def tensor_name(path: str, names: Names) -> str:
+    """The tensor name of the leaf at ``path``: ``names(path)``, or the first ``(regex,
+    replacement)`` rule whose regex matches, applied with ``re.sub`` (``\\1`` and
+    ``\\g<name>`` are its groups; ``{i}`` is left for Stack); no match: ``path`` itself."""
+    if callable(names):
+        return names(path)
+    rules = list(names or ())
+    first = next((k for k, (p, _) in enumerate(rules) if re.search(p, path)), None)
+    if first is None:
+        return path
+    tensor = re.sub(rules[first][0], rules[first][1], path)
+    chained = tensor
+    for p, r in rules[first + 1 :]:
+        chained = re.sub(p, r, chained)
+    if chained != tensor:
+        raise SafetensorsError(
+            f"leaf {path!r}: names rule {rules[first]} gives {tensor!r}, but a later rule "
+            f"would rename that further (to {chained!r}): names rules are first-match, like "
+            "transforms (an earlier version applied them all in turn); merge the rules into "
+            "one, or make their regexes exclusive"
+        )
+    return tensor
 
 
 def leaf_map(path: str, names: Names, transforms: Transforms) -> LeafMap:
-    if callable(names):
-        tensor = names(path)
-    else:
-        tensor = path
-        for pattern, repl in names or ():
-            tensor = re.sub(pattern, repl, tensor)
+    """How the leaf at ``path`` maps to its tensor(s): the names rule and the transforms rule
+    that apply (the first of each whose regex matches the path)."""
+    tensor = tensor_name(path, names)
+    if not isinstance(tensor, str):
+        raise SafetensorsError(f"leaf {path!r}: names gave {tensor!r}, not a string")
     if callable(transforms):
         chain = list(transforms(path) or ())
     else:
@@ -100,18 +203,41 @@ def leaf_map(path: str, names: Names, transforms: Transforms) -> LeafMap:
             ),
             [],
         )
-    reshape = next((t for t in chain if isinstance(t, Reshape)), None)
-    body = [t for t in chain if not isinstance(t, (Stack, Cast))]
-    if reshape is not None and body.index(reshape) != 0:
-        raise SafetensorsError(f"leaf {path!r}: Reshape must come before Transpose in {chain}")
-    axes = next((tuple(t.axes) for t in chain if isinstance(t, Transpose)), None)
-    cast = next((np.dtype(jax.numpy.dtype(t.dtype)) for t in chain if isinstance(t, Cast)), None)
-    stacked = any(isinstance(t, Stack) for t in chain)
-    if stacked and "{i}" not in tensor:
+    bad = [t for t in chain if not isinstance(t, (Transpose, Reshape, Cast, Stack))]
+    if bad:
         raise SafetensorsError(
-            f"leaf {path!r} is stacked (Stack) but its tensor name {tensor!r} has no '{{i}}'"
+            f"leaf {path!r}: {bad[0]!r} is not a transform (Transpose, Reshape, Cast, Stack)"
         )
-    return LeafMap(path, tensor, stacked, reshape, axes, cast)
+    steps = tuple(t for t in chain if isinstance(t, (Transpose, Reshape)))
+    for t in steps:
+        _check_step(path, t)
+    casts = [t for t in chain if isinstance(t, Cast)]
+    if len(casts) > 1 or sum(isinstance(t, Stack) for t in chain) > 1:
+        raise SafetensorsError(f"leaf {path!r}: Cast and Stack may appear once each in {chain}")
+    cast = np.dtype(jax.numpy.dtype(casts[0].dtype)) if casts else None
+    stacked = any(isinstance(t, Stack) for t in chain)
+    braces = tensor.replace(PLACEHOLDER, "")
+    if stacked and (PLACEHOLDER not in tensor or "{" in braces or "}" in braces):
+        raise SafetensorsError(
+            f"leaf {path!r} is stacked (Stack) but its tensor name {tensor!r} does not have "
+            "'{i}' as its only braces ('{i}' is replaced by the layer number, other braces "
+            "are not placeholders); fix names="
+        )
+    if not stacked and PLACEHOLDER in tensor:
+        raise SafetensorsError(
+            f"leaf {path!r}: tensor name {tensor!r} has '{{i}}' (the layer number of scanned "
+            "layers) but the leaf has no Stack() transform; add Stack() or fix names="
+        )
+    return LeafMap(path, tensor, stacked, steps, cast)
+
+
+def _check_step(path: str, t: Step) -> None:
+    if isinstance(t, Transpose):
+        axes = tuple(t.axes)
+        if sorted(axes) != list(range(len(axes))):
+            raise SafetensorsError(f"leaf {path!r}: {t} is not a permutation of the axes")
+    elif math.prod(t.file_shape) != math.prod(t.shape) or min((*t.file_shape, *t.shape, 0)) < 0:
+        raise SafetensorsError(f"leaf {path!r}: {t} changes the number of elements; fix the shapes")
 
 
 def dotted(path: list) -> str:
@@ -121,19 +247,32 @@ def dotted(path: list) -> str:
 # --- slices of a leaf <-> byte runs of its tensors ---------------------------------------------
 
 
-def tensor_boxes(m: LeafMap, box: Index) -> list[tuple[int, Index]]:
-    """``(tensor number, box in the tensor's reshaped layout)`` for a box of the leaf."""
+def tensor_boxes(m: LeafMap, box: Index, shape: tuple[int, ...]) -> list[tuple[int, Index]]:
+    """``(tensor number, box in the tensor's reshaped layout)`` for a box of the leaf, whose
+    tensors have ``shape`` in the file; a chain that is not ``simple``: the whole tensor."""
     (lo, hi), inner = (box[0], box[1:]) if m.stacked else ((0, 1), box)
-    if m.axes is not None:
+    if not m.simple:
+        inner = tuple((0, d) for d in shape)
+    elif m.axes is not None:
         inner = tuple(inner[m.axes.index(d)] for d in range(len(inner)))
     return [(i, inner) for i in range(lo, hi)]
 
 
+def reshaped(m: LeafMap, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The layout of ``tensor_boxes``: the tensor's ``shape`` after the simple Reshape."""
+    return tuple(m.reshape.shape) if m.simple and m.reshape else tuple(shape)
+
+
 def from_reshaped(m: LeafMap, block: np.ndarray) -> np.ndarray:
+    """A block read in the ``tensor_boxes`` layout as part of the leaf (one layer)."""
+    if not m.simple:
+        return apply(m.steps, block)
     return block if m.axes is None else np.transpose(block, m.axes)
 
 
 def to_reshaped(m: LeafMap, block: np.ndarray) -> np.ndarray:
+    if not m.simple:
+        return invert(m.steps, block)
     return block if m.axes is None else np.transpose(block, np.argsort(m.axes))
 
 

@@ -11,11 +11,19 @@ from typing import Any
 import jax
 import numpy as np
 import tensorstore as ts
+from jax.experimental import multihost_utils
 
-from ..errors import SafetensorsError, UnsupportedLeafError
+from ..errors import SafetensorsError, ShapeMismatchError, UnsupportedLeafError
 from . import multihost
 from . import tree as tree_lib
-from .safetensors_format import INDEX_FILE, create_files, index_json, plan, runs
+from .safetensors_format import (
+    INDEX_FILE,
+    create_files,
+    dtype_name,
+    index_json,
+    plan,
+    runs,
+)
 from .safetensors_map import (
     LeafMap,
     Names,
@@ -23,6 +31,7 @@ from .safetensors_map import (
     bounding,
     dotted,
     leaf_map,
+    reshaped,
     tensor_boxes,
     to_reshaped,
     volume,
@@ -57,7 +66,7 @@ def save(
     loc = location(path)
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise SafetensorsError(f"{loc.url}: metadata values must be strings, got {metadata!r}")
-    leaves = list(_save_leaves(tree, names, transforms, loc))
+    leaves = _save_leaves(tree, names, transforms, loc)
     specs = [
         (name, m.cast or np.dtype(v.dtype), m.tensor_shape(tuple(v.shape)))
         for m, v in leaves
@@ -92,7 +101,7 @@ def save(
     fds = {f.name: os.open(os.path.join(work.url, f.name), os.O_WRONLY) for f in files}
     try:
         for salt, (m, v) in enumerate(leaves):
-            for box, data in _blocks(_owned(v, salt), WRITE_BLOCK_BYTES):
+            for box, data in _blocks(_parts(m, v, salt), WRITE_BLOCK_BYTES):
                 for file, offset, chunk in _placements(m, box, data, placed):
                     os.pwrite(fds[file], chunk, offset)
         for fd in fds.values():
@@ -109,15 +118,48 @@ def save(
 
 
 def _save_leaves(tree, names, transforms, loc: Location):
+    """``(LeafMap, array)`` of every leaf; None leaves are skipped, any other leaf that is
+    not an array is refused (before anything is written)."""
+    out = []
     for path, v in tree_lib.flatten(tree):
+        leaf = dotted(path)
+        if v is None:
+            continue
         if isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
             raise UnsupportedLeafError(
-                f"{loc.url}: leaf {dotted(path)!r} is a PRNG key; safetensors holds plain "
+                f"{loc.url}: leaf {leaf!r} is a PRNG key; safetensors holds plain "
                 "tensors: save jax.random.key_data(key) instead"
             )
-        if isinstance(v, (jax.Array, np.ndarray, np.generic)):
-            m = leaf_map(dotted(path), names, transforms)
-            yield m, (v if isinstance(v, jax.Array) else np.asarray(v))
+        if not isinstance(v, (jax.Array, np.ndarray, np.generic)):
+            raise UnsupportedLeafError(
+                f"{loc.url}: leaf {leaf!r} is a {type(v).__module__}.{type(v).__qualname__}, "
+                "which safetensors cannot hold (it holds typed arrays); convert it with "
+                "np.asarray(x, dtype) or take it out of the tree (None leaves are skipped)"
+            )
+        try:
+            m = leaf_map(leaf, names, transforms)
+            arr = v if isinstance(v, jax.Array) else np.asarray(v)
+            dtype_name(m.cast or np.dtype(arr.dtype), f"leaf {leaf!r}")
+            m.tensor_shape(tuple(arr.shape))
+            if m.stacked and not arr.ndim:
+                raise SafetensorsError(f"leaf {leaf!r} is stacked (Stack) but a scalar")
+        except (SafetensorsError, ShapeMismatchError) as e:
+            raise type(e)(f"{loc.url}: {e}; nothing was written") from None
+        out.append((m, arr))
+    return out
+
+
+def _parts(m: LeafMap, v, salt: int):
+    """``(box, host data)`` of the parts of ``v`` this process writes, one at a time. A
+    chain of transforms that is not ``simple`` needs whole tensors: the leaf is gathered
+    (every process takes part) and one process writes it."""
+    if m.simple:
+        yield from _owned(v, salt)
+        return
+    if isinstance(v, jax.Array) and not v.is_fully_addressable:
+        v = multihost_utils.process_allgather(v, tiled=True)
+    if multihost.process_index() == salt % multihost.process_count():
+        yield tuple((0, d) for d in v.shape), np.asarray(v)
 
 
 def _owned(v, salt: int):
@@ -160,12 +202,13 @@ def _blocks(parts, budget: int):
 
 def _placements(m: LeafMap, box: Index, data: np.ndarray, placed):
     """``(file, offset, bytes)`` writes that put ``data`` (the leaf's ``box``) in place."""
-    for n, (i, rbox) in enumerate(tensor_boxes(m, box)):
-        name = m.tensor.format(i=i) if m.stacked else m.tensor
+    first = placed[m.names(1)[0]]
+    for n, (i, rbox) in enumerate(tensor_boxes(m, box, first.shape)):
+        name = m.tensor.replace("{i}", str(i)) if m.stacked else m.tensor
         t = placed[name]
         block = data[n] if m.stacked else data
         block = np.ascontiguousarray(to_reshaped(m, block).astype(t.dtype, copy=False))
-        rshape = m.reshape.shape if m.reshape else t.shape
+        rshape = reshaped(m, t.shape)
         raw = memoryview(block.reshape(-1).view(np.uint8))
         pos = 0
         for off, length in runs(rshape, t.dtype.itemsize, rbox):
@@ -181,7 +224,7 @@ def _save_object_store(loc: Location, leaves, files, placed, metadata) -> None:
         for salt, (m, v) in enumerate(leaves):
             if not any(placed[n].file == f.name for n in m.names(v.shape[0] if m.stacked else 1)):
                 continue
-            for box, data in _owned(v, salt):
+            for box, data in _parts(m, v, salt):
                 for file, offset, chunk in _placements(m, box, data, placed):
                     if file == f.name:
                         buf[offset : offset + len(chunk)] = chunk
