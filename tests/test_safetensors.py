@@ -269,3 +269,17 @@ def test_two_processes_save_balanced_and_load_only_what_they_need(tmp_path):
     # each process reads (rchar, page cache dropped) at most 1.5x what its devices need
     for r in io(multiproc.run(worker, 2, args=["load", path])):
         assert r["rchar"] <= 1.5 * r["need"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts", ["one host", "a host each"])
+def test_two_processes_load_nan_payloads_every_process_needs_whole(hosts, tmp_path):
+    """Random bit patterns (NaN payloads, -0.0, subnormals) in bf16, f16, f32 and float8,
+    replicated like a norm scale: every process needs them whole, so a whole-array
+    ``device_put`` would run JAX's cross-process equality check (NaN != NaN); and a stacked
+    q projection through Llama's RoPE permutation (reshape, transpose, reshape, transpose),
+    saved from shards on two processes. Compared as bytes, with the reference too."""
+    env = {"JAXCKPT_TEST_HOSTS": "separate"} if hosts == "a host each" else {}
+    worker = os.path.join(HERE, "workers", "safetensors_job.py")
+    res = multiproc.run(worker, 2, args=["hostile", str(tmp_path / "m")], env=env).check()
+    assert all("ok hostile" in out for out in res.outputs)

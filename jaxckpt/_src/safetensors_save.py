@@ -157,9 +157,19 @@ def _parts(m: LeafMap, v, salt: int):
         yield from _owned(v, salt)
         return
     if isinstance(v, jax.Array) and not v.is_fully_addressable:
-        v = multihost_utils.process_allgather(v, tiled=True)
+        v = _gather_bits(v)
     if multihost.process_index() == salt % multihost.process_count():
         yield tuple((0, d) for d in v.shape), np.asarray(v)
+
+
+def _gather_bits(v: jax.Array) -> np.ndarray:
+    """The whole of ``v`` on every process, moved as unsigned integers of its width (CPU
+    collectives have been seen to quiet NaN payloads of narrow floats)."""
+    dtype = np.dtype(v.dtype)
+    if dtype == np.bool_:
+        return multihost_utils.process_allgather(v.astype(np.uint8), tiled=True).astype(bool)
+    bits = jax.lax.bitcast_convert_type(v, np.dtype(f"u{dtype.itemsize}"))
+    return np.asarray(multihost_utils.process_allgather(bits, tiled=True)).view(dtype)
 
 
 def _owned(v, salt: int):

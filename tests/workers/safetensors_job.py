@@ -6,12 +6,20 @@ usage: safetensors_job.py save DIR     saves a data-parallel + sharded tree; pri
                                        process needing half the rows; page cache dropped
                                        first; prints ``IO <json>`` (rchar, and the bytes
                                        its devices need) and checks the values
+       safetensors_job.py hostile DIR  saves random bit patterns (NaN payloads: bf16, f16,
+                                       f32, float8) replicated, sharded and through a
+                                       reshape/transpose/reshape chain, loads them back
+                                       whole on every process and compares bytes (with
+                                       JAXCKPT_TEST_HOSTS=separate each process is its own
+                                       host)
 """
 
 import json
+import os
 import sys
 
 import multiproc
+from hostile import assert_same_bits, random_bits
 from iostats import drop_page_cache, io
 
 multiproc.init()
@@ -48,11 +56,88 @@ for _t in DTYPES:
     LOAD_SPECS[f"d_{np.dtype(_t).name}"] = P(None, "data")
 
 
+HOSTILE = [
+    ml_dtypes.bfloat16,
+    np.float16,
+    np.float32,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
+# Llama's RoPE row permutation of q/k (HF interleaved -> halves), then nn.Linear's transpose
+ROPE = [
+    jaxckpt.safetensors.Stack(),
+    jaxckpt.safetensors.Reshape((16, 8), (4, 2, 2, 8)),
+    jaxckpt.safetensors.Transpose((0, 2, 1, 3)),
+    jaxckpt.safetensors.Reshape((4, 2, 2, 8), (16, 8)),
+    jaxckpt.safetensors.Transpose((1, 0)),
+]
+
+
+def hostile_values() -> dict:
+    rng = np.random.default_rng(19)
+    out = {}
+    for t in HOSTILE:
+        name = np.dtype(t).name
+        out[f"norm_{name}"] = random_bits((8,), t, rng)  # a replicated norm scale
+        out[f"w_{name}"] = random_bits((8, 16), t, rng)
+    out["q"] = random_bits((2, 8, 16), ml_dtypes.bfloat16, rng)  # stacked, through ROPE
+    return out
+
+
+def hostile(path: str, mesh) -> None:
+    exp = hostile_values()
+    save_spec = {k: P() if k.startswith("norm") else P("data", "model") for k in exp}
+    save_spec["q"] = P(None, "model", "data")
+    tree = {
+        k: jax.make_array_from_callback(
+            v.shape, NamedSharding(mesh, save_spec[k]), lambda i, v=v: v[i]
+        )
+        for k, v in exp.items()
+    }
+    names = [(r"^q$", "model.layers.{i}.self_attn.q_proj.weight")]
+    transforms = [(r"^q$", ROPE)]
+    jaxckpt.safetensors.save(path, tree, names=names, transforms=transforms, max_file_bytes=400)
+    if jax.process_index() == 0:  # the reference reads what was written, bit for bit
+        import safetensors
+
+        from jaxckpt._src.safetensors_format import DTYPES as ST
+
+        ref = {}
+        for f in sorted(os.listdir(path)):
+            if f.endswith(".safetensors"):
+                with open(os.path.join(path, f), "rb") as fh:
+                    for name, t in safetensors.deserialize(fh.read()):
+                        arr = np.frombuffer(bytes(t["data"]), ST[t["dtype"]])
+                        ref[name] = arr.reshape(t["shape"])
+        for k, v in exp.items():
+            if k != "q":
+                assert_same_bits(v, ref[k], k)
+        for i in range(2):  # the NumPy model of ROPE, inverted: leaf layer -> file tensor
+            want = exp["q"][i].T.reshape(4, 2, 2, 8).transpose(0, 2, 1, 3).reshape(16, 8)
+            assert_same_bits(want, ref[f"model.layers.{i}.self_attn.q_proj.weight"], f"q{i}")
+    # every process needs every leaf whole (replicated), and q split over "model"
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+        for k, v in exp.items()
+    }
+    target["q"] = jax.ShapeDtypeStruct(
+        exp["q"].shape, exp["q"].dtype, sharding=NamedSharding(mesh, P(None, None, "model"))
+    )
+    out = jaxckpt.safetensors.load(path, target, names=names, transforms=transforms)
+    for k, v in out.items():
+        for shard in v.addressable_shards:
+            assert_same_bits(exp[k][shard.index], np.asarray(shard.data), f"{k} {shard.index}")
+
+
 def main(mode: str, path: str) -> None:
     n = jax.process_count()
+    if os.environ.get("JAXCKPT_TEST_HOSTS") == "separate":  # simulated machines
+        os.environ["JAXCKPT_HOST"] = f"host{jax.process_index()}"
     mesh = jax.make_mesh((n, 8 // n), ("data", "model"))
     exp = expected()
-    if mode == "save":
+    if mode == "hostile":
+        hostile(path, mesh)
+    elif mode == "save":
         tree = {
             k: jax.make_array_from_callback(
                 v.shape, NamedSharding(mesh, SAVE_SPECS[k]), lambda i, v=v: v[i]
