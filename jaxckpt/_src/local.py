@@ -22,6 +22,7 @@ import struct
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +30,17 @@ import tensorstore as ts
 
 from ..errors import FormatVersionError, ManifestError
 from . import arrays, steps
-from .manifest import COMMIT_FILE, FORMAT_VERSION, LeafRecord, check_format_version
+from .manifest import (
+    COMMIT_FILE,
+    FORMAT_VERSION,
+    MAX_PROCESSES,
+    Fields,
+    LeafRecord,
+    check_format_version,
+    leaves_from_json,
+    meshes_from_json,
+    parse_json,
+)
 from .sharding import Index
 from .storage import Location, release_owner_lock
 
@@ -103,27 +114,97 @@ class LocalStep:
         return doc
 
     @classmethod
-    def from_json(cls, doc: dict, *, where: str, path: Location | None = None) -> LocalStep:
-        """The step in ``doc``; fields a newer minor version added are ignored, a newer
-        major raises :class:`FormatVersionError` and a damaged document
-        :class:`ManifestError`."""
+    def from_json(cls, doc: Any, *, where: str, path: Location | None = None) -> LocalStep:
+        """The step in ``doc``, checked field by field (leaves and meshes as in a manifest;
+        ``held`` and ``slices`` against the leaves; the digest recomputed); fields a newer
+        minor version added are ignored, a newer major raises :class:`FormatVersionError`
+        and anything damaged :class:`ManifestError` naming ``where`` and the field."""
         if not isinstance(doc, dict) or doc.get("format") != LOCAL_FORMAT:
             raise ManifestError(
                 f"{where}: not a jaxckpt local step (no 'format': '{LOCAL_FORMAT}')"
             )
         version = check_format_version(doc, where=where, legacy_key="version")
-        below = {"leaves", "required", "format_version", "path"}  # not read by their names
-        known = {f.name for f in dataclasses.fields(cls)} - below
-        try:
-            return cls(
-                **{k: v for k, v in doc.items() if k in known},
-                leaves=tuple(LeafRecord.from_dict(r) for r in doc["leaves"]),
-                required=doc["slices"],
-                format_version=version,
-                path=path,
+        f = Fields(where)
+        count = f.integer(f.need(doc, "process_count"), "process_count", lo=1, hi=MAX_PROCESSES)
+        process = f.integer(f.need(doc, "process_index"), "process_index", hi=count - 1)
+        meshes = meshes_from_json(f, f.need(doc, "meshes"), count)
+        leaves = leaves_from_json(f, f.need(doc, "leaves"), meshes, count)
+        digest = f.text(f.need(doc, "digest"), "digest")
+        if digest != tree_digest(leaves):
+            f.bad("digest", f"must be the leaves' digest {tree_digest(leaves)!r}", digest)
+        shapes = {r.name: r.shape for r in leaves if r.has_array and math.prod(r.shape)}
+        required = {
+            name: f.items(
+                keys, f"slices[{name!r}]", lambda k, at, n=name: _index(f, k, at, shapes[n])
             )
-        except (KeyError, TypeError) as e:
-            raise ManifestError(f"{where}: missing or bad field {e}") from e
+            for name, keys in _by_leaf(f, f.need(doc, "slices"), "slices", shapes).items()
+        }
+        held = {
+            name: {
+                _index(f, k, f"held[{name!r}]", shapes[name]): f.integer(
+                    w, f"held[{name!r}][{k!r}]", hi=count - 1
+                )
+                for k, w in f.obj(by, f"held[{name!r}]").items()
+            }
+            for name, by in _by_leaf(f, f.need(doc, "held"), "held", shapes).items()
+        }
+        for name, by in held.items():
+            if not set(by) <= set(required.get(name, ())):
+                f.bad(f"held[{name!r}]", "holds a slice its 'slices' does not list", sorted(by))
+        peers = [
+            f.items(doc.get(k, []), k, lambda v, at: f.integer(v, at, hi=count - 1))
+            for k in ("sends_to", "receives_from")
+        ]
+        records = f.obj(doc.get("per_process", {}), "per_process")
+        for k, rec in records.items():
+            if not (k.isdigit() and int(k) < count):
+                f.bad("per_process", f"has a key that is no process index below {count}", k)
+            f.obj(rec, f"per_process[{k!r}]")
+        return cls(
+            step=f.integer(f.need(doc, "step"), "step"),
+            process_index=process,
+            process_count=count,
+            digest=digest,
+            meshes=meshes,
+            leaves=leaves,
+            held=held,
+            required=required,
+            replication=f.integer(doc.get("replication", 0), "replication"),
+            hosts=f.items(doc.get("hosts", []), "hosts", f.text),
+            sends_to=peers[0],
+            receives_from=peers[1],
+            per_process=records,
+            format_version=version,
+            path=path,
+        )
+
+
+def _by_leaf(f: Fields, v: Any, at: str, shapes: dict[str, list[int]]) -> dict:
+    """``v``, an object keyed by names of leaves with array data."""
+    for name in f.obj(v, at):
+        if name not in shapes:
+            f.bad(at, "names a leaf without array data in 'leaves'", name)
+    return v
+
+
+def _index(f: Fields, key: Any, at: str, shape: list[int]) -> str:
+    """An index key (``0:16,0:8``, ``-`` for 0-d) inside ``shape``."""
+    try:
+        index = parse_index(f.text(key, at))
+    except ValueError:
+        f.bad(at, "has an index that is not 'a:b,c:d'", key)
+    if len(index) != len(shape) or any(
+        not 0 <= a < b <= n for (a, b), n in zip(index, shape, strict=False)
+    ):
+        f.bad(at, f"has an index outside the leaf's shape {shape}", key)
+    return key
+
+
+def parse_step(text: bytes, *, where: str, path: Location | None = None) -> LocalStep:
+    """A ``local.json`` file's bytes as a :class:`LocalStep` (:meth:`LocalStep.from_json`)."""
+    return LocalStep.from_json(
+        parse_json(text, where=where, what=LOCAL_FILE), where=where, path=path
+    )
 
 
 def read_step(directory: Location, step: int, digits: int = 8) -> LocalStep | None:
@@ -134,12 +215,17 @@ def read_step(directory: Location, step: int, digits: int = 8) -> LocalStep | No
         return None
     where = f"{path.url}/{LOCAL_FILE}"
     try:
-        doc = json.loads(path.read_bytes(LOCAL_FILE).decode())
-        return LocalStep.from_json(doc, where=where, path=path)
+        text = path.read_bytes(LOCAL_FILE)
+        if text is None:
+            raise ManifestError(f"{where} is missing")
+        got = parse_step(text, where=where, path=path)
+        if got.step != step:
+            raise ManifestError(f"{where}: field step is {got.step}, but it is step {step}'s")
+        return got
     except FormatVersionError:
         raise  # never guess at a layout we don't know
-    except (ManifestError, ValueError) as e:
-        log.warning("jaxckpt: %s has no valid %s (%s); ignoring it", path.url, LOCAL_FILE, e)
+    except ManifestError as e:
+        log.warning("jaxckpt: %s; ignoring the copy of step %d in %s", e, step, path.url)
         return None
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -142,30 +143,306 @@ class Manifest:
         return json.dumps(doc, indent=1)
 
     @classmethod
-    def from_json(cls, text: str, *, where: str) -> Manifest:
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ManifestError(f"{where}: manifest is not valid JSON ({e})") from e
+    def from_json(cls, text: str | bytes, *, where: str) -> Manifest:
+        """The manifest in ``text``, checked field by field: anything damaged or
+        inconsistent raises :class:`ManifestError` naming ``where`` and the field."""
+        doc = parse_json(text, where=where, what="manifest")
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not a jaxckpt manifest (no 'format': 'jaxckpt')")
         version = check_format_version(doc, where=where)
+        f = Fields(where)
+        count = f.integer(f.need(doc, "process_count"), "process_count", lo=1, hi=MAX_PROCESSES)
+        if doc.get("arrays", ARRAYS_DIR) != ARRAYS_DIR:
+            f.bad("arrays", f"must be {ARRAYS_DIR!r} (the database is always there)", doc["arrays"])
+        meshes = meshes_from_json(f, f.need(doc, "meshes"), count)
+        return cls(
+            leaves=leaves_from_json(f, f.need(doc, "leaves"), meshes, count),
+            meshes=meshes,
+            process_count=count,
+            process_hosts=f.opt_list(doc, "process_hosts", f.text, length=count),
+            per_process=_per_process(f, doc.get("per_process"), count),
+            bytes_per_process=f.items(
+                f.need(doc, "bytes_per_process"), "bytes_per_process", f.integer, length=count
+            ),
+            metadata=doc.get("metadata"),
+            metrics=f.opt_dict(doc, "metrics"),
+            created=f.text(doc.get("created", ""), "created"),
+            writer=f.opt_dict(doc, "writer") or {},
+            format_version=version,
+        )
+
+
+def _per_process(f: Fields, raw: Any, count: int) -> list[int] | None:
+    if raw is None:
+        return None
+    got = f.items(raw, "per_process", lambda v, at: f.integer(v, at, hi=count - 1))
+    if len(set(got)) != len(got):
+        f.bad("per_process", "lists a process twice", raw)
+    return got
+
+
+# --- reading untrusted JSON -------------------------------------------------------------------
+
+MAX_PROCESSES = 1 << 20
+MAX_NDIM = 64
+MAX_BYTES = 1 << 62  # no array is bigger; larger counts are damage
+AXIS_TYPES = ("Auto", "Explicit", "Manual")
+PRNG_KEY_SHAPES = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+PATH_KINDS = {"k": (str, int), "a": (str,), "i": (int,), "f": (int,)}
+PYTHON_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "NoneType": type(None)}
+
+
+def parse_json(text: str | bytes, *, where: str, what: str) -> Any:
+    """``text`` as JSON; damage (not UTF-8, not JSON, nested too deep) is a ManifestError."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ManifestError(
+            f"{where}: {what} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); the file "
+            "is truncated or damaged: restore another step, or re-save"
+        ) from e
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Checks fields of a JSON document read from ``where``; every failure is a
+    :class:`ManifestError` naming the file, the field and the value found."""
+
+    where: str
+
+    def bad(self, at: str, why: str, value: Any) -> NoReturn:
+        text = repr(value)
+        text = text if len(text) <= 80 else text[:77] + "..."
+        raise ManifestError(
+            f"{self.where}: field {at} {why}, got {text}; the file is damaged or was not "
+            "written by jaxckpt: restore another step, or re-save"
+        )
+
+    def need(self, doc: dict, key: str, at: str = "") -> Any:
+        if key not in doc:
+            self.bad(f"{at}{key}", "is missing", None)
+        return doc[key]
+
+    def integer(self, v: Any, at: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
+        if type(v) is not int:
+            self.bad(at, "must be an integer", v)
+        if not lo <= v <= hi:
+            self.bad(at, f"must be in [{lo}, {hi}]", v)
+        return v
+
+    def text(self, v: Any, at: str) -> str:
+        if not isinstance(v, str):
+            self.bad(at, "must be a string", v)
+        return v
+
+    def obj(self, v: Any, at: str) -> dict:
+        if not isinstance(v, dict):
+            self.bad(at, "must be an object", v)
+        return v
+
+    def items(
+        self, v: Any, at: str, item: Callable[[Any, str], Any], length: int | None = None
+    ) -> list:
+        if not isinstance(v, list):
+            self.bad(at, "must be a list", v)
+        if length is not None and len(v) != length:
+            self.bad(at, f"must have {length} entries", v)
+        return [item(x, f"{at}[{i}]") for i, x in enumerate(v)]
+
+    def opt_list(self, doc: dict, key: str, item, length: int | None = None) -> list | None:
+        v = doc.get(key)
+        return None if v is None else self.items(v, key, item, length)
+
+    def opt_dict(self, doc: dict, key: str) -> dict | None:
+        v = doc.get(key)
+        return None if v is None else self.obj(v, key)
+
+    def shape(self, v: Any, at: str, lo: int = 0) -> list[int]:
+        got = self.items(v, at, lambda x, a: self.integer(x, a, lo=lo))
+        if len(got) > MAX_NDIM:
+            self.bad(at, f"has more than {MAX_NDIM} dimensions", v)
+        return got
+
+    def dtype(self, v: Any, at: str) -> np.dtype:
+        name = self.text(v, at)
         try:
-            return cls(
-                leaves=tuple(LeafRecord.from_dict(leaf) for leaf in doc["leaves"]),
-                meshes=doc["meshes"],
-                process_count=doc["process_count"],
-                process_hosts=doc.get("process_hosts"),
-                per_process=doc.get("per_process"),
-                bytes_per_process=doc["bytes_per_process"],
-                metadata=doc.get("metadata"),
-                metrics=doc.get("metrics"),
-                created=doc.get("created", ""),
-                writer=doc.get("writer", {}),
-                format_version=version,
-            )
-        except (KeyError, TypeError) as e:
-            raise ManifestError(f"{where}: manifest is missing or has a bad field: {e}") from e
+            dt = np.dtype(name)
+        except (TypeError, ValueError, SyntaxError):
+            self.bad(at, "is not a dtype", v)
+        if dt.kind not in "biufc" and not dt.type.__module__.startswith("ml_dtypes"):
+            self.bad(at, "is not a numeric dtype jaxckpt stores", v)
+        return dt
+
+    def spec(self, v: Any, at: str, axes: list[str], ndim: int) -> list:
+        """A PartitionSpec as JSON: entries null, an axis name or a list of names."""
+        spec = self.items(v, at, lambda e, a: e if e is None else self._axes(e, a))
+        used = [n for e in spec if e is not None for n in ([e] if isinstance(e, str) else e)]
+        if len(spec) > ndim:
+            self.bad(at, f"has more entries than the {ndim} dimensions", v)
+        if any(n not in axes for n in used) or len(set(used)) != len(used):
+            self.bad(at, f"must name each of the mesh axes {axes} at most once", v)
+        return spec
+
+    def _axes(self, e: Any, at: str) -> str | list[str]:
+        return self.text(e, at) if not isinstance(e, list) else self.items(e, at, self.text)
+
+
+def meshes_from_json(f: Fields, raw: Any, process_count: int) -> list[dict]:
+    """The ``meshes`` list, each mesh's fields checked against each other."""
+    meshes = f.items(raw, "meshes", f.obj)
+    for i, mesh in enumerate(meshes):
+        at = f"meshes[{i}]."
+        names = f.items(f.need(mesh, "axis_names", at), at + "axis_names", f.text)
+        shape = f.shape(f.need(mesh, "shape", at), at + "shape", lo=1)
+        if len(names) != len(shape) or len(set(names)) != len(names):
+            f.bad(at + "axis_names", f"must be {len(shape)} distinct names", names)
+        size = math.prod(shape)
+        for key, hi in (("device_ids", MAX_BYTES), ("process_indices", process_count - 1)):
+            grid = f.need(mesh, key, at)
+            flat = _grid(f, grid, shape, at + key)
+            for j, v in enumerate(flat):
+                f.integer(v, f"{at}{key}[{j}]", hi=hi)
+            if key == "device_ids" and len(set(flat)) != size:
+                f.bad(at + key, "lists a device twice", grid)
+        types = mesh.get("axis_types")
+        if types is not None:
+            f.items(types, at + "axis_types", f.text, length=len(shape))
+            if any(t not in AXIS_TYPES for t in types):
+                f.bad(at + "axis_types", f"must be among {list(AXIS_TYPES)}", types)
+    return meshes
+
+
+def _grid(f: Fields, grid: Any, shape: list[int], at: str) -> list:
+    """The nested lists ``grid`` of ``shape``, flattened (row major)."""
+    rows = [grid]
+    for d, n in enumerate(shape):
+        if not all(isinstance(r, list) and len(r) == n for r in rows):
+            f.bad(at, f"must be nested lists of shape {shape} (dimension {d})", grid)
+        rows = [x for r in rows for x in r]
+    return rows
+
+
+def leaves_from_json(
+    f: Fields, raw: Any, meshes: list[dict], process_count: int
+) -> tuple[LeafRecord, ...]:
+    """The ``leaves`` list as records, each checked (see :func:`leaf_from_json`); names unique."""
+    leaves = tuple(
+        f.items(raw, "leaves", lambda d, at: leaf_from_json(f, d, at, meshes, process_count))
+    )
+    names = [leaf.name for leaf in leaves]
+    if len(set(names)) != len(names):
+        f.bad("leaves", "holds a leaf name twice", sorted(n for n in names if names.count(n) > 1))
+    return leaves
+
+
+def leaf_from_json(
+    f: Fields, doc: Any, at: str, meshes: list[dict], process_count: int
+) -> LeafRecord:
+    """One leaf record, its fields checked against each other (name and path, shape, dtype
+    and bytes, chunks, sharding and mesh); unknown fields (a newer minor) are ignored."""
+    from .tree import path_name
+
+    doc = f.obj(doc, at)
+    at += "."
+    path = f.items(f.need(doc, "path", at), at + "path", lambda p, a: _path_entry(f, p, a))
+    name = f.text(f.need(doc, "name", at), at + "name")
+    if name != path_name(path):
+        f.bad(at + "name", f"must be the path joined, {path_name(path)!r}", name)
+    at = f"leaves[{name!r}]."
+    kind = f.text(f.need(doc, "kind", at), at + "kind")
+    if kind not in ("array", "numpy", "prng_key", "python"):
+        f.bad(at + "kind", "must be array, numpy, prng_key or python", kind)
+    shape = f.shape(doc.get("shape", []), at + "shape")
+    rec = LeafRecord.from_dict(doc)
+    if type(doc.get("scalar", False)) is not bool or rec.scalar and shape:
+        f.bad(at + "scalar", "must be true or false (true only for shape [])", doc.get("scalar"))
+    if kind == "python":
+        typ = f.text(f.need(doc, "python_type", at), at + "python_type")
+        if typ not in PYTHON_TYPES:
+            f.bad(at + "python_type", f"must be among {list(PYTHON_TYPES)}", typ)
+        value = doc.get("value")
+        if typ == "float" and type(value) is int:
+            value = float(value)
+        if type(value) is not PYTHON_TYPES[typ]:
+            f.bad(at + "value", f"must be a {typ}", value)
+        return dataclasses.replace(rec, shape=shape, value=value)
+    if kind == "prng_key":
+        impl = f.text(f.need(doc, "prng_impl", at), at + "prng_impl")
+        key_shape = PRNG_KEY_SHAPES.get(impl)
+        if key_shape is None:
+            f.bad(at + "prng_impl", f"must be among {list(PRNG_KEY_SHAPES)}", impl)
+        if tuple(shape[len(shape) - len(key_shape) :]) != key_shape:
+            f.bad(at + "shape", f"must end in the key data shape {list(key_shape)}", shape)
+        f.text(f.need(doc, "dtype", at), at + "dtype")
+        dt = np.dtype(np.uint32)
+    else:
+        dt = f.dtype(f.need(doc, "dtype", at), at + "dtype")
+    if rec.stored_dtype is not None:
+        stored = f.dtype(rec.stored_dtype, at + "stored_dtype")
+        if stored.kind != "u" or stored.itemsize != dt.itemsize:
+            f.bad(at + "stored_dtype", f"must be unsigned of {dt.itemsize} bytes", stored.name)
+    nbytes = f.integer(f.need(doc, "nbytes", at), at + "nbytes")
+    if nbytes != math.prod(shape) * dt.itemsize:
+        f.bad(at + "nbytes", f"must be shape {shape} x {dt.itemsize} bytes", nbytes)
+    chunks = f.shape(f.need(doc, "chunk_shape", at), at + "chunk_shape", lo=1)
+    if len(chunks) != len(shape) or any(c > max(n, 1) for c, n in zip(chunks, shape, strict=False)):
+        f.bad(
+            at + "chunk_shape", f"must have one extent <= the shape {shape} per dimension", chunks
+        )
+    if rec.writer_salt is not None:
+        f.integer(rec.writer_salt, at + "writer_salt")
+    if rec.chunk_writers is not None:
+        f.items(
+            rec.chunk_writers,
+            at + "chunk_writers",
+            lambda w, a: _writer(f, w, a, chunks, shape, process_count),
+        )
+    sharding = _sharding(f, doc.get("sharding"), at + "sharding", meshes, len(shape))
+    if (
+        sharding is not None
+        and sharding["type"] == "named"
+        and rec.writer_salt is None
+        and rec.chunk_writers is None
+    ):
+        f.bad(at + "writer_salt", "is missing (a named sharding needs it, or chunk_writers)", None)
+    return dataclasses.replace(rec, shape=shape, chunk_shape=chunks)
+
+
+def _path_entry(f: Fields, entry: Any, at: str) -> list:
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in PATH_KINDS):
+        f.bad(at, f"must be a [kind, key] pair, kind among {list(PATH_KINDS)}", entry)
+    kind, key = entry
+    if type(key) not in PATH_KINDS[kind] or isinstance(key, int) and kind in "if" and key < 0:
+        f.bad(at, f"has a key of the wrong type for kind {kind!r}", entry)
+    return entry
+
+
+def _writer(f: Fields, w: Any, at: str, chunks: list[int], shape: list[int], count: int) -> list:
+    if not (isinstance(w, list) and len(w) == 2):
+        f.bad(at, "must be [[chunk grid coordinates], process]", w)
+    grid = [max(-(-n // c), 1) for n, c in zip(shape, chunks, strict=True)]
+    coords = f.items(w[0], at + "[0]", f.integer, length=len(shape))
+    if any(c >= g for c, g in zip(coords, grid, strict=True)):
+        f.bad(at, f"names a chunk outside the grid {grid}", w)
+    f.integer(w[1], at + "[1]", hi=count - 1)
+    return w
+
+
+def _sharding(f: Fields, v: Any, at: str, meshes: list[dict], ndim: int) -> dict | None:
+    if v is None:
+        return None
+    v = f.obj(v, at)
+    kind = v.get("type")
+    if kind == "named":
+        mesh = f.integer(f.need(v, "mesh", at + "."), at + ".mesh", hi=len(meshes) - 1)
+        f.spec(f.need(v, "spec", at + "."), at + ".spec", meshes[mesh]["axis_names"], ndim)
+    elif kind == "single_device":
+        f.integer(f.need(v, "device_id", at + "."), at + ".device_id")
+    elif kind == "other":
+        f.text(v.get("repr", ""), at + ".repr")
+    else:
+        f.bad(at + ".type", "must be named, single_device or other", kind)
+    return v
 
 
 @dataclass(frozen=True)
