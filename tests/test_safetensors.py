@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt import errors
 from jaxckpt._src.safetensors_format import coalesce, runs
-from jaxckpt.safetensors import Cast, SafetensorsError, Transpose
+from jaxckpt.safetensors import Cast, Reshape, SafetensorsError, Stack, Transpose
 
 snp = pytest.importorskip("safetensors.numpy")
 
@@ -242,6 +242,131 @@ def test_save_refusals(mesh42, tmp_path):
     with pytest.raises(SafetensorsError, match="already exists"):
         jaxckpt.safetensors.save(tmp_path / "m", {"x": x})
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # nothing half-written left
+
+
+def test_save_refuses_a_leaf_it_cannot_store_and_writes_nothing(tmp_path):
+    tree = {"a": np.ones((4, 4), np.float32), "b": {"bad": object()}, "c": np.zeros(2, np.float32)}
+    with pytest.raises(
+        errors.UnsupportedLeafError,
+        match=r"leaf 'b\.bad' is a builtins\.object, which safetensors cannot hold.*np\.asarray",
+    ):
+        jaxckpt.safetensors.save(tmp_path / "m", tree)
+    with pytest.raises(errors.UnsupportedLeafError, match=r"leaf 'n' is a builtins\.int"):
+        jaxckpt.safetensors.save(tmp_path / "m", {"a": tree["a"], "n": 3})
+    with pytest.raises(SafetensorsError, match=r"leaf 's'.*dtype <U1 has no safetensors name"):
+        jaxckpt.safetensors.save(tmp_path / "m", {"s": np.array(["x"])})
+    assert os.listdir(tmp_path) == []  # nothing written, not even a temporary directory
+    jaxckpt.safetensors.save(tmp_path / "m", {"a": tree["a"], "none": None})  # None: skipped
+    assert list(snp.load_file(tmp_path / "m" / "model.safetensors")) == ["a"]
+
+
+def test_every_step_of_a_transform_chain_applies_in_order(mesh42, tmp_path):
+    x = np.arange(256, dtype=np.float32).reshape(16, 16)
+    snp.save_file({"x": x, "q": x[:, :8].copy()}, tmp_path / "model.safetensors")
+    spec = NamedSharding(mesh42, P("data", "model"))
+    target = {"x": jax.ShapeDtypeStruct((16, 16), np.float32, sharding=spec)}
+    twice = [(r"^x$", [Transpose((1, 0)), Transpose((1, 0))])]
+    assert _same(jaxckpt.safetensors.load(tmp_path, target, transforms=twice)["x"], x)
+    # a Reshape after a Transpose
+    then = [(r"^x$", [Transpose((1, 0)), Reshape((16, 16), (4, 4, 16))])]
+    target = {"x": jax.ShapeDtypeStruct((4, 4, 16), np.float32, sharding=spec)}
+    got = jaxckpt.safetensors.load(tmp_path, target, transforms=then)["x"]
+    assert _same(got, x.T.reshape(4, 4, 16))
+    # Llama's RoPE row permutation of q (HF interleaved pairs -> halves), then (in, out)
+    rope = [
+        Reshape((16, 8), (4, 2, 2, 8)),
+        Transpose((0, 2, 1, 3)),
+        Reshape((4, 2, 2, 8), (16, 8)),
+        Transpose((1, 0)),
+    ]
+    model = x[:, :8].reshape(4, 2, 2, 8).transpose(0, 2, 1, 3).reshape(16, 8).T
+    target = {"q": jax.ShapeDtypeStruct((8, 16), np.float32, sharding=spec)}
+    got = jaxckpt.safetensors.load(tmp_path, target, transforms=[("q", rope)])
+    assert _same(got["q"], model) and got["q"].sharding == spec
+    # and inverted on save: the file holds the original tensor
+    jaxckpt.safetensors.save(tmp_path / "again", got, transforms=[("q", rope)])
+    assert _same(snp.load_file(tmp_path / "again" / "model.safetensors")["q"], x[:, :8])
+    with pytest.raises(errors.ShapeMismatchError, match=r"model\.safetensors.*Reshape.*\[8, 16\]"):
+        jaxckpt.safetensors.load(tmp_path, target, transforms=[("q", [Transpose((1, 0)), *rope])])
+
+
+def test_names_rules_are_first_match_and_i_is_the_only_placeholder(mesh42, tmp_path):
+    layers = np.arange(2 * 4 * 2, dtype=np.float32).reshape(2, 4, 2)
+    tree = {"layers": {"up": layers}, "head": np.ones(3, np.float32)}
+    names = [(r"^layers\.(\w+)$", r"model.layers.{i}.\1.weight"), (r"^head$", "lm_head")]
+    stack = [(r"^layers\.", [Stack()])]
+    jaxckpt.safetensors.save(tmp_path / "m", tree, names=names, transforms=stack)
+    ref = snp.load_file(tmp_path / "m" / "model.safetensors")
+    assert sorted(ref) == ["lm_head", "model.layers.0.up.weight", "model.layers.1.up.weight"]
+    assert _same(ref["model.layers.1.up.weight"], layers[1])
+    # a later rule that would rename the result again: refused, not silently chained
+    chained = [(r"^head$", "lm_head"), (r"^lm_", "out_")]
+    with pytest.raises(SafetensorsError, match=r"'head'.*'out_head'.*first-match"):
+        jaxckpt.safetensors.save(tmp_path / "c", {"head": tree["head"]}, names=chained)
+    # transforms: the first rule whose regex matches, the others not at all
+    first = [(r"^layers\.", [Stack()]), (r"up", [Stack(), Transpose((1, 0))])]
+    out = jaxckpt.safetensors.load(tmp_path / "m", tree, names=names, transforms=first)
+    assert _same(out["layers"]["up"], layers)
+    # braces other than {i} are not placeholders; {i} without Stack is a mistake
+    with pytest.raises(SafetensorsError, match=r"'\{i\}' as its only braces"):
+        jaxckpt.safetensors.load(
+            tmp_path / "m",
+            {"layers": layers},
+            names=[(r"^layers$", "l.{i}.{0}")],
+            transforms=[("^layers$", [Stack()])],
+        )
+    with pytest.raises(SafetensorsError, match=r"'head'.*has '\{i\}'.*add Stack\(\)"):
+        jaxckpt.safetensors.load(tmp_path / "m", tree, names=[(r"^head$", "h.{i}")])
+
+
+def test_metadata_keeps_the_files_metadata_apart(tmp_path):
+    snp.save_file({"w": np.ones(2, np.float32)}, tmp_path / "a.safetensors", {"format": "pt"})
+    info = jaxckpt.safetensors.metadata(tmp_path / "a.safetensors")
+    assert list(info) == ["w"] and dict(info.items()) == {"w": info["w"]}
+    assert info.metadata == {"a.safetensors": {"format": "pt"}}
+    with pytest.raises(KeyError, match="each file's is in .metadata"):
+        info["__metadata__"]
+
+
+def test_errors_name_the_file_and_never_read_outside_its_directory(small, tmp_path):
+    t = {"model": {"w": jax.ShapeDtypeStruct((4, 2), np.float32)}}
+    f = small / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:8] + data[8:40])  # the header says more bytes than the file holds
+    with pytest.raises(SafetensorsError, match=rf"{f}.* is truncated inside its .*-byte header"):
+        jaxckpt.safetensors.load(small, t)
+    f.write_bytes(data)
+    # a valid file outside the directory the index is in: an index naming it is refused
+    inside = tmp_path / "model"
+    inside.mkdir()
+    os.replace(f, inside / "model.safetensors")
+    snp.save_file({"model.w": np.full((4, 2), 7, np.float32)}, tmp_path / "secret.safetensors")
+    for bad in [
+        "../secret.safetensors",
+        str(tmp_path / "secret.safetensors"),
+        "sub/../../secret.safetensors",
+        "model.safetensors/../../secret.safetensors",
+        "..\\secret.safetensors",
+        "",
+        7,
+        "model.safetensors.index.json",
+    ]:
+        (inside / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"model.w": bad}})
+        )
+        with pytest.raises(
+            SafetensorsError,
+            match=r"model\.safetensors\.index\.json: tensor 'model\.w'.*not a \.safetensors file inside",
+        ):
+            jaxckpt.safetensors.load(inside, t)
+    for bad, why in [
+        ("[]", "weight_map"),
+        ('{"weight_map": []}', "not a non-empty object"),
+        ("{", "not a valid index"),
+    ]:
+        (inside / "model.safetensors.index.json").write_text(bad)
+        with pytest.raises(SafetensorsError, match=rf"index\.json.*{why}"):
+            jaxckpt.safetensors.metadata(inside)
 
 
 # --- two processes -----------------------------------------------------------------------------
