@@ -465,3 +465,35 @@ def test_close_reports_a_save_it_could_not_finish(mesh42, tmp_path):
     for t in [t for t in threading.enumerate() if t.name == "jaxckpt-writer"]:
         t.join(120)
         assert not t.is_alive()
+
+
+@pytest.mark.slow
+def test_random_bits_of_every_dtype_through_an_async_manager_on_two_hosts(tmp_path):
+    """2 processes, each its own host: an async save, then a restore (read once + move) of
+    every dtype filled with random bits, each shard compared as bytes."""
+    import multiproc
+
+    worker = os.path.join(os.path.dirname(__file__), "workers", "hostile_job.py")
+    env = {"JAXCKPT_TEST_MACHINES": "separate"}
+    multiproc.run(
+        worker, 2, args=["manager", str(tmp_path / "run")], env=env, timeout_s=240
+    ).check()
+
+
+def test_random_bits_of_every_dtype_through_a_manager(mesh42, tmp_path):
+    """One process: sync and async saves of random bits of every dtype, restored exactly."""
+    from hostile import DTYPES, random_bits
+
+    rng = np.random.default_rng(7)
+    state = {
+        d.name: sharded(random_bits((8, 4), d, rng), mesh42, ("data", "model"))
+        for d in DTYPES
+        if jax.dtypes.canonicalize_dtype(d) == d
+    }
+    for async_save in (False, True):
+        with jaxckpt.CheckpointManager(
+            tmp_path / str(async_save), jaxckpt.Options(async_save=async_save)
+        ) as mgr:
+            mgr.save(1, state)
+            mgr.wait_until_finished()
+            assert_tree_equal(mgr.restore(1, target=state), state)

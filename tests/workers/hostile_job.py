@@ -27,10 +27,9 @@ jax.config.update("jax_enable_x64", True)
 
 import numpy as np  # noqa: E402
 from hostile import DTYPES, assert_same_bits, random_bits  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from jax.experimental import multihost_utils  # noqa: E402
 
 import jaxckpt  # noqa: E402
 
