@@ -10,11 +10,11 @@ def io() -> dict:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
-def ts_file_bytes_read() -> int:
-    """Bytes TensorStore's file kvstore has read in this process."""
+def ts_file_bytes_read(driver: str = "file") -> int:
+    """Bytes TensorStore's ``driver`` kvstore (file, s3, gcs) has read in this process."""
     import tensorstore as ts
 
-    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    found = ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/{driver}/bytes_read")
     return found[0]["values"][0]["value"] if found else 0
 
 

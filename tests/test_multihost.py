@@ -239,3 +239,15 @@ def test_leaf_on_one_process_restores_everywhere(tmp_path):
             "from peer copies",
         ):
             assert f"restored {how} {pid}" in out, out
+
+
+@pytest.mark.slow
+def test_processes_of_one_host_read_an_object_store_once(s3_url):
+    """An object store has no page cache the processes of a host share: 2 processes on one
+    host restoring a data-parallel state from s3:// (moto on 127.0.0.1) read it from the
+    bucket about once in all (TensorStore's s3 kvstore counter), not once each."""
+    multiproc.run(DATA_PARALLEL, 2, args=["save", s3_url], timeout_s=240).check()
+    got = [r["ts_s3_bytes_read"] for r in _restore_io(s3_url, 2, "same")]
+    print("bytes read from the bucket per process", got)
+    assert sum(got) <= 1.2 * DP_LOGICAL, got
+    assert max(got) <= 0.65 * DP_LOGICAL, got

@@ -84,13 +84,15 @@ def main(mode: str, path: str) -> None:
         after = io()
         print("IO", json.dumps({k: after[k] - before[k] for k in after}), flush=True)
     else:
-        drop_page_cache(path)
+        if "://" not in path:
+            drop_page_cache(path)
         jax.experimental.multihost_utils.sync_global_devices("dropped")
-        before, ts_before = io(), ts_file_bytes_read()
+        before, ts_before, s3_before = io(), ts_file_bytes_read(), ts_file_bytes_read("s3")
         out = jaxckpt.restore(path)
         after = io()
         delta = {k: after[k] - before[k] for k in after}
         delta["ts_file_bytes_read"] = ts_file_bytes_read() - ts_before
+        delta["ts_s3_bytes_read"] = ts_file_bytes_read("s3") - s3_before
         print("IO", json.dumps(delta), flush=True)
         check(out)
         other = jax.make_mesh((8 // n, n), ("data", "model"))
