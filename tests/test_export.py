@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
@@ -343,3 +344,43 @@ def test_two_arguments_share_a_symbol_and_dict_outputs(tmp_path):
         errors.ExportArgumentError, match=r"argument 1 \('mask'\) has b=4.*argument 0 has b=8"
     ):
         served(x, mask[:4])
+
+
+def test_parameters_keep_their_bytes(tmp_path):
+    """Parameters of every dtype filled with random bits, on another mesh than the export's
+    or as NumPy values, are placed and stored byte for byte (bf16 NaN payloads included)."""
+    from hostile import DTYPES, assert_same_bits, random_bits
+
+    rng = np.random.default_rng(3)
+    other = jax.make_mesh((2, 4), AXES)
+    dtypes = [d for d in DTYPES if jax.dtypes.canonicalize_dtype(d) == d]
+    narrow = {"int1", "uint1", "int2", "uint2"}  # jax.export can't serialize these
+    with pytest.raises(errors.ExportError, match=r"cannot serialize int2 \(parameters \['w'\]"):
+        jaxckpt.export.save(
+            tmp_path / "narrow",
+            lambda p, x: x,
+            {"w": np.zeros(4, dtype=ml_dtypes.int2)},
+            jax.ShapeDtypeStruct((4,), jnp.float32),
+            mesh=jax.make_mesh((4, 2), AXES),
+            in_specs=(P(),),
+            out_specs=P(),
+        )
+    assert not (tmp_path / "narrow").exists()
+    params = {d.name: random_bits((8, 8), d, rng) for d in dtypes if d.name not in narrow}
+    placed = {
+        k: jax.device_put(v, NamedSharding(other, P("model", "data"))) for k, v in params.items()
+    }
+    spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    for name, tree in (("arrays", placed), ("numpy", params)):
+        jaxckpt.export.save(
+            tmp_path / name,
+            lambda p, x: x,
+            tree,
+            spec,
+            mesh=jax.make_mesh((4, 2), AXES),
+            in_specs=(P(),),
+            out_specs=P(),
+        )
+        restored = jaxckpt.restore(tmp_path / name / "params")
+        for k, v in params.items():
+            assert_same_bits(v, np.asarray(restored[k]), f"{name} {k}")

@@ -51,9 +51,9 @@ def _width(dtype: np.dtype) -> int:
         return 8 * dtype.itemsize
 
 
-def to_bits(arrays: Sequence[jax.Array]) -> list[jax.Array]:
-    """Each array as its ``carrier`` (donated: the bits may reuse its buffers)."""
-    return [_bitcast(a, carrier(a.dtype)) for a in arrays]
+def to_bits(arrays: Sequence[jax.Array], donate: bool = True) -> list[jax.Array]:
+    """Each array as its ``carrier`` (``donate``: the bits may reuse its buffers)."""
+    return [_bitcast(a, carrier(a.dtype), donate) for a in arrays]
 
 
 def from_bits(arrays: Sequence[jax.Array], dtypes: Sequence[np.dtype]) -> list[jax.Array]:
@@ -61,16 +61,29 @@ def from_bits(arrays: Sequence[jax.Array], dtypes: Sequence[np.dtype]) -> list[j
     return [_bitcast(a, np.dtype(d)) for a, d in zip(arrays, dtypes, strict=True)]
 
 
-def _bitcast(x: jax.Array, dtype: np.dtype | None) -> jax.Array:
+def reshard(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` on ``sharding``, its bytes unchanged, ``x`` itself kept (not donated)."""
+    if x.sharding == sharding:
+        return x
+    if carrier(x.dtype) is None:  # through the host, where every process holds it whole
+        data = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda i: data[i])
+    moved = jax.device_put(to_bits([x], donate=False), [sharding], donate=True)
+    return from_bits(moved, [x.dtype])[0]
+
+
+def _bitcast(x: jax.Array, dtype: np.dtype | None, donate: bool = True) -> jax.Array:
     if dtype is None:
         raise ValueError(f"{x.dtype} cannot move between devices; move it through the host")
     if x.dtype == dtype:
         return x
-    return _bitcast_fn(dtype, x.sharding)(x)
+    return _bitcast_fn(dtype, x.sharding, donate)(x)
 
 
 @functools.lru_cache(maxsize=256)
-def _bitcast_fn(dtype: np.dtype, sharding: jax.sharding.Sharding):
+def _bitcast_fn(dtype: np.dtype, sharding: jax.sharding.Sharding, donate: bool):
     return jax.jit(
-        lambda x: jax.lax.bitcast_convert_type(x, dtype), out_shardings=sharding, donate_argnums=0
+        lambda x: jax.lax.bitcast_convert_type(x, dtype),
+        out_shardings=sharding,
+        donate_argnums=0 if donate else (),
     )

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ExportError
+from . import bits
 from . import tree as tree_lib
 from .export_format import (
     EXPORT_FORMAT,
@@ -142,7 +143,14 @@ def save(
             platforms,
             loc,
         )
-        blob = bytes(exp.serialize())
+        try:
+            blob = bytes(exp.serialize())
+        except KeyError as e:  # jax.export's serialization knows no 1- and 2-bit types
+            names = [r["name"] for r in param_records if r["dtype"] == str(e.args[0])]
+            raise ExportError(
+                f"{loc.url}: jax.export cannot serialize {e.args[0]} (parameters {names}); "
+                "store them as int4/int8 and cast inside the function"
+            ) from e
         record = variant_record(count, sizes, exp, blob, divisors)
         blobs[record["file"]] = blob
         variants.append(record)
@@ -214,7 +222,7 @@ def _place_params(params: Any, mesh: Mesh, loc: Location):
         path = tree_lib.path_to_json(key_path)
         name = tree_lib.path_name(path)
         spec = _param_spec(leaf, name, names, loc)
-        placed = jax.device_put(leaf, NamedSharding(mesh, spec))
+        placed = _place(leaf, NamedSharding(mesh, spec))
         leaves.append(placed)
         specs.append(spec)
         records.append(
@@ -227,6 +235,15 @@ def _place_params(params: Any, mesh: Mesh, loc: Location):
             }
         )
     return treedef, leaves, specs, records
+
+
+def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    """A parameter on ``sharding`` with its bytes unchanged: a NumPy value slice by slice
+    (no cross-process equality check, which NaN fails), an array as bits (``bits``)."""
+    if isinstance(leaf, jax.Array):
+        return bits.reshard(leaf, sharding)
+    data = np.asarray(leaf)
+    return jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
 
 
 def _param_spec(leaf: Any, name: str, names: tuple[str, ...], loc: Location) -> PartitionSpec:
