@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -155,15 +156,18 @@ class Manifest:
         if doc.get("arrays", ARRAYS_DIR) != ARRAYS_DIR:
             f.bad("arrays", f"must be {ARRAYS_DIR!r} (the database is always there)", doc["arrays"])
         meshes = meshes_from_json(f, f.need(doc, "meshes"), count)
+        leaves = leaves_from_json(f, f.need(doc, "leaves"), meshes, count)
+        written = f.items(
+            f.need(doc, "bytes_per_process"), "bytes_per_process", f.integer, length=count
+        )
+        check_bytes(f, leaves, written)
         return cls(
-            leaves=leaves_from_json(f, f.need(doc, "leaves"), meshes, count),
+            leaves=leaves,
             meshes=meshes,
             process_count=count,
             process_hosts=f.opt_list(doc, "process_hosts", f.text, length=count),
             per_process=_per_process(f, doc.get("per_process"), count),
-            bytes_per_process=f.items(
-                f.need(doc, "bytes_per_process"), "bytes_per_process", f.integer, length=count
-            ),
+            bytes_per_process=written,
             metadata=doc.get("metadata"),
             metrics=f.opt_dict(doc, "metrics"),
             created=f.text(doc.get("created", ""), "created"),
@@ -335,9 +339,20 @@ def leaves_from_json(
     return leaves
 
 
-def leaf_from_json(
-    f: Fields, doc: Any, at: str, meshes: list[dict], process_count: int
-) -> LeafRecord:
+def check_bytes(f: Fields, leaves: tuple[LeafRecord, ...], bytes_per_process: list[int]) -> None:
+    """One process wrote every chunk once: its bytes are the leaves' bytes, so a leaf record
+    dropped from the list (a partial restore, silently) is caught."""
+    total = sum(r.nbytes for r in leaves if r.has_array)
+    if len(bytes_per_process) == 1 and total != bytes_per_process[0]:
+        f.bad(
+            "leaves",
+            f"hold {total} bytes of arrays but bytes_per_process says {bytes_per_process[0]} "
+            "were written: a leaf record is missing or damaged",
+            len(leaves),
+        )
+
+
+def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int) -> LeafRecord:
     """One leaf record, its fields checked against each other (name and path, shape, dtype
     and bytes, chunks, sharding and mesh); unknown fields (a newer minor) are ignored."""
     from .tree import path_name
@@ -391,25 +406,38 @@ def leaf_from_json(
         )
     if rec.writer_salt is not None:
         f.integer(rec.writer_salt, at + "writer_salt")
+    grid = [max(-(-n // c), 1) for n, c in zip(shape, chunks, strict=True)]
     if rec.chunk_writers is not None:
-        f.items(
-            rec.chunk_writers,
-            at + "chunk_writers",
-            lambda w, a: _writer(f, w, a, chunks, shape, process_count),
+        writers = f.items(
+            rec.chunk_writers, at + "chunk_writers", lambda w, a: _writer(f, w, a, grid, count)
         )
+        if sorted(tuple(c) for c, _ in writers) != list(itertools.product(*map(range, grid))):
+            f.bad(at + "chunk_writers", f"must list each chunk of the grid {grid} once", grid)
     sharding = _sharding(f, doc.get("sharding"), at + "sharding", meshes, len(shape))
-    if (
-        sharding is not None
-        and sharding["type"] == "named"
-        and rec.writer_salt is None
-        and rec.chunk_writers is None
-    ):
-        f.bad(at + "writer_salt", "is missing (a named sharding needs it, or chunk_writers)", None)
+    if sharding is not None and sharding["type"] == "named":
+        if rec.writer_salt is None and rec.chunk_writers is None:
+            f.bad(at + "writer_salt", "is missing (a named sharding needs it)", None)
+        sizes = dict(
+            zip(
+                meshes[sharding["mesh"]]["axis_names"],
+                meshes[sharding["mesh"]]["shape"],
+                strict=True,
+            )
+        )
+        spec = sharding["spec"] + [None] * (len(shape) - len(sharding["spec"]))
+        for n, c, e in zip(shape, chunks, spec, strict=True):
+            ways = math.prod(sizes[a] for a in ([e] if isinstance(e, str) else e or []))
+            if n and -(-n // ways) % c:
+                f.bad(
+                    at + "chunk_shape",
+                    f"must divide the shards of shape {shape} over {spec}",
+                    chunks,
+                )
     return dataclasses.replace(rec, shape=shape, chunk_shape=chunks)
 
 
 def _path_entry(f: Fields, entry: Any, at: str) -> list:
-    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in PATH_KINDS):
+    if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("k", "a", "i", "f")):
         f.bad(at, f"must be a [kind, key] pair, kind among {list(PATH_KINDS)}", entry)
     kind, key = entry
     if type(key) not in PATH_KINDS[kind] or isinstance(key, int) and kind in "if" and key < 0:
@@ -417,11 +445,10 @@ def _path_entry(f: Fields, entry: Any, at: str) -> list:
     return entry
 
 
-def _writer(f: Fields, w: Any, at: str, chunks: list[int], shape: list[int], count: int) -> list:
+def _writer(f: Fields, w: Any, at: str, grid: list[int], count: int) -> list:
     if not (isinstance(w, list) and len(w) == 2):
         f.bad(at, "must be [[chunk grid coordinates], process]", w)
-    grid = [max(-(-n // c), 1) for n, c in zip(shape, chunks, strict=True)]
-    coords = f.items(w[0], at + "[0]", f.integer, length=len(shape))
+    coords = f.items(w[0], at + "[0]", f.integer, length=len(grid))
     if any(c >= g for c, g in zip(coords, grid, strict=True)):
         f.bad(at, f"names a chunk outside the grid {grid}", w)
     f.integer(w[1], at + "[1]", hi=count - 1)
