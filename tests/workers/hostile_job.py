@@ -9,8 +9,9 @@ usage: hostile_job.py save DIR          jaxckpt.save of the state on a (P, D) me
                                         1; the last process wipes its local directory; every
                                         process restores (its shards from peer copies)
 Env: JAXCKPT_TEST_MACHINES=separate gives each process its own machine ($JAXCKPT_HOST);
-JAXCKPT_TEST_DTYPES (comma-separated names) narrows the dtypes; the values depend on the
-seed only, so any process count restores them.
+JAXCKPT_TEST_DTYPES (comma-separated names) narrows the dtypes; JAXCKPT_TEST_SEED draws the
+random shapes, specs and bits (bench/fuzz.py runs fresh seeds); values depend on the seed
+only, so any process count restores them.
 """
 
 import os
@@ -33,8 +34,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
 
+# Fixed leaves that read once (replicated over 'data') and random ones: each dtype gets
+# ``RANDOM`` leaves of random shapes and PartitionSpecs drawn from $JAXCKPT_TEST_SEED.
 SPECS = {"rep": P(None, "model"), "full": P("data", "model"), "all": P()}
 SHAPE = (32, 64)
+RANDOM = 2
 
 
 def dtypes() -> list[np.dtype]:
@@ -42,44 +46,80 @@ def dtypes() -> list[np.dtype]:
     return [d for d in DTYPES if not names or d.name in names.split(",")]
 
 
-def expected() -> dict:
-    rng = np.random.default_rng(19)
-    return {
-        d.name: {k: random_bits(SHAPE, d, rng) for k in SPECS} for d in dtypes()
-    }  # fmt: skip
+def random_spec(shape: tuple[int, ...], rng: np.random.Generator) -> P:
+    """A spec valid on any mesh of 8 devices: mesh axes only on dimensions divisible by 8."""
+    axes = [a for a in ("data", "model") if rng.random() < 0.7]
+    entries: list = [None] * len(shape)
+    for a in axes:
+        dims = [d for d in range(len(shape)) if shape[d] % 8 == 0]
+        if dims:
+            d = int(rng.choice(dims))
+            entries[d] = a if entries[d] is None else (entries[d], a)
+    return P(*entries)
+
+
+def layout(seed: int) -> dict[str, tuple[np.dtype, tuple[int, ...], P]]:
+    """{leaf: (dtype, shape, saved spec)} for every dtype."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for d in dtypes():
+        out.update({f"{d.name}/{k}": (d, SHAPE, spec) for k, spec in SPECS.items()})
+        for k in range(RANDOM):
+            shape = tuple(int(x) for x in rng.choice([1, 3, 8, 16, 24], rng.integers(0, 4)))
+            out[f"{d.name}/r{k}"] = (d, shape, random_spec(shape, rng))
+    return out
+
+
+SEED = int(os.environ.get("JAXCKPT_TEST_SEED", "19"))
+LAYOUT = layout(SEED)
+
+
+def expected() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    return {name: random_bits(shape, d, rng) for name, (d, shape, _) in LAYOUT.items()}
+
+
+def nest(flat: dict) -> dict:
+    out: dict = {}
+    for name, v in flat.items():
+        a, b = name.split("/")
+        out.setdefault(a, {})[b] = v
+    return out
 
 
 def state(mesh) -> dict:
-    return {
-        name: {
-            k: jax.make_array_from_callback(
-                SHAPE, NamedSharding(mesh, SPECS[k]), lambda i, v=v: v[i]
+    return nest(
+        {
+            name: jax.make_array_from_callback(
+                v.shape, NamedSharding(mesh, LAYOUT[name][2]), lambda i, v=v: v[i]
             )
-            for k, v in leaves.items()
+            for name, v in expected().items()
         }
-        for name, leaves in expected().items()
-    }
+    )
 
 
 def check(out: dict, where: str) -> None:
     """Every shard this process holds equals the expected slice, byte for byte."""
-    exp = expected()
-    for name, leaves in exp.items():
-        for k, v in leaves.items():
-            arr = out[name][k]
-            assert arr.dtype == v.dtype, (where, name, k, arr.dtype)
-            for shard in arr.addressable_shards:
-                assert_same_bits(v[shard.index], np.asarray(shard.data), f"{where} {name}/{k}")
+    for name, v in expected().items():
+        a, b = name.split("/")
+        arr = out[a][b]
+        assert arr.dtype == v.dtype, (where, name, arr.dtype)
+        for shard in arr.addressable_shards:
+            assert_same_bits(v[shard.index], np.asarray(shard.data), f"{where} {name}")
 
 
 def target(mesh, spec_of) -> dict:
-    return {
-        name: {
-            k: jax.ShapeDtypeStruct(SHAPE, v.dtype, sharding=NamedSharding(mesh, spec_of(k)))
-            for k, v in leaves.items()
+    """Every leaf on ``mesh`` with ``spec_of(leaf name, shape)``."""
+    return nest(
+        {
+            name: jax.ShapeDtypeStruct(shape, d, sharding=NamedSharding(mesh, spec_of(name, shape)))
+            for name, (d, shape, _) in LAYOUT.items()
         }
-        for name, leaves in expected().items()
-    }
+    )
+
+
+def saved_spec(name: str, shape: tuple[int, ...]) -> P:
+    return LAYOUT[name][2]
 
 
 def main(mode: str, path: str) -> None:
@@ -90,15 +130,19 @@ def main(mode: str, path: str) -> None:
     if mode == "save":
         jaxckpt.save(path, state(mesh))
     elif mode == "restore":
-        check(jaxckpt.restore(path, target=target(mesh, SPECS.get)), "saved specs")
+        check(jaxckpt.restore(path, target=target(mesh, saved_spec)), "saved specs")
         check(jaxckpt.restore(path, mesh=mesh), "mesh=")
         other = jax.make_mesh((jax.device_count() // n, n), ("data", "model"))
-        check(jaxckpt.restore(path, target=target(other, lambda k: P())), "replicated")
+        check(jaxckpt.restore(path, target=target(other, lambda k, s: P())), "replicated")
+        rng = np.random.default_rng(SEED + 1)
+        check(
+            jaxckpt.restore(path, target=target(other, lambda k, s: random_spec(s, rng))), "random"
+        )
     elif mode == "manager":
         with jaxckpt.CheckpointManager(path) as mgr:
             mgr.save(1, state(mesh))
             mgr.wait_until_finished()
-            check(mgr.restore(1, target=target(mesh, SPECS.get)), "manager")
+            check(mgr.restore(1, target=target(mesh, saved_spec)), "manager")
     elif mode == "emergency":
         opts = jaxckpt.EmergencyOptions(
             local_interval_steps=1, replication=1, timeout_s=60, remote_interval_steps=100
@@ -111,7 +155,7 @@ def main(mode: str, path: str) -> None:
             shutil.rmtree(local)
         multihost_utils.sync_global_devices("wiped")
         with jaxckpt.EmergencyCheckpointManager(local, os.path.join(path, "remote"), opts) as m:
-            out = m.restore(target=target(mesh, SPECS.get))
+            out = m.restore(target=target(mesh, saved_spec))
             report = m.last_report
         assert report is not None and report.step == 1, report
         check(out, f"emergency ({report.tier})")
