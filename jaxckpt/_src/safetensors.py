@@ -107,8 +107,8 @@ def _headers(path) -> tuple[Location, ts.KvStore, Files, str]:
         for name, info in file_tensors.items():
             if name in tensors:
                 raise SafetensorsError(
-                    f"{loc.url}: tensor {name!r} is in both {tensors[name].file} and {f}; "
-                    "the files are not one model (pass the files of one model)"
+                    f"{loc.url}/{f}: tensor {name!r} is also in {loc.url}/{tensors[name].file}"
+                    "; the files are not one model (pass the files of one model)"
                 )
             tensors[name] = info
     return loc, kv, Files(tensors, meta), where

@@ -196,7 +196,7 @@ def read_header(
 
 
 def _entry(name: str, entry: Any, where: str, file: str, start: int) -> TensorInfo:
-    ok = isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}
+    ok = isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= set(entry)
     dtype = entry.get("dtype") if ok else None
     shape = entry.get("shape") if ok else None
     offsets = entry.get("data_offsets") if ok else None
