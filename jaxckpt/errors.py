@@ -93,3 +93,7 @@ class PerProcessError(CheckpointError, TypeError):
 
 class ProcessCountChangedError(CheckpointError):
     """Per-process values were asked for by index after the process count changed."""
+
+
+class OrbaxDependencyError(OrbaxFormatError, ImportError):
+    """Reading this Orbax checkpoint needs an optional package (msgpack: ``jaxckpt[orbax]``)."""

@@ -3,12 +3,14 @@
 ``jaxckpt.restore`` and ``jaxckpt.metadata`` call :func:`read` when a path holds an Orbax
 checkpoint: a ``StandardSave``/``PyTreeSave`` item directory (``_METADATA``), or a manager's
 step directory holding one item. Its ``_METADATA`` (the tree: key paths and value types),
-``_sharding`` (each leaf's sharding, keyed by the base64 of its name) and the arrays' zarr
-metadata become a jaxckpt :class:`Manifest`, so the restore onto any mesh, device count or
-as NumPy is jaxckpt's own. Covered (docs/ORBAX.md): orbax-checkpoint 0.12 (0.11 untested), OCDBT
-(one process or several: the root ``manifest.ocdbt`` references every process's database)
-and per-array directories (``use_ocdbt=False``), zarr v2 and v3, ``jax.Array``,
-``np.ndarray`` and scalar leaves.
+``_sharding`` (each leaf's sharding, keyed by the base64 of its name), the arrays' zarr
+metadata and, for leaves Orbax aggregated (``skip_deserialize``), the msgpack ``checkpoint``
+file become a jaxckpt :class:`Manifest`, so the restore onto any mesh, device count or as
+NumPy is jaxckpt's own. Covered (docs/ORBAX.md, tests/golden/orbax): orbax-checkpoint 0.5 to
+0.12, OCDBT (one process or several) and per-array directories, zarr v2 and v3,
+``jax.Array``, ``np.ndarray`` and scalar leaves. Every file is read as untrusted input
+(``orbax_files``): what cannot be read is refused with an :class:`OrbaxFormatError` naming
+the file, never restored in part.
 """
 
 from __future__ import annotations
@@ -17,20 +19,20 @@ import base64
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorstore as ts
 
 from ..errors import CheckpointNotFoundError, OrbaxFormatError
+from . import orbax_files as files
 from . import tree as tree_lib
-from .manifest import MANIFEST_FILE, LeafRecord, Manifest
+from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
+from .orbax_files import AGGREGATE, CHECKPOINT_METADATA, METADATA, SHARDING, Where
 from .storage import Location
 
-METADATA = "_METADATA"
-SHARDING = "_sharding"
-CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 _KINDS = {"jax.Array": "array", "np.ndarray": "numpy", "scalar": "python", "None": "none"}
+_AXIS_TYPES = ("Auto", "Explicit", "Manual")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class OrbaxCheckpoint:
     use_ocdbt: bool
     zarr3: bool
     keys: dict[str, str]  # a leaf's jaxckpt name -> its Orbax name (keys joined by ".")
+    inline: dict[str, np.ndarray] = field(default_factory=dict)  # aggregated (msgpack) leaves
+    complete: bool = False  # every chunk stored (0.11+): a missing one is an error, not zeros
 
     def kvstore(self) -> dict:
         """The item's keys: its OCDBT database, or (``use_ocdbt=False``) its directory."""
@@ -50,90 +54,117 @@ class OrbaxCheckpoint:
 
     def spec(self, name: str) -> dict:
         driver = "zarr3" if self.zarr3 else "zarr"
-        return {"driver": driver, "kvstore": self.kvstore(), "path": name + "/"}
+        spec = {"driver": driver, "kvstore": self.kvstore(), "path": name + "/"}
+        return {**spec, "fill_missing_data_reads": False} if self.complete else spec
 
     def opener(self, ctx: ts.Context) -> Callable[[str], ts.Future]:
-        """Opens a leaf by its jaxckpt name."""
-        return lambda name: ts.open(
-            {**self.spec(self.keys[name]), "open": True}, context=ctx, read=True
-        )
+        """Opens a leaf by its jaxckpt name (an aggregated leaf: its array in memory)."""
+
+        def open_leaf(name: str) -> ts.Future:
+            if name in self.inline:
+                promise, future = ts.Promise.new()
+                promise.set_result(ts.array(self.inline[name]))
+                return future
+            return ts.open({**self.spec(self.keys[name]), "open": True}, context=ctx, read=True)
+
+        return open_leaf
 
 
 def item_dir(loc: Location) -> Location | None:
     """The Orbax item directory at ``loc`` (itself, or a manager step's single item), or
     None when ``loc`` is not an Orbax checkpoint."""
-    if loc.exists(MANIFEST_FILE):
+    if loc.exists(MANIFEST_FILE) or loc.exists(COMMIT_FILE):
         return None
     if loc.exists(METADATA):
         return loc
-    if not loc.exists(CHECKPOINT_METADATA):
-        return None
+    if ".orbax-checkpoint-tmp" in loc.name:
+        raise CheckpointNotFoundError(
+            f"{loc.url} is an Orbax save that never finished (Orbax renames the directory "
+            "when it commits); restore a finished step"
+        )
     items = [n for n in loc.list_children() if loc.join(n).exists(METADATA)]
-    if len(items) != 1:
+    if len(items) == 1:  # a step (orbax 0.5 wrote no _CHECKPOINT_METADATA) with one item
+        return loc.join(items[0])
+    if items or loc.exists(CHECKPOINT_METADATA):
         raise OrbaxFormatError(
             f"{loc.url} is an Orbax step with items {items}; jaxckpt reads one item at a time: "
             "pass the item's directory (e.g. f'{step_dir}/state')"
         )
-    return loc.join(items[0])
+    if loc.exists(AGGREGATE):
+        raise OrbaxFormatError(
+            f"{loc.url} holds a msgpack '{AGGREGATE}' file and no {METADATA}: a checkpoint "
+            "of orbax-checkpoint before 0.4 or flax.training.checkpoints, which jaxckpt does "
+            "not read; restore it with flax and re-save it"
+        )
+    return None
 
 
 def read(item: Location) -> OrbaxCheckpoint:
     """The checkpoint in the Orbax item directory ``item``, described as a jaxckpt manifest."""
-    text = item.read_bytes(METADATA)
-    if text is None:
+    where = Where(item, files.era(item, None))
+    raw = files.read_file(where, METADATA)
+    if raw is None:
         raise CheckpointNotFoundError(f"{item.url} holds no Orbax {METADATA}")
+    doc = files.parse_json(where, METADATA, raw)
+    where = Where(item, files.era(item, doc))
+    if not isinstance(doc, dict):
+        raise where.error(METADATA, "is not a JSON object")
+    use_ocdbt = doc.get("use_ocdbt", item.exists("manifest.ocdbt"))
+    zarr3 = doc.get("use_zarr3", False)
+    if not isinstance(use_ocdbt, bool) or not isinstance(zarr3, bool):
+        raise where.error(METADATA, "has a use_ocdbt or use_zarr3 that is not true/false")
+    shardings = files.read_json(where, SHARDING, required=False) or {}
+    if not isinstance(shardings, dict):
+        raise where.error(SHARDING, "is not a JSON object")
+    entries = files.entries(where, doc, use_ocdbt)
+    aggregate = files.read_aggregate(where) if any(e.aggregated for e in entries) else None
+    complete = doc.get("store_array_data_equal_to_fill_value") is True
+    ckpt = OrbaxCheckpoint(item, Manifest((), [], 1, []), use_ocdbt, zarr3, {}, {}, complete)
     try:
-        doc = json.loads(text)
-        tree = doc["tree_metadata"]
-    except (TypeError, ValueError, KeyError) as e:
-        raise OrbaxFormatError(
-            f"{item.url}/{METADATA} is not an Orbax tree metadata file ({e})"
-        ) from e
-    shardings = json.loads(item.read_bytes(SHARDING) or b"{}")
-    use_ocdbt = bool(doc.get("use_ocdbt", item.exists("manifest.ocdbt")))
-    zarr3 = bool(doc.get("use_zarr3", False))
-    ckpt = OrbaxCheckpoint(item, Manifest((), [], 1, []), use_ocdbt, zarr3, {})
-    keys: dict[str, str] = {}
-    kv = ts.KvStore.open(ckpt.kvstore()).result()
+        kv = ts.KvStore.open(ckpt.kvstore()).result()
+    except Exception as e:  # TensorStore raises ValueError/OSError for a bad database
+        raise where.error("manifest.ocdbt", f"cannot be opened ({e})") from e
     meshes: list[dict] = []
+    keys: dict[str, str] = {}
+    inline: dict[str, np.ndarray] = {}
     leaves = []
-    for entry in tree.values():
-        value = entry["value_metadata"]
-        name = ".".join(str(k["key"]) for k in entry["key_metadata"])  # Orbax's name
-        path = [
-            ["i", int(k["key"])] if k.get("key_type") == 1 else ["k", str(k["key"])]
-            for k in entry["key_metadata"]
-        ]
-        ours = tree_lib.path_name(path)
-        keys[ours] = name
-        kind = _KINDS.get(value.get("value_type"))
+    for e in entries:
+        ours = tree_lib.path_name(e.path)
+        keys[ours] = e.name
+        kind = _KINDS.get(e.value_type)
         if kind is None:
-            raise OrbaxFormatError(
-                f"{item.url}: leaf {name!r} has Orbax value type {value.get('value_type')!r}, "
-                f"which jaxckpt does not read (it reads {sorted(_KINDS)}); restore it with orbax"
+            raise where.error(
+                METADATA,
+                f"leaf {e.name!r} has Orbax value type {e.value_type!r}, which jaxckpt does "
+                f"not read (it reads {sorted(_KINDS)})",
+                "restore it with orbax",
             )
-        if value.get("skip_deserialize"):
-            continue
         if kind == "none":  # an empty node (optax's EmptyState, a None field)
-            leaves.append(LeafRecord(path, ours, "python", python_type="NoneType"))
+            leaves.append(LeafRecord(e.path, ours, "python", python_type="NoneType"))
             continue
-        meta = _zarr_metadata(item, kv, name, zarr3)
-        shape, dtype, chunks = _shape_dtype_chunks(meta, zarr3)
+        if e.aggregated:
+            value = files.aggregated_value(where, aggregate, e)
+            if kind == "python":
+                if isinstance(value, np.ndarray) and value.size != 1:
+                    raise where.error(AGGREGATE, f"scalar leaf {e.name!r} has shape {value.shape}")
+                value = np.asarray(value).reshape(()).item() if _numpy(value) else value
+                leaves.append(_python(e.path, ours, value))
+                continue
+            value = inline[ours] = np.asarray(value)
+            shape, dtype, chunks = value.shape, value.dtype, tuple(max(1, d) for d in value.shape)
+        else:
+            shape, dtype, chunks = _zarr_layout(where, kv, e.name, zarr3)
         if kind == "python":  # a scalar: read now, restored as a Python number
-            data = ts.open({**ckpt.spec(name), "open": True}).result().read().result()
-            number = np.asarray(data).item()
-            leaves.append(
-                LeafRecord(path, ours, "python", value=number, python_type=type(number).__name__)
-            )
+            leaves.append(_python(e.path, ours, _scalar(where, ckpt, e.name, shape)))
             continue
         leaves.append(
             LeafRecord(
-                path=path,
+                path=e.path,
                 name=ours,
                 kind=kind,
                 shape=list(shape),
                 dtype=str(dtype),
-                sharding=_sharding(shardings, name, meshes) if kind == "array" else None,
+                sharding=_sharding(where, shardings, e.name, meshes) if kind == "array" else None,
                 chunk_shape=list(chunks),
                 nbytes=math.prod(shape) * dtype.itemsize,
             )
@@ -144,59 +175,121 @@ def read(item: Location) -> OrbaxCheckpoint:
         process_count=1,
         bytes_per_process=[sum(r.nbytes for r in leaves)],
         metadata=doc.get("custom_metadata"),
-        writer={"orbax": "?"},
+        writer={"orbax": where.era},
     )
-    return OrbaxCheckpoint(item, manifest, use_ocdbt, zarr3, keys)
+    return OrbaxCheckpoint(item, manifest, use_ocdbt, zarr3, keys, inline, complete)
 
 
-def _zarr_metadata(item: Location, kv: ts.KvStore, name: str, zarr3: bool) -> dict:
+def _numpy(value) -> bool:
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+def _python(path: list, name: str, value) -> LeafRecord:
+    return LeafRecord(path, name, "python", value=value, python_type=type(value).__name__)
+
+
+def _zarr_layout(where: Where, kv: ts.KvStore, name: str, zarr3: bool):
     key = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
-    raw = kv.read(key).result().value
+    try:
+        raw = kv.read(key).result().value
+    except Exception as e:  # a damaged OCDBT database
+        raise where.error(key, f"leaf {name!r}: its array metadata cannot be read ({e})") from e
     if not raw:
-        raise OrbaxFormatError(
-            f"{item.url}: leaf {name!r} has no array metadata ({key}); the checkpoint is "
-            "incomplete or uses a layout jaxckpt does not read"
+        raise where.error(
+            key,
+            f"is missing: leaf {name!r} has no array metadata",
+            "the checkpoint is incomplete or uses a layout jaxckpt does not read",
         )
-    return json.loads(raw)
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise where.error(key, f"leaf {name!r}: the array metadata is not JSON") from e
+    return files.zarr_layout(where, key, name, meta, zarr3)
 
 
-def _shape_dtype_chunks(meta: dict, zarr3: bool):
-    shape = tuple(meta["shape"])
-    if zarr3:
-        dtype = np.dtype(meta["data_type"])
-        chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
-    else:
-        text = meta["dtype"]
-        dtype = np.dtype(text[1:] if text[0] in "<>|" and not text[1:2].isdigit() else text)
-        chunks = tuple(meta["chunks"]) or shape
-    return shape, dtype, tuple(c if c else 1 for c in chunks) if shape else ()
+def _scalar(where: Where, ckpt: OrbaxCheckpoint, name: str, shape: tuple):
+    key = f"{name}/{'zarr.json' if ckpt.zarr3 else '.zarray'}"
+    if math.prod(shape) != 1:
+        raise where.error(key, f"leaf {name!r} is a scalar in _METADATA but has shape {shape}")
+    try:
+        data = ts.open({**ckpt.spec(name), "open": True}).result().read().result()
+    except Exception as e:  # TensorStore's errors: ValueError, OSError, ...
+        raise where.error(key, f"scalar leaf {name!r} cannot be read ({e})") from e
+    return np.asarray(data).reshape(()).item()
 
 
-def _sharding(shardings: dict, name: str, meshes: list[dict]) -> dict | None:
+def _sharding(where: Where, shardings: dict, name: str, meshes: list[dict]) -> dict | None:
     key = base64.urlsafe_b64encode(name.encode()).decode()
     raw = shardings.get(key) or shardings.get(base64.b64encode(name.encode()).decode())
     if raw is None:
         return None
-    s = json.loads(raw)
-    if s.get("sharding_type") == "NamedSharding":
-        ids = [d["id"] for d in _flat(s["device_mesh"]["mesh"])]
-        mesh = {
-            "axis_names": list(s["axis_names"]),
-            "shape": list(s["shape"]),
-            "device_ids": np.asarray(ids).reshape(s["shape"]).tolist(),
-            "axis_types": [t.rsplit(".", 1)[-1] for t in s.get("axis_types", [])] or None,
-        }
+    try:
+        s = json.loads(raw) if isinstance(raw, str) else None
+    except (ValueError, RecursionError):
+        s = None
+    if not isinstance(s, dict):
+        raise where.error(SHARDING, f"leaf {name!r}: its entry is not a JSON object")
+    kind = s.get("sharding_type")
+    if kind == "NamedSharding":
+        mesh = _mesh(where, name, s)
         if mesh not in meshes:
             meshes.append(mesh)
-        spec = [list(e) if isinstance(e, list) else e for e in s["partition_spec"]]
-        return {"type": "named", "mesh": meshes.index(mesh), "spec": spec}
-    if s.get("sharding_type") == "SingleDeviceSharding":
+        return {"type": "named", "mesh": meshes.index(mesh), "spec": _spec(where, name, s, mesh)}
+    if kind == "SingleDeviceSharding":
         return {"type": "single_device", "device_id": 0}
-    return {"type": "other", "repr": s.get("sharding_type", "?")}
+    return {"type": "other", "repr": str(kind)}
 
 
-def _flat(grid) -> list[dict]:
-    """The device grid's entries in row-major order, whatever its rank."""
+def _mesh(where: Where, name: str, s: dict) -> dict:
+    """The saved mesh; without ``device_mesh`` (orbax 0.5) its devices in id order."""
+    shape, names = s.get("shape"), s.get("axis_names")
+    ok = isinstance(shape, list) and isinstance(names, list) and len(shape) == len(names)
+    ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    ok = ok and all(isinstance(n, str) for n in names) and len(set(names)) == len(names)
+    if not ok or math.prod(shape) > files.MAX_DEVICES:
+        raise where.error(SHARDING, f"leaf {name!r}: its mesh shape/axis_names are invalid")
+    count = math.prod(shape)
+    ids = list(range(count))
+    if "device_mesh" in s:
+        dm = s["device_mesh"]
+        flat = _flat(dm.get("mesh") if isinstance(dm, dict) else None)
+        ids = [d.get("id") for d in flat if isinstance(d, dict)] if flat is not None else []
+        if len(ids) != count or not all(isinstance(i, int) for i in ids):
+            raise where.error(SHARDING, f"leaf {name!r}: its device_mesh does not fit {shape}")
+    types = [t.rsplit(".", 1)[-1] if isinstance(t, str) else t for t in s.get("axis_types", [])]
+    if types and (len(types) != len(shape) or any(t not in _AXIS_TYPES for t in types)):
+        raise where.error(SHARDING, f"leaf {name!r}: axis_types {types} are not JAX's")
+    return {
+        "axis_names": list(names),
+        "shape": list(shape),
+        "device_ids": np.asarray(ids).reshape(shape).tolist(),
+        "axis_types": types or None,
+    }
+
+
+def _spec(where: Where, name: str, s: dict, mesh: dict) -> list:
+    spec = s.get("partition_spec")
+    if not isinstance(spec, list):
+        raise where.error(SHARDING, f"leaf {name!r} has no partition_spec list")
+    out = []
+    for e in spec:
+        axes = e if isinstance(e, list) else [] if e is None else [e]
+        if not all(isinstance(a, str) and a in mesh["axis_names"] for a in axes):
+            raise where.error(SHARDING, f"leaf {name!r}: partition_spec {spec} names no axis")
+        out.append(list(e) if isinstance(e, list) else e)
+    return out
+
+
+def _flat(grid, depth: int = 0) -> list | None:
+    """The device grid's entries in row-major order, whatever its rank (None if not one)."""
     if isinstance(grid, dict):
         return [grid]
-    return [d for row in grid for d in _flat(row)]
+    if not isinstance(grid, list) or depth > files.MAX_RANK:
+        return None
+    out = []
+    for row in grid:
+        part = _flat(row, depth + 1)
+        if part is None:
+            return None
+        out.extend(part)
+    return out

@@ -168,7 +168,7 @@ def main() -> None:
     os.makedirs(root, exist_ok=True)
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     written = save_all(root, build(mesh))
-    vals = values()
+    vals, checks = read_back(root, written, values())
     np.savez(
         os.path.join(root, "expected.npz"),
         **{n.replace("/", "."): v.view(f"u{v.dtype.itemsize}") for n, v in vals.items()},
@@ -179,6 +179,7 @@ def main() -> None:
         "tensorstore": version("tensorstore"),
         "mesh": {"shape": [4, 2], "axis_names": ["data", "model"]},
         "styles": written,
+        "orbax_read_back": checks,
         "leaves": {
             n: {
                 "dtype": "bfloat16" if dt == BF16 else np.dtype(dt).name,
@@ -191,6 +192,33 @@ def main() -> None:
     with open(os.path.join(root, "expected.json"), "w") as f:
         json.dump(doc, f, indent=1)
     print(ver, written)
+
+
+def read_back(root: str, styles: list[str], want: dict) -> tuple[dict, dict]:
+    """What Orbax itself restores from each style: the expected values are those (where the
+    save changed bits, e.g. orbax 0.11.24 canonicalizes sharded bf16 NaN payloads), and every
+    style must agree."""
+    got, checks = {}, {}
+    for style in styles:
+        path = os.path.join(root, style, *(["3", "items"] if style == "maxtext" else []))
+        try:
+            tree = ocp.PyTreeCheckpointer().restore(path)
+        except Exception as e:
+            checks[style] = f"orbax could not restore it: {type(e).__name__}"
+            continue
+        pairs = jax.tree_util.tree_flatten_with_path(tree)[0]
+        read = {
+            "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p): np.asarray(v)
+            for p, v in pairs
+        }
+        read = {n: read[n].astype(want[n].dtype).reshape(want[n].shape) for n in want}
+        changed = sorted(n for n in want if read[n].tobytes() != want[n].tobytes())
+        checks[style] = f"orbax restores other bits in {changed}" if changed else "orbax agrees"
+        for n in changed:
+            if n in got and got[n].tobytes() != read[n].tobytes():
+                raise SystemExit(f"{style}: orbax reads {n} differently from another style")
+            got[n] = read[n]
+    return {**want, **got}, checks
 
 
 def _entry(e):
