@@ -195,12 +195,13 @@ def outcome(reader: str, what: str) -> None:
     event(what)
 
 
-def refused(reader: str, e: BaseException, *names: str) -> None:
-    """``e`` must be a jaxckpt error naming one of ``names`` (a file, or its directory)."""
+def refused(reader: str, e: BaseException, *names: tuple[str, str]) -> None:
+    """``e`` must be a jaxckpt error naming one of ``names`` ((what, path): the file, or
+    another file or directory of the checkpoint)."""
     assert isinstance(e, CheckpointError), f"not a jaxckpt error: {type(e).__name__}: {e}"
-    assert any(n in str(e) for n in names), f"{type(e).__name__} names none of {names}: {e}"
-    named = next(n for n in names if n in str(e))
-    outcome(reader, f"raised {type(e).__name__} naming {os.path.basename(named)}")
+    named = [what for what, path in names if path in str(e)]
+    assert named, f"{type(e).__name__} names none of {names}: {e}"
+    outcome(reader, f"raised {type(e).__name__} naming {named[0]}")
 
 
 # --- manifest.json -------------------------------------------------------------------------------
@@ -266,7 +267,12 @@ def test_manifest_is_loaded_exactly_or_refused_naming_the_file(saved, data):
                 jaxckpt.metadata(ckpt)
                 got = _by_name(jaxckpt.restore(ckpt))
             except Exception as e:
-                refused("manifest.json", e, str(ckpt / "manifest.json"), str(ckpt))
+                refused(
+                    "manifest.json",
+                    e,
+                    ("manifest.json", str(ckpt / "manifest.json")),
+                    ("the checkpoint", str(ckpt)),
+                )
                 return
         _same_arrays(got, want, json.loads(text))
         outcome("manifest.json", "loaded exactly")
@@ -346,7 +352,7 @@ def test_local_json_is_loaded_exactly_or_refused_naming_the_file(local_step, dat
                 try:
                     got = local.read_step(directory, 5)
                 except Exception as e:
-                    refused("local.json", e, where)
+                    refused("local.json", e, ("local.json", where))
                     return
         if got is None:
             assert any(where in r.getMessage() for r in caplog.records), caplog.text
@@ -362,3 +368,74 @@ def test_local_json_is_loaded_exactly_or_refused_naming_the_file(local_step, dat
         outcome("local.json", "loaded as the file says (a field of it changed)")
     finally:
         (step_dir / "local.json").write_bytes(original)
+
+
+# --- signature.json (an export) ------------------------------------------------------------------
+
+SIGNATURE = "signature.json"
+
+
+def _affine(params, x):
+    return jax.numpy.tanh(x @ params["w"] + params["b"])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A real export (symbolic batch, two device counts), its signature and a served output."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    root = tmp_path_factory.mktemp("untrusted_export")
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jax.device_put(
+            rng.standard_normal((16, 8)).astype(np.float32), NamedSharding(mesh, P(None, "model"))
+        ),
+        "b": jax.device_put(np.arange(8, dtype=np.float32), NamedSharding(mesh, P())),
+    }
+    x_spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 16"), np.float32)
+    jaxckpt.export.save(
+        root / "e",
+        _affine,
+        params,
+        x_spec,
+        mesh=mesh,
+        in_specs=(P("data", None),),
+        out_specs=P("data", None),
+        device_counts=[4, 8],
+    )
+    shutil.copytree(root / "e", root / "decoy")
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    want = np.asarray(jaxckpt.export.load(root / "e")(x))
+    return root, (root / "e" / "signature.json").read_bytes(), x, want
+
+
+@given(data=st.data())
+def test_signature_is_loaded_exactly_or_refused_naming_the_file(exported, data):
+    """jaxckpt.export.load with a mutated signature.json: serves exactly what was exported
+    (output bit-exact), or raises a jaxckpt error naming signature.json (or the export, for an
+    artifact whose checksum no longer matches); nothing outside the export is read."""
+    root, original, x, want = exported
+    text, what = data.draw(mutated(original))
+    note(what)
+    path = root / "e"
+    (path / "signature.json").write_bytes(text)
+    try:
+        with _Watch(root, path):
+            try:
+                got = np.asarray(jaxckpt.export.load(path)(x))
+            except Exception as e:
+                refused(
+                    "signature.json",
+                    e,
+                    ("signature.json", str(path / "signature.json")),
+                    ("the artifact and signature.json", f"jaxexport: {SIGNATURE}"),
+                    ("the artifact", str(path / "artifacts")),
+                    ("the export", str(path)),
+                )
+                return
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), what
+        outcome("signature.json", "loaded exactly")
+    finally:
+        (path / "signature.json").write_bytes(original)

@@ -21,7 +21,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from ..errors import ExportArgumentError, ExportError
 from . import checkpoint
 from . import tree as tree_lib
-from .export_format import PLAIN_SYMBOL, read_artifact, signature
+from .export_format import (
+    PLAIN_SYMBOL,
+    SIGNATURE_FILE,
+    matches_params,
+    read_artifact,
+    signature,
+)
 from .sharding import spec_from_json
 from .storage import Location, location
 
@@ -116,13 +122,15 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None) -> Served:
     variant = by_count.get(count)
     if variant is None:
         raise ExportError(
-            f"{loc.url} was exported for {sorted(by_count)} device(s), not {count}; serve on "
+            f"{loc.url} was exported for {sorted(by_count)} device(s), not {count} (the "
+            f"variants in {loc.url}/{SIGNATURE_FILE}); serve on "
             f"one of those counts (mesh= over that many devices), or re-export with "
             f"device_counts including {count}"
         )
     exported = read_artifact(loc, sig, variant)
     mesh = _serving_mesh(mesh, sig, variant, loc)
     params = _restore_params(loc, sig, mesh)
+    matches_params(params, exported, f"{loc.url}/{SIGNATURE_FILE}")
     in_shardings = tuple(NamedSharding(mesh, spec_from_json(i["spec"])) for i in sig["inputs"])
     return Served(loc.url, sig, mesh, variant, in_shardings, params, exported)
 
