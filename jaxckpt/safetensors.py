@@ -4,7 +4,12 @@ r"""Hugging Face safetensors in and out of sharded pytrees, without gathering on
 ``save`` writes the HF sharded layout (``model-0000i-of-0000N.safetensors`` and
 ``model.safetensors.index.json``) with every process writing the slices it owns straight
 into the files. ``names`` maps a leaf's path (its keys joined by ``.``) to a tensor name;
-``transforms`` say how a tensor's layout differs from the leaf's:
+``transforms`` say how a tensor's layout differs from the leaf's. Both are lists of
+``(regex, ...)`` rules where the first rule whose regex matches the path applies (or a
+callable of the path). A names replacement is ``re.sub``'s (``\1`` is a group); ``{i}`` in
+it is the layer number of a ``Stack`` leaf, the only placeholder. A chain's ``Reshape`` and
+``Transpose`` steps all apply, in order, from the file towards the leaf (``save`` inverts
+them); ``Stack`` and ``Cast`` are markers:
 
 >>> llama = [
 ...     (r"layers\.(q|k|v|o)_proj\.kernel$", [jaxckpt.safetensors.Stack(), Transpose((1, 0))]),
@@ -16,6 +21,7 @@ let several processes write slices of one file); files written here read back bi
 with ``safetensors.numpy.load_file``.
 """
 
+from ._src.safetensors import Files as Files
 from ._src.safetensors import load as load
 from ._src.safetensors import metadata as metadata
 from ._src.safetensors_format import TensorInfo as TensorInfo
@@ -28,6 +34,7 @@ from .errors import SafetensorsError as SafetensorsError
 
 __all__ = [
     "Cast",
+    "Files",
     "Reshape",
     "SafetensorsError",
     "Stack",

@@ -272,7 +272,7 @@ def test_every_step_of_a_transform_chain_applies_in_order(mesh42, tmp_path):
     target = {"x": jax.ShapeDtypeStruct((4, 4, 16), np.float32, sharding=spec)}
     got = jaxckpt.safetensors.load(tmp_path, target, transforms=then)["x"]
     assert _same(got, x.T.reshape(4, 4, 16))
-    # Llama's RoPE row permutation of q (HF interleaved pairs -> halves), then (in, out)
+    # Llama's RoPE row permutation of q (HF halves -> interleaved pairs), then (in, out)
     rope = [
         Reshape((16, 8), (4, 2, 2, 8)),
         Transpose((0, 2, 1, 3)),

@@ -143,8 +143,13 @@ def load(
     ``path``: one file, a directory (with ``model.safetensors.index.json``, or its
     ``.safetensors`` files), or a list of files; local, ``s3://`` or ``gs://``. ``target``
     leaves: ``jax.ShapeDtypeStruct`` with a sharding, ``jax.Array``, or NumPy arrays (NumPy
-    results); other leaves are returned as they are. Each process reads only the byte
-    ranges its devices need, at most ``read_budget_bytes`` (default 128 MiB) in flight.
+    results); other leaves are returned as they are. ``names``: a callable of the leaf's
+    path, or ``(regex, replacement)`` rules of which the first whose regex matches applies
+    (``re.sub``: ``\\1`` is a group, ``{i}`` the layer of a ``Stack`` leaf). ``transforms``:
+    ``(regex, [steps])`` rules, first match; every Reshape/Transpose step applies in order
+    from the file towards the leaf. Each process reads only the byte ranges its devices
+    need, at most ``read_budget_bytes`` (default 128 MiB) in flight. Any failure raises a
+    ``jaxckpt.errors`` class naming the file (or index) and the leaf.
     """
     loc, kv, tensors, where = _headers(path)
     flat = tree_lib.flatten(target)

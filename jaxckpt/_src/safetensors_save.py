@@ -60,8 +60,10 @@ def save(
     the files directly, one shard at a time. On a local or shared filesystem the files are
     written in ``<path>.tmp-<id>`` and renamed into place when complete; object stores
     (``s3://``, ``gs://``) take one process, each file assembled in memory and uploaded,
-    the index last. ``names``/``transforms`` as for :func:`load`; ``metadata`` goes in each
-    file's ``__metadata__``.
+    the index last. ``names``/``transforms`` as for :func:`load` (the steps inverted, in
+    reverse order); ``metadata`` goes in each file's ``__metadata__``. Every leaf is checked
+    before anything is written: one that is not an array (None leaves are skipped) raises
+    ``UnsupportedLeafError`` naming it.
     """
     loc = location(path)
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):

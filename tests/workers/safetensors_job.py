@@ -63,7 +63,7 @@ HOSTILE = [
     ml_dtypes.float8_e4m3fn,
     ml_dtypes.float8_e5m2,
 ]
-# Llama's RoPE row permutation of q/k (HF interleaved -> halves), then nn.Linear's transpose
+# Llama's RoPE row permutation of q/k (HF halves -> interleaved), then nn.Linear's transpose
 ROPE = [
     jaxckpt.safetensors.Stack(),
     jaxckpt.safetensors.Reshape((16, 8), (4, 2, 2, 8)),
