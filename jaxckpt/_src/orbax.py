@@ -65,7 +65,23 @@ class OrbaxCheckpoint:
                 promise, future = ts.Promise.new()
                 promise.set_result(ts.array(self.inline[name]))
                 return future
-            return ts.open({**self.spec(self.keys[name]), "open": True}, context=ctx, read=True)
+            key = f"{self.keys[name]}/{'zarr.json' if self.zarr3 else '.zarray'}"
+            opening = ts.open({**self.spec(self.keys[name]), "open": True}, context=ctx, read=True)
+            promise, future = ts.Promise.new()
+
+            def done(f: ts.Future) -> None:
+                try:
+                    promise.set_result(f.result())
+                except Exception as e:  # TensorStore's: the metadata it checks, we did not
+                    promise.set_exception(
+                        OrbaxFormatError(
+                            f"{self.item.url}/{key}: leaf {name!r} cannot be opened ({e}); "
+                            "the file is damaged: restore it with orbax or re-save it"
+                        )
+                    )
+
+            opening.add_done_callback(done)
+            return future
 
         return open_leaf
 
@@ -117,6 +133,10 @@ def read(item: Location) -> OrbaxCheckpoint:
     if not isinstance(shardings, dict):
         raise where.error(SHARDING, "is not a JSON object")
     entries = files.entries(where, doc, use_ocdbt)
+    named = {_b64(e.name, f) for e in entries for f in (0, 1)}
+    stray = [k for k in shardings if k not in named]
+    if stray:
+        raise where.error(SHARDING, f"lists {stray[:3]}, which {METADATA} does not list")
     aggregate = files.read_aggregate(where) if any(e.aggregated for e in entries) else None
     complete = doc.get("store_array_data_equal_to_fill_value") is True
     ckpt = OrbaxCheckpoint(item, Manifest((), [], 1, []), use_ocdbt, zarr3, {}, {}, complete)
@@ -153,7 +173,7 @@ def read(item: Location) -> OrbaxCheckpoint:
             value = inline[ours] = np.asarray(value)
             shape, dtype, chunks = value.shape, value.dtype, tuple(max(1, d) for d in value.shape)
         else:
-            shape, dtype, chunks = _zarr_layout(where, kv, e.name, zarr3)
+            shape, dtype, chunks = _zarr_layout(where, kv, e.name, zarr3, use_ocdbt)
         if kind == "python":  # a scalar: read now, restored as a Python number
             leaves.append(_python(e.path, ours, _scalar(where, ckpt, e.name, shape)))
             continue
@@ -167,6 +187,7 @@ def read(item: Location) -> OrbaxCheckpoint:
                 sharding=_sharding(where, shardings, e.name, meshes) if kind == "array" else None,
                 chunk_shape=list(chunks),
                 nbytes=math.prod(shape) * dtype.itemsize,
+                chunk_writers=[],  # Orbax records no chunk's writer
             )
         )
     manifest = Manifest(
@@ -188,8 +209,14 @@ def _python(path: list, name: str, value) -> LeafRecord:
     return LeafRecord(path, name, "python", value=value, python_type=type(value).__name__)
 
 
-def _zarr_layout(where: Where, kv: ts.KvStore, name: str, zarr3: bool):
+def _b64(name: str, urlsafe: int) -> str:
+    return (base64.urlsafe_b64encode if urlsafe else base64.b64encode)(name.encode()).decode()
+
+
+def _zarr_layout(where: Where, kv: ts.KvStore, name: str, zarr3: bool, use_ocdbt: bool):
     key = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
+    if not use_ocdbt:
+        files.inside(where, key)
     try:
         raw = kv.read(key).result().value
     except Exception as e:  # a damaged OCDBT database
@@ -219,8 +246,7 @@ def _scalar(where: Where, ckpt: OrbaxCheckpoint, name: str, shape: tuple):
 
 
 def _sharding(where: Where, shardings: dict, name: str, meshes: list[dict]) -> dict | None:
-    key = base64.urlsafe_b64encode(name.encode()).decode()
-    raw = shardings.get(key) or shardings.get(base64.b64encode(name.encode()).decode())
+    raw = shardings.get(_b64(name, 1)) or shardings.get(_b64(name, 0))
     if raw is None:
         return None
     try:

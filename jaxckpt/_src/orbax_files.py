@@ -79,6 +79,16 @@ def read_file(where: Where, name: str) -> bytes | None:
         raise where.error(name, f"cannot be read ({e})") from e
 
 
+def inside(where: Where, key: str) -> None:
+    """Refuses a leaf's file or directory (without OCDBT) that resolves outside the item."""
+    if where.item.is_local:
+        root = os.path.realpath(where.item.url)
+        for path in (key.rsplit("/", 1)[0], key):
+            real = os.path.realpath(os.path.join(where.item.url, path))
+            if os.path.commonpath([real, root]) != root:
+                raise where.error(key, "resolves outside the checkpoint directory (a link)")
+
+
 def read_json(where: Where, name: str, required: bool = True) -> Any:
     raw = read_file(where, name)
     if raw is None:
@@ -142,7 +152,10 @@ def entries(where: Where, doc: Any, use_ocdbt: bool) -> list[Entry]:
         vt = value.get("value_type")
         if not isinstance(vt, str):
             raise where.error(METADATA, f"leaf {name!r} has no value_type")
-        skip = bool(value.get("skip_deserialize")) and vt != "None"  # None: an empty node
+        skip = value.get("skip_deserialize", False)
+        if not isinstance(skip, bool):
+            raise where.error(METADATA, f"leaf {name!r} has a skip_deserialize that is not a bool")
+        skip = skip and vt != "None"  # None: an empty node, in no file
         out.append(Entry(name, path, vt, skip))
     return out
 
