@@ -181,6 +181,22 @@ def test_s3_round_trip(mesh42, s3_url):
     assert jaxckpt.safetensors.metadata(s3_url + "/model.safetensors")["a"].shape == (8, 8)
 
 
+def test_s3_truncated_files_name_the_file(s3_url, tmp_path):
+    """Object stores have no cheap size: a short file shows in a read past its end."""
+    import tensorstore as ts
+
+    from jaxckpt._src.storage import location
+
+    snp.save_file({"w": np.ones((8, 30), np.float32)}, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    kv = ts.KvStore.open(location(s3_url).kvstore()).result()
+    t = {"w": np.zeros((8, 30), np.float32)}
+    for cut, why in [(40, "truncated or unreadable"), (len(data) - 4, "truncated")]:
+        kv.write("model.safetensors", data[:cut]).result()
+        with pytest.raises(SafetensorsError, match=rf"{s3_url}/model\.safetensors.*{why}"):
+            jaxckpt.safetensors.load(s3_url + "/model.safetensors", t)
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 

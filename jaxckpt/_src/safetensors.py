@@ -62,7 +62,10 @@ def _files(path: str | os.PathLike | Sequence) -> tuple[Location, list[str], str
     loc = location(path)
     if loc.name.endswith(".safetensors") or (loc.is_local and os.path.isfile(loc.url)):
         return loc.parent(), [loc.name], loc.url
-    index = loc.read_bytes(INDEX_FILE)
+    try:
+        index = loc.read_bytes(INDEX_FILE)
+    except OSError as e:
+        raise SafetensorsError(f"{loc.url}/{INDEX_FILE} cannot be read ({e})") from None
     if index is not None:
         where = f"{loc.url}/{INDEX_FILE}"
         return loc, index_files(index, where), where

@@ -214,7 +214,10 @@ def leaf_map(path: str, names: Names, transforms: Transforms) -> LeafMap:
     casts = [t for t in chain if isinstance(t, Cast)]
     if len(casts) > 1 or sum(isinstance(t, Stack) for t in chain) > 1:
         raise SafetensorsError(f"leaf {path!r}: Cast and Stack may appear once each in {chain}")
-    cast = np.dtype(jax.numpy.dtype(casts[0].dtype)) if casts else None
+    try:
+        cast = np.dtype(jax.numpy.dtype(casts[0].dtype)) if casts else None
+    except TypeError as e:
+        raise SafetensorsError(f"leaf {path!r}: {casts[0]} names no dtype ({e})") from None
     stacked = any(isinstance(t, Stack) for t in chain)
     braces = tensor.replace(PLACEHOLDER, "")
     if stacked and (PLACEHOLDER not in tensor or "{" in braces or "}" in braces):
