@@ -359,7 +359,7 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
 
     doc = f.obj(doc, at)
     at += "."
-    path = f.items(f.need(doc, "path", at), at + "path", lambda p, a: _path_entry(f, p, a))
+    path = f.items(f.need(doc, "path", at), at + "path", lambda p, a: path_entry(f, p, a))
     name = f.text(f.need(doc, "name", at), at + "name")
     if name != path_name(path):
         f.bad(at + "name", f"must be the path joined, {path_name(path)!r}", name)
@@ -415,8 +415,6 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
             f.bad(at + "chunk_writers", f"must list each chunk of the grid {grid} once", grid)
     sharding = _sharding(f, doc.get("sharding"), at + "sharding", meshes, len(shape))
     if sharding is not None and sharding["type"] == "named":
-        if rec.writer_salt is None and rec.chunk_writers is None:
-            f.bad(at + "writer_salt", "is missing (a named sharding needs it)", None)
         sizes = dict(
             zip(
                 meshes[sharding["mesh"]]["axis_names"],
@@ -436,7 +434,7 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
     return dataclasses.replace(rec, shape=shape, chunk_shape=chunks)
 
 
-def _path_entry(f: Fields, entry: Any, at: str) -> list:
+def path_entry(f: Fields, entry: Any, at: str) -> list:
     if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("k", "a", "i", "f")):
         f.bad(at, f"must be a [kind, key] pair, kind among {list(PATH_KINDS)}", entry)
     kind, key = entry
