@@ -97,3 +97,15 @@ class ProcessCountChangedError(CheckpointError):
 
 class OrbaxDependencyError(OrbaxFormatError, ImportError):
     """Reading this Orbax checkpoint needs an optional package (msgpack: ``jaxckpt[orbax]``)."""
+
+
+class SafetensorsLeafNotFoundError(SafetensorsError, LeafNotFoundError):
+    """A tensor a leaf of the target needs is in none of the safetensors files."""
+
+
+class SafetensorsShapeError(SafetensorsError, ShapeMismatchError):
+    """A safetensors tensor does not give the target leaf's shape through its transforms."""
+
+
+class SafetensorsLeafError(SafetensorsError, UnsupportedLeafError):
+    """A leaf ``jaxckpt.safetensors.save`` cannot write (not an array, or a PRNG key)."""

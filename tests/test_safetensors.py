@@ -213,8 +213,12 @@ def test_missing_tensor_names_leaf_tensor_and_close_names(small):
     t = {"model": {"W": jax.ShapeDtypeStruct((4, 2), np.float32)}}
     with pytest.raises(
         errors.LeafNotFoundError, match=r"'model\.W'.*'model\.W'.*closest: \['model\.w'"
-    ):
+    ) as raised:
         jaxckpt.safetensors.load(small, t)
+    # every safetensors failure is a SafetensorsError, and still the general class
+    assert isinstance(raised.value, SafetensorsError)
+    assert issubclass(errors.SafetensorsShapeError, (SafetensorsError, errors.ShapeMismatchError))
+    assert issubclass(errors.SafetensorsLeafError, errors.UnsupportedLeafError)
 
 
 def test_shape_mismatch_after_transforms(small):
@@ -263,7 +267,7 @@ def test_save_refusals(mesh42, tmp_path):
 def test_save_refuses_a_leaf_it_cannot_store_and_writes_nothing(tmp_path):
     tree = {"a": np.ones((4, 4), np.float32), "b": {"bad": object()}, "c": np.zeros(2, np.float32)}
     with pytest.raises(
-        errors.UnsupportedLeafError,
+        errors.SafetensorsLeafError,
         match=r"leaf 'b\.bad' is a builtins\.object, which safetensors cannot hold.*np\.asarray",
     ):
         jaxckpt.safetensors.save(tmp_path / "m", tree)

@@ -7,7 +7,7 @@ leaving the directory), ``load`` and ``metadata`` either
 
 * load exactly: the names, dtypes, shapes and bytes the reference (the ``safetensors``
   package's ``deserialize``) reads from the same bytes; and only when it reads them; or
-* raise a ``jaxckpt.errors.CheckpointError`` whose message names the file (the
+* raise a ``jaxckpt.errors.SafetensorsError`` (or a subclass) whose message names the file (the
   ``.safetensors`` file, or the index for what the index says). Never another exception,
   never a partial result, never a read of a file outside the directory (the index's
   ``../secret.safetensors`` exists and is valid, so reading it would load).
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt._src.safetensors_format import DTYPES
-from jaxckpt.errors import CheckpointError
+from jaxckpt.errors import SafetensorsError
 
 safetensors = pytest.importorskip("safetensors")
 
@@ -275,7 +275,7 @@ def check(counts, what: str, path, ref: dict | None, target: dict, files: list[s
                 got = jaxckpt.safetensors.metadata(path)
             else:
                 got = jaxckpt.safetensors.load(path, target)
-        except CheckpointError as e:
+        except SafetensorsError as e:
             msg = str(e)
             assert any(f in msg for f in files), f"{what}: {op} error names no file: {msg}"
             if ref is not None:  # the reference reads it: only a dtype jaxckpt lacks

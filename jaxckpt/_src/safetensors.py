@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ..errors import LeafNotFoundError, SafetensorsError, ShapeMismatchError
+from ..errors import SafetensorsError, SafetensorsLeafNotFoundError, SafetensorsShapeError
 from . import tree as tree_lib
 from .placement import Placement
 from .safetensors_format import (
@@ -185,7 +185,7 @@ def _want(path, t, tensors, names, transforms, loc: Location, where: str) -> _Wa
         info = tensors.get(name)
         if info is None:
             close = difflib.get_close_matches(name, list(tensors), n=3, cutoff=0.5)
-            raise LeafNotFoundError(
+            raise SafetensorsLeafNotFoundError(
                 f"{where}: leaf {m.leaf!r} needs tensor {name!r}, which the files do not "
                 f"hold (closest: {close or sorted(tensors)[:3]}); fix names= or the target"
             )
@@ -193,17 +193,17 @@ def _want(path, t, tensors, names, transforms, loc: Location, where: str) -> _Wa
     first = found[0]
     file = f"{loc.url}/{first.file}"
     if any(f.shape != first.shape or f.dtype != first.dtype for f in found):
-        raise ShapeMismatchError(
+        raise SafetensorsShapeError(
             f"{where}: the tensors stacked into leaf {m.leaf!r} differ in shape or dtype"
         )
     try:
         got = m.leaf_shape(first.shape, count)
-    except ShapeMismatchError as e:
-        raise ShapeMismatchError(
+    except SafetensorsShapeError as e:
+        raise SafetensorsShapeError(
             f"{file}: tensor {first.name!r} of shape {list(first.shape)}: {e}"
         ) from None
     if got != shape:
-        raise ShapeMismatchError(
+        raise SafetensorsShapeError(
             f"{file}: tensor {first.name!r} of shape {list(first.shape)} gives "
             f"leaf {m.leaf!r} shape {list(got)} after the transforms, but the target has "
             f"{list(shape)}; fix the target or the transforms"

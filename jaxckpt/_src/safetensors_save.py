@@ -13,7 +13,7 @@ import numpy as np
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
-from ..errors import SafetensorsError, ShapeMismatchError, UnsupportedLeafError
+from ..errors import SafetensorsError, SafetensorsLeafError, SafetensorsShapeError
 from . import multihost
 from . import tree as tree_lib
 from .safetensors_format import (
@@ -63,7 +63,7 @@ def save(
     the index last. ``names``/``transforms`` as for :func:`load` (the steps inverted, in
     reverse order); ``metadata`` goes in each file's ``__metadata__``. Every leaf is checked
     before anything is written: one that is not an array (None leaves are skipped) raises
-    ``UnsupportedLeafError`` naming it.
+    ``SafetensorsLeafError`` naming it.
     """
     loc = location(path)
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
@@ -128,12 +128,12 @@ def _save_leaves(tree, names, transforms, loc: Location):
         if v is None:
             continue
         if isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
-            raise UnsupportedLeafError(
+            raise SafetensorsLeafError(
                 f"{loc.url}: leaf {leaf!r} is a PRNG key; safetensors holds plain "
                 "tensors: save jax.random.key_data(key) instead"
             )
         if not isinstance(v, (jax.Array, np.ndarray, np.generic)):
-            raise UnsupportedLeafError(
+            raise SafetensorsLeafError(
                 f"{loc.url}: leaf {leaf!r} is a {type(v).__module__}.{type(v).__qualname__}, "
                 "which safetensors cannot hold (it holds typed arrays); convert it with "
                 "np.asarray(x, dtype) or take it out of the tree (None leaves are skipped)"
@@ -145,7 +145,7 @@ def _save_leaves(tree, names, transforms, loc: Location):
             m.tensor_shape(tuple(arr.shape))
             if m.stacked and not arr.ndim:
                 raise SafetensorsError(f"leaf {leaf!r} is stacked (Stack) but a scalar")
-        except (SafetensorsError, ShapeMismatchError) as e:
+        except (SafetensorsError, SafetensorsShapeError) as e:
             raise type(e)(f"{loc.url}: {e}; nothing was written") from None
         out.append((m, arr))
     return out
