@@ -33,8 +33,6 @@ import jaxckpt
 from jaxckpt._src import local, tree
 from jaxckpt.errors import CheckpointError
 
-pytestmark = pytest.mark.property
-
 # --- watching for reads outside the directory ------------------------------------------------
 
 _WATCH: dict = {"root": None, "inside": (), "escaped": []}
@@ -252,6 +250,7 @@ def _same_arrays(got: dict, want: dict, doc: dict) -> None:
             assert v == values[name] or v != v, (name, v, values[name])
 
 
+@pytest.mark.property
 @given(data=st.data())
 def test_manifest_is_loaded_exactly_or_refused_naming_the_file(saved, data):
     """metadata() and restore() of a mutated manifest.json: loaded exactly, or a jaxckpt error
@@ -296,6 +295,16 @@ def test_manifest_that_is_not_utf8_is_refused_naming_the_file(saved):
         (ckpt / "manifest.json").write_bytes(original)
 
 
+def test_the_watch_sees_a_read_outside_the_directory(saved):
+    """The audit hook the properties rely on: opening the decoy beside the checkpoint fails."""
+    root, _, _ = saved
+    watch = _Watch(root, root / "ckpt")
+    with pytest.raises(AssertionError, match="read outside the directory"), watch:
+        (root / "decoy" / "manifest.json").read_bytes()
+    with _Watch(root, root / "ckpt"):
+        (root / "ckpt" / "manifest.json").read_bytes()
+
+
 # --- local.json (the emergency tier) -------------------------------------------------------------
 
 
@@ -328,6 +337,7 @@ def _local_says(doc: dict) -> dict:
     return {k: v for k, v in doc.items() if k in known - {"required", "path"}}
 
 
+@pytest.mark.property
 @given(data=st.data())
 def test_local_json_is_loaded_exactly_or_refused_naming_the_file(local_step, data, caplog):
     """The local.json parser the emergency restore uses: the step exactly as written, or the
@@ -411,6 +421,7 @@ def exported(tmp_path_factory):
     return root, (root / "e" / "signature.json").read_bytes(), x, want
 
 
+@pytest.mark.property
 @given(data=st.data())
 def test_signature_is_loaded_exactly_or_refused_naming_the_file(exported, data):
     """jaxckpt.export.load with a mutated signature.json: serves exactly what was exported
