@@ -92,10 +92,12 @@ class LeafMap:
         shape = tuple(leaf_shape[1:] if self.stacked else leaf_shape)
         for step in reversed(self.steps):
             if isinstance(step, Transpose):
+                if len(step.axes) != len(shape):
+                    raise self._bad(step, shape, "gets (saving)")
                 shape = tuple(shape[list(step.axes).index(d)] for d in range(len(shape)))
             else:
                 if shape != tuple(step.shape):
-                    raise self._bad(step, shape, "gets")
+                    raise self._bad(step, shape, "gets (saving)")
                 shape = tuple(step.file_shape)
         return shape
 
