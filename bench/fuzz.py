@@ -1,15 +1,16 @@
 """Every property test (``@pytest.mark.property``) under the "fuzz" hypothesis profile, with
 fresh seeds, round after round, for as long as asked.
 
-    python bench/fuzz.py --minutes 10 [-k safetensors] [--keep-going]
+    python bench/fuzz.py --minutes 10 [-k safetensors] [--log-dir DIR]
 
-A round is one pytest process (``-m property``, the properties in a random order, a random
-``--hypothesis-seed``, ``JAXCKPT_HYPOTHESIS_PROFILE=fuzz``); its hypothesis statistics give
-each property's passing, failing and invalid examples, and its ``-rA`` summary each one's
-outcome. No round starts once the time is up, and a round still running then is interrupted
-(its finished properties count; the one it was in is listed as interrupted). A failing
-property prints the command that replays it (same seed) and where the round's output is.
-Exit status 1 if any property failed (a strict xfail failing as expected is no failure).
+A round runs the properties in a random order in one pytest process (``-m property``, a
+random ``--hypothesis-seed``, ``JAXCKPT_HYPOTHESIS_PROFILE=fuzz``); its hypothesis statistics
+give each property's passing, failing and invalid examples, its ``-v``/``-rA`` lines each
+one's outcome. A property that kills the process is CRASHED and the rest of the round goes
+on in a new one. No round starts once the time is up, and one still running then is
+interrupted (finished properties count). A failing property prints the command that replays
+it (same seed) and where the round's output is. Prints a table per property and the totals;
+exit status 1 if any property failed (a strict xfail failing as expected is no failure).
 """
 
 from __future__ import annotations
