@@ -178,6 +178,13 @@ def test_orbax05_step_without_checkpoint_metadata_is_read_not_called_unfinished(
         jaxckpt.restore(step)
 
 
+@pytest.mark.parametrize("version", ["0.5.10", "0.12.8"])
+def test_an_orbax_manager_directory_is_refused_naming_a_step(version):
+    run = os.path.join(GOLDEN, version, "maxtext")
+    with pytest.raises(OrbaxFormatError, match=r"CheckpointManager directory \(steps \['3'\]\)"):
+        jaxckpt.restore(run)
+
+
 def test_an_unfinished_orbax_save_is_refused(tmp_path):
     src = golden_path("0.12.8", "maxtext")
     tmp = tmp_path / "3.orbax-checkpoint-tmp-1700000000"

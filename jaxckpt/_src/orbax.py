@@ -98,9 +98,17 @@ def item_dir(loc: Location) -> Location | None:
             f"{loc.url} is an Orbax save that never finished (Orbax renames the directory "
             "when it commits); restore a finished step"
         )
-    items = [n for n in loc.list_children() if loc.join(n).exists(METADATA)]
+    children = loc.list_children()
+    items = [n for n in children if loc.join(n).exists(METADATA)]
     if len(items) == 1:  # a step (orbax 0.5 wrote no _CHECKPOINT_METADATA) with one item
         return loc.join(items[0])
+    steps = sorted((n for n in children if n.isdigit()), key=int)
+    if not items and steps and _is_orbax_step(loc.join(steps[-1])):
+        raise OrbaxFormatError(
+            f"{loc.url} is an Orbax CheckpointManager directory (steps {steps[:3]}"
+            f"{'...' if len(steps) > 3 else ''}), not one checkpoint: pass a step directory, "
+            f"e.g. {loc.join(steps[-1]).url}"
+        )
     if items or loc.exists(CHECKPOINT_METADATA):
         raise OrbaxFormatError(
             f"{loc.url} is an Orbax step with items {items}; jaxckpt reads one item at a time: "
@@ -113,6 +121,12 @@ def item_dir(loc: Location) -> Location | None:
             "not read; restore it with flax and re-save it"
         )
     return None
+
+
+def _is_orbax_step(step: Location) -> bool:
+    if step.exists(CHECKPOINT_METADATA):
+        return True
+    return any(step.join(n).exists(METADATA) for n in step.list_children())
 
 
 def read(item: Location) -> OrbaxCheckpoint:
