@@ -80,6 +80,7 @@ def layout(arrays: dict, metadata: dict | None = None) -> tuple[dict, bytes]:
 
 # --- damage -------------------------------------------------------------------------------------
 
+DEEP = object()  # an index nested deeper than a JSON parser recurses
 HUGE = [2**31, 2**32 + 8, 2**53 + 1, 2**63, 2**64 - 1, 2**64, 10**30]
 BAD_VALUES = [None, True, 1.5, -1, "x", "", [], {}, [1, 2, 3], *HUGE]
 
@@ -213,6 +214,7 @@ def damaged(draw, header: dict, data: bytes) -> tuple[str, bytes]:
                     b'"x"',
                     b"{}" + b"x",
                     b"\xff\xfe{}",
+                    b'{"a":' * 20000 + b"1" + b"}" * 20000,
                     '{"a":1}'.encode("utf-16"),
                     b'{"' + name.encode() + b'":NaN}',
                     json.dumps(h)[:-1].encode()
@@ -301,9 +303,9 @@ def check(counts, what: str, path, ref: dict | None, target: dict, files: list[s
         event(f"{op}: {outcome}")
 
 
-def report(counts) -> None:
+def report(counts, what: str) -> None:
     tried = counts.pop("inputs", 0)
-    print(f"\nFUZZ {tried} inputs: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    print(f"\nFUZZ {what}: {tried} inputs: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
 
 
 # --- the properties -----------------------------------------------------------------------------
@@ -328,7 +330,7 @@ def test_fuzz_one_file_loads_exactly_or_raises_naming_it():
             check(counts, kind, path, ref, target, [path])
 
     prop()
-    report(counts)
+    report(counts, "one file")
 
 
 def layout_ref(header: dict, data: bytes) -> dict:
@@ -357,7 +359,7 @@ def test_fuzz_index_and_its_files_load_exactly_or_raise_naming_a_file():
         elif kind == "weight_map":
             index["weight_map"] = data.draw(st.sampled_from([[], "x", None, {}, 3]))
         elif kind == "index":
-            index = data.draw(st.sampled_from([[], "x", None, {}, {"weight_map": None}]))
+            index = data.draw(st.sampled_from([[], "x", None, {}, {"weight_map": None}, DEEP]))
         elif kind == "file":
             f = data.draw(st.sampled_from(sorted(files)))
             raw[f] = data.draw(damaged(*files[f]))[1]
@@ -378,7 +380,7 @@ def test_fuzz_index_and_its_files_load_exactly_or_raise_naming_a_file():
                     fh.write(b)
             index_path = os.path.join(d, "model.safetensors.index.json")
             with open(index_path, "w") as fh:
-                fh.write(json.dumps(index))
+                fh.write("[" * 100_000 + "]" * 100_000 if index is DEEP else json.dumps(index))
             named = weight_map if isinstance(weight_map, dict) and index is not None else {}
             inside = (
                 all(isinstance(f, str) and f in raw for f in named.values())
@@ -397,4 +399,4 @@ def test_fuzz_index_and_its_files_load_exactly_or_raise_naming_a_file():
             check(counts, kind, d, ref, target, names)
 
     prop()
-    report(counts)
+    report(counts, "an index and its files")

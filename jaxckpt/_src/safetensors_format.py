@@ -106,7 +106,7 @@ def index_files(raw: bytes, where: str) -> list[str]:
     try:
         doc = json.loads(raw.decode("utf-8"))
         weight_map = doc["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SafetensorsError(
             f"{where} is not a valid index ({type(e).__name__}: {e}); it must be JSON with a "
             "'weight_map' of tensor name -> file name"
