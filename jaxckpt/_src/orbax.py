@@ -131,12 +131,12 @@ def _is_orbax_step(step: Location) -> bool:
 
 def read(item: Location) -> OrbaxCheckpoint:
     """The checkpoint in the Orbax item directory ``item``, described as a jaxckpt manifest."""
-    where = Where(item, files.era(item, None))
+    where = Where(item)
     raw = files.read_file(where, METADATA)
     if raw is None:
         raise CheckpointNotFoundError(f"{item.url} holds no Orbax {METADATA}")
     doc = files.parse_json(where, METADATA, raw)
-    where = Where(item, files.era(item, doc))
+    where = Where(item, doc)
     if not isinstance(doc, dict):
         raise where.error(METADATA, "is not a JSON object")
     use_ocdbt = doc.get("use_ocdbt", item.exists("manifest.ocdbt"))
@@ -210,7 +210,7 @@ def read(item: Location) -> OrbaxCheckpoint:
         process_count=1,
         bytes_per_process=[sum(r.nbytes for r in leaves)],
         metadata=doc.get("custom_metadata"),
-        writer={"orbax": where.era},
+        writer={"orbax": "?"},  # Orbax records no version
     )
     return OrbaxCheckpoint(item, manifest, use_ocdbt, zarr3, keys, inline, complete)
 

@@ -34,10 +34,15 @@ _ML_NAMES = {"bfloat16", "int4", "uint4", "int2", "uint2"} | {
 
 @dataclass(frozen=True)
 class Where:
-    """What an error message names: the item directory and the Orbax era."""
+    """What an error message names: the item directory and the Orbax era (:func:`era`)."""
 
     item: Location
-    era: str
+    doc: Any = None  # the parsed _METADATA, once read
+
+    @property
+    def era(self) -> str:
+        """Worked out when an error needs it: a few more reads (on object stores, requests)."""
+        return era(self.item, self.doc)
 
     def error(self, file: str, what: str, fix: str = "") -> OrbaxFormatError:
         fix = fix or (
