@@ -164,6 +164,8 @@ def read(item: Location) -> OrbaxCheckpoint:
     leaves = []
     for e in entries:
         ours = tree_lib.path_name(e.path)
+        if ours in keys:
+            raise where.error(METADATA, f"leaves {keys[ours]!r} and {e.name!r} share a path")
         keys[ours] = e.name
         kind = _KINDS.get(e.value_type)
         if kind is None:
