@@ -40,6 +40,7 @@ import jaxckpt
 from jaxckpt.errors import CheckpointError
 
 COUNTS: Counter = Counter()
+BY_FILE: Counter = Counter()
 ESCAPES = ["..", "../..", "../outside", "/etc/passwd", "a/../../b", "\\..\\x", "", "."]
 OTHER_TYPES = [None, True, 0, -1, 1.5, "x", [], {}, [1, 2], {"a": 1}, [[4, 2]]]
 
@@ -210,5 +211,8 @@ def test_damaged_orbax_files_restore_exactly_or_raise_naming_the_file(case, data
         shutil.rmtree(tmp)
     COUNTS["tried"] += 1
     COUNTS[outcome] += 1
-    event(f"{outcome}: {os.path.basename(name)} {how}")
+    kind = os.path.basename(name)
+    BY_FILE[f"{kind} {outcome}"] += 1
+    event(f"{outcome}: {kind} {how}")
     print(f"orbax fuzz: {dict(COUNTS)}")
+    print(f"orbax fuzz by file: {dict(sorted(BY_FILE.items()))}")
