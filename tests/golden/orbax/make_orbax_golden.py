@@ -9,8 +9,9 @@ Run once per Orbax version, each in its own virtualenv (Python 3.11, CPU), from 
         'tensorstore==0.1.56' 'ml_dtypes<0.5' 'chex<0.1.87'
     python -m venv /tmp/orbax06 && /tmp/orbax06/bin/pip install 'orbax-checkpoint==0.6.4' \
         'jax[cpu]==0.4.31' 'flax==0.9.0' 'optax==0.2.3' 'numpy<2' 'tensorstore==0.1.64'
-    python -m venv /tmp/orbax011 && /tmp/orbax011/bin/pip install 'orbax-checkpoint==0.11.*' \
-        'jax[cpu]==0.5.3' 'flax==0.10.4' 'optax==0.2.4' 'tensorstore==0.1.72'
+    python -m venv /tmp/orbax011 && /tmp/orbax011/bin/pip install 'orbax-checkpoint==0.11.24' \
+        'jax[cpu]==0.6.2' 'flax==0.10.6' 'optax==0.2.4' 'tensorstore==0.1.72'
+        # (orbax 0.11.24 calls jax.monitoring.record_scalar: jax 0.5.3 is too old)
     /tmp/orbax05/bin/python tests/golden/orbax/make_orbax_golden.py
     /tmp/orbax06/bin/python tests/golden/orbax/make_orbax_golden.py
     /tmp/orbax011/bin/python tests/golden/orbax/make_orbax_golden.py
@@ -21,7 +22,9 @@ Styles: ``standard`` (StandardCheckpointer), ``flax`` (the Flax guide's PyTreeCh
 ``orbax_utils.save_args_from_target``: before flax 0.9 that aggregates every leaf that is not
 on several devices into the msgpack ``checkpoint`` file), ``ocdbt`` and ``no_ocdbt``
 (PyTreeCheckpointHandler), ``zarr3``, and ``maxtext`` (a CheckpointManager with the item
-``items`` saved through ``Composite``, as MaxText does).
+``items`` saved through ``Composite``, as MaxText does). The expected values are what Orbax
+itself restores from each style (they must agree; ``orbax_read_back`` in expected.json says
+where they differ from the values saved: orbax 0.11.24 canonicalizes sharded bf16 NaNs).
 """
 
 import os
