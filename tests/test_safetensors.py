@@ -115,6 +115,8 @@ def test_round_trip_of_every_dtype_read_by_the_reference(mesh42, tmp_path):
     info = jaxckpt.safetensors.metadata(tmp_path / "m")
     assert info["nested.bfloat16"].shape == (8, 4) and "__metadata__" not in info
     assert info.metadata == {f: {"format": "pt"} for f in files if f.endswith(".safetensors")}
+    by_index = jaxckpt.safetensors.metadata(tmp_path / "m" / "model.safetensors.index.json")
+    assert by_index == info  # the index's path: its directory
 
 
 @pytest.mark.parametrize("shape", [(4, 2), (2, 4), (2, 2)])

@@ -60,7 +60,9 @@ def _files(path: str | os.PathLike | Sequence) -> tuple[Location, list[str], str
             raise SafetensorsError(f"{[p.url for p in locs]}: the files must share one directory")
         return parent, [p.name for p in locs], parent.url
     loc = location(path)
-    if loc.name.endswith(".safetensors") or (loc.is_local and os.path.isfile(loc.url)):
+    if loc.name == INDEX_FILE:  # the index itself: its directory
+        loc = loc.parent()
+    elif loc.name.endswith(".safetensors") or (loc.is_local and os.path.isfile(loc.url)):
         return loc.parent(), [loc.name], loc.url
     try:
         index = loc.read_bytes(INDEX_FILE)
