@@ -126,7 +126,7 @@ def entries(where: Where, doc: Any, use_ocdbt: bool) -> list[Entry]:
     tree = doc.get("tree_metadata") if isinstance(doc, dict) else None
     if not isinstance(tree, dict) or not tree:
         raise where.error(METADATA, "has no 'tree_metadata' object listing the leaves")
-    out, seen = [], set()
+    out, seen, nodes = [], set(), {}
     for label, entry in tree.items():
         keys = entry.get("key_metadata") if isinstance(entry, dict) else None
         value = entry.get("value_metadata") if isinstance(entry, dict) else None
@@ -137,13 +137,15 @@ def entries(where: Where, doc: Any, use_ocdbt: bool) -> list[Entry]:
             key = k.get("key") if isinstance(k, dict) else None
             if not isinstance(key, (str, int)) or isinstance(key, bool):
                 raise where.error(METADATA, f"leaf {label!r} has a key that is not a string")
-            if k.get("key_type") == 1:
-                try:
-                    path.append(["i", int(key)])
-                except ValueError:
-                    raise where.error(METADATA, f"leaf {label!r}: index {key!r}") from None
-            else:
-                path.append(["k", str(key)])
+            kind = {1: "i", 2: "k"}.get(k.get("key_type"))  # Orbax's sequence, dict keys
+            if kind is None:
+                raise where.error(METADATA, f"leaf {label!r}: key_type {k.get('key_type')!r}")
+            if nodes.setdefault(tuple(map(tuple, path)), kind) != kind:
+                raise where.error(METADATA, f"leaf {label!r}: a node both list and dict")
+            try:
+                path.append([kind, int(key) if kind == "i" else str(key)])
+            except ValueError:
+                raise where.error(METADATA, f"leaf {label!r}: index {key!r}") from None
         name = ".".join(str(k["key"]) for k in keys)
         parts = name.split("/")  # a file's path without OCDBT: no "..", no odd names
         odd = "\0" in name or ".." in parts
@@ -162,6 +164,9 @@ def entries(where: Where, doc: Any, use_ocdbt: bool) -> list[Entry]:
             raise where.error(METADATA, f"leaf {name!r} has a skip_deserialize that is not a bool")
         skip = skip and vt != "None"  # None: an empty node, in no file
         out.append(Entry(name, path, vt, skip))
+    inner = [e.name for e in out if tuple(map(tuple, e.path)) in nodes]
+    if inner:
+        raise where.error(METADATA, f"leaf {inner[0]!r} is also a node with leaves under it")
     return out
 
 
