@@ -42,6 +42,7 @@ from jaxckpt.errors import CheckpointError
 COUNTS: Counter = Counter()
 BY_FILE: Counter = Counter()
 ESCAPES = ["..", "../..", "../outside", "/etc/passwd", "a/../../b", "\\..\\x", "", "."]
+CLASHES = ["params", "layers", "0", "1", "step", "dense"]  # another leaf's or node's key
 OTHER_TYPES = [None, True, 0, -1, 1.5, "x", [], {}, [1, 2], {"a": 1}, [[4, 2]]]
 
 
@@ -91,7 +92,7 @@ def _mutate_json(doc, data) -> tuple[object, str]:
         entry = data.draw(st.sampled_from(entries))
         keys = entry["key_metadata"]
         i = data.draw(st.integers(0, len(keys) - 1))
-        keys[i]["key"] = data.draw(st.sampled_from(ESCAPES))
+        keys[i]["key"] = data.draw(st.sampled_from(ESCAPES + CLASHES))
         return doc, "escape"
     ints = [(p, k) for p, k, _ in nodes if isinstance(p[k], int) and not isinstance(p[k], bool)]
     if how == "huge" and ints:
@@ -128,7 +129,8 @@ def _mutate_msgpack(raw: bytes, data) -> bytes:
     if data.draw(st.booleans()) and isinstance(p, dict):
         del p[k]
     else:
-        p[k] = data.draw(st.sampled_from(choices))
+        others = [c for c in choices if type(c) is not type(p[k])]  # a number for a number
+        p[k] = data.draw(st.sampled_from(others))  # is changed data, like a chunk's bytes
     return msgpack.packb(doc, use_bin_type=True)
 
 

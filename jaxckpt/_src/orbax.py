@@ -186,6 +186,10 @@ def read(item: Location) -> OrbaxCheckpoint:
                 value = np.asarray(value).reshape(()).item() if _numpy(value) else value
                 leaves.append(_python(e.path, ours, value))
                 continue
+            if not _numpy(value):  # Orbax packs every array (jax's too) as an ndarray
+                raise where.error(
+                    AGGREGATE, f"leaf {e.name!r} is a {e.value_type} but holds {value!r}"
+                )
             value = inline[ours] = np.asarray(value)
             shape, dtype, chunks = value.shape, value.dtype, tuple(max(1, d) for d in value.shape)
         else:
