@@ -305,7 +305,10 @@ def check(counts, what: str, path, ref: dict | None, target: dict, files: list[s
 
 def report(counts, what: str) -> None:
     tried = counts.pop("inputs", 0)
-    print(f"\nFUZZ {what}: {tried} inputs: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    print(
+        f"\nFUZZ {what}: {tried} inputs: "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    )
 
 
 # --- the properties -----------------------------------------------------------------------------
