@@ -159,11 +159,12 @@ def _is_numpy_tree(value: Any) -> bool:
 
 def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int) -> dict:
     arr = np.asarray(leaf)
-    if arr.dtype.kind not in "biufc":
+    if arr.dtype.kind not in "biufc" or not _plain(arr.dtype):
         raise PerProcessError(
             f"{where}: per_process of process {pid}: the NumPy leaf "
-            f"{tree_lib.path_name(path)} has dtype {arr.dtype}; only bool, integer, float and "
-            "complex arrays can be saved per process (convert strings to a JSON value)"
+            f"{tree_lib.path_name(path)} has dtype {arr.dtype}; only NumPy's own bool, integer, "
+            "float and complex arrays can be saved per process (not ml_dtypes' bfloat16, float8, "
+            "int4...: cast them or pass bytes; convert strings to a JSON value)"
         )
     return {
         "path": path,
@@ -172,6 +173,16 @@ def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int)
         "scalar": isinstance(leaf, np.generic),
         "data": base64.b64encode(np.ascontiguousarray(arr, arr.dtype.newbyteorder("<"))).decode(),
     }
+
+
+def _plain(dtype: np.dtype) -> bool:
+    """NumPy reads the dtype back from its little-endian ``str`` (ml_dtypes' float8_e5m2
+    says kind 'f', but '<f1' names nothing)."""
+    little = dtype.newbyteorder("<")
+    try:
+        return np.dtype(little.str) == little
+    except TypeError:
+        return False
 
 
 def _array(doc: dict) -> np.ndarray | np.generic:
