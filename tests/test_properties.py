@@ -49,7 +49,7 @@ AXES = ("a", "b", "c")
 MESH_SHAPES = [(8,), (4, 2), (2, 4), (2, 2, 2), (8, 1), (1, 2, 4), (4,), (2, 2), (2,), (1,)]
 """Mesh shapes over the 8 devices or a submesh of them (axes named a, b, c by position)."""
 DIMS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
-MAX_ELEMENTS = 256  # a leaf is at most a few KB
+MAX_ELEMENTS = 512  # a leaf is at most a few KB
 ODD_KEYS = [".", "..", "c", "zarr.json", "manifest.json", "_root", "a b", "ü", "%", "", "0", "a/b"]
 
 
@@ -194,16 +194,19 @@ def keys() -> st.SearchStrategy[str]:
     return st.one_of(st.sampled_from(ODD_KEYS), st.text(min_size=1, max_size=6))
 
 
-def trees(mesh: Mesh, max_leaves: int = 6) -> st.SearchStrategy:
-    """Nested dicts, lists, tuples, namedtuples and dataclasses of ``leaves(mesh)``."""
+def trees(mesh: Mesh, max_leaves: int = 10) -> st.SearchStrategy:
+    """Nested dicts, lists, tuples, namedtuples and dataclasses of ``leaves(mesh)``, empty
+    ones, and one leaf or subtree at two paths."""
     return st.recursive(
         leaves(mesh),
         lambda inner: st.one_of(
-            st.dictionaries(keys(), inner, max_size=3),
-            st.lists(inner, max_size=3),
-            st.lists(inner, max_size=3).map(tuple),
+            st.dictionaries(keys(), inner, min_size=1, max_size=4),
+            st.lists(inner, min_size=1, max_size=3),
+            st.lists(inner, min_size=1, max_size=3).map(tuple),
             st.builds(NT, inner, inner),
             st.builds(Pair, inner, inner),
+            inner.map(lambda x: [x, x]),  # one object at two paths
+            st.sampled_from([{}, [], ()]),
         ),
         max_leaves=max_leaves,
     )
@@ -226,9 +229,32 @@ def in_order(saved: dict[str, Any], restored: Any) -> dict[str, Any]:
     return dict(zip(saved, got, strict=True))
 
 
+def nested(items: list[tuple[list, Any]]) -> dict:
+    """Nested dicts holding each leaf at its path's keys (as strings): the same leaf names
+    as the tree the paths come from."""
+    root: dict = {}
+    for path, leaf in items:
+        node = root
+        for _, key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1][1])] = leaf
+    return root
+
+
 def unflatten(tree: Any, leaves: dict[str, Any]) -> Any:
     """``tree``'s structure with ``leaves`` (in flatten order) in it."""
     return tree_lib.unflatten_like(tree, list(leaves.values()))
+
+
+def kind_of(leaf: Any) -> str:
+    """What a leaf is, for hypothesis' statistics."""
+    if is_key(leaf):
+        return "PRNG key"
+    if isinstance(leaf, jax.Array):
+        return "jax.Array on one device" if len(leaf.sharding.device_set) == 1 else "jax.Array"
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return "NumPy scalar" if isinstance(leaf, np.generic) else "NumPy array"
+    return "Python"
 
 
 def is_key(x: Any) -> bool:
@@ -381,21 +407,32 @@ def test_any_tree_restores_bit_exactly_onto_any_layout(data: st.DataObject, tmp_
         compression=compression,
     )
     saved = flat(tree)
+    event(f"leaves: {min(len(saved), 4)}{'+' * (len(saved) >= 4)}")
+    for leaf in saved.values():
+        event(f"leaf: {kind_of(leaf)}")
     check_metadata(path, saved)
 
     how = data.draw(st.sampled_from(["target", "mesh", "saved"]), "restore")
     event(f"restore: {how}")
     if how == "target":
         other = data.draw(meshes(), "restore mesh")
-        drawn = [data.draw(target_leaves(leaf, other), name) for name, leaf in saved.items()]
-        target = tree_lib.unflatten_like(tree, [t for t, _ in drawn])
+        drawn = {name: data.draw(target_leaves(leaf, other), name) for name, leaf in saved.items()}
+        target = tree_lib.unflatten_like(tree, [t for t, _ in drawn.values()])
+        paths = [p for p, _ in tree_lib.flatten(tree)]
+        if len(paths) > 1 and all(paths) and data.draw(st.booleans(), "fewer leaves"):
+            # a target of nested dicts naming some of the saved leaves (names are the keys)
+            names = data.draw(st.lists(st.sampled_from(list(saved)), min_size=1, unique=True))
+            target = nested(
+                [(p, drawn[n][0]) for p, n in zip(paths, saved, strict=True) if n in names]
+            )
         out = jaxckpt.restore(path, target=target, read_budget_bytes=budget)
         assert jax.tree_util.tree_structure(out, is_leaf=lambda x: x is None) == (
             jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)
         )
         got = flat(out)
-        for (name, leaf), (_, s) in zip(saved.items(), drawn, strict=True):
-            check_leaf(name, leaf, got[name], sharding=s)
+        event("target: " + ("fewer leaves" if len(got) < len(saved) else "every leaf"))
+        for name, value in got.items():
+            check_leaf(name, saved[name], value, sharding=drawn[name][1])
         return
     if how == "mesh":
         order = data.draw(st.permutations(range(8)), "restore devices")
