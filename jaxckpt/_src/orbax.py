@@ -244,7 +244,7 @@ def _zarr_layout(where: Where, kv: ts.KvStore, name: str, zarr3: bool, use_ocdbt
     if not raw:
         raise where.error(
             key,
-            f"is missing: leaf {name!r} has no array metadata",
+            f"is missing: leaf {name!r}, which {METADATA} lists, has no array metadata",
             "the checkpoint is incomplete or uses a layout jaxckpt does not read",
         )
     try:

@@ -137,9 +137,10 @@ def entries(where: Where, doc: Any, use_ocdbt: bool) -> list[Entry]:
             key = k.get("key") if isinstance(k, dict) else None
             if not isinstance(key, (str, int)) or isinstance(key, bool):
                 raise where.error(METADATA, f"leaf {label!r} has a key that is not a string")
-            kind = {1: "i", 2: "k"}.get(k.get("key_type"))  # Orbax's sequence, dict keys
+            key_type = k.get("key_type")
+            kind = {1: "i", 2: "k"}.get(key_type) if type(key_type) is int else None
             if kind is None:
-                raise where.error(METADATA, f"leaf {label!r}: key_type {k.get('key_type')!r}")
+                raise where.error(METADATA, f"leaf {label!r}: key_type {key_type!r} is not 1 or 2")
             if nodes.setdefault(tuple(map(tuple, path)), kind) != kind:
                 raise where.error(METADATA, f"leaf {label!r}: a node both list and dict")
             try:
