@@ -8,7 +8,7 @@ symbolic link that leaves the directory; ``jaxckpt.restore`` and ``jaxckpt.metad
 either give exactly what Orbax saved, or raise a jaxckpt error (``CheckpointError``) whose
 message names the damaged file (for zarr metadata: it, or the chunk it failed to decode). Never a bare KeyError/ValueError/TypeError, never a partial
 or empty tree, never a read outside the checkpoint directory (a link out of it is refused,
-though its target holds the right bytes).
+though its target holds the right bytes; an audit hook sees every file Python opens).
 
 Not fuzzed: the chunks' bytes and OCDBT's binary files (Orbax keeps no checksums: changed
 data bytes read as other values) and self-consistent forgeries (a dtype string swapped for
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections import Counter
 
@@ -38,6 +39,24 @@ from test_orbax_golden import CASES, GOLDEN, assert_bits, expected, flat
 
 import jaxckpt
 from jaxckpt.errors import CheckpointError
+
+_WATCH: dict = {"root": None, "inside": None, "escaped": []}
+
+
+def _audit(name: str, args: tuple) -> None:
+    """Records each file Python opens or lists under the example's directory but outside the
+    checkpoint (TensorStore's own reads are C++: the checks before them keep them inside)."""
+    if _WATCH["root"] is None or name not in ("open", "os.listdir", "os.scandir") or not args:
+        return
+    if not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    path = os.path.realpath(os.fsdecode(args[0]))
+    inside = _WATCH["inside"]
+    if path.startswith(_WATCH["root"]) and not (path == inside or path.startswith(inside + "/")):
+        _WATCH["escaped"].append((name, path))
+
+
+sys.addaudithook(_audit)
 
 COUNTS: Counter = Counter()
 BY_FILE: Counter = Counter()
@@ -208,7 +227,13 @@ def test_damaged_orbax_files_restore_exactly_or_raise_naming_the_file(case, data
         if name.startswith(".."):  # the step's _CHECKPOINT_METADATA
             name = os.path.basename(target[0])
         how = _damage(target, outside, data)
-        outcome = _check(path, item, name, want)
+        real = os.path.realpath(tmp)
+        _WATCH.update(root=real, inside=os.path.join(real, "ckpt"), escaped=[])
+        try:
+            outcome = _check(path, item, name, want)
+        finally:
+            _WATCH["root"] = None
+        assert not _WATCH["escaped"], f"read outside the directory: {_WATCH['escaped']}"
     finally:
         shutil.rmtree(tmp)
     COUNTS["tried"] += 1

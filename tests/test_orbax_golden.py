@@ -207,3 +207,15 @@ def test_orbax05_converts_to_jaxckpt_bit_exactly(tmp_path, version, style):
 
     convert.to_jaxckpt(golden_path(version, style), tmp_path / "c")
     assert_bits(flat(jaxckpt.restore(tmp_path / "c")), expected(version)[1])
+
+
+@pytest.mark.parametrize("name", ["_METADATA", "_sharding", "checkpoint", "params.embed/.zarray"])
+def test_an_orbax_file_linked_out_of_the_checkpoint_is_refused(tmp_path, name):
+    style = "no_ocdbt" if name.endswith(".zarray") else "flax"
+    path = copy(tmp_path, "0.5.10", style)
+    decoy = tmp_path / "decoy"
+    shutil.copyfile(os.path.join(path, name), decoy)  # the right bytes, outside
+    os.remove(os.path.join(path, name))
+    os.symlink(decoy, os.path.join(path, name))
+    with pytest.raises(OrbaxFormatError, match=f"{path}/{name}: .*outside the checkpoint"):
+        jaxckpt.restore(path)

@@ -76,8 +76,14 @@ def read_file(where: Where, name: str) -> bytes | None:
         if not os.path.lexists(path):
             return None
         real, root = os.path.realpath(path), os.path.realpath(item.url)
-        if os.path.commonpath([real, root]) != root or not os.path.isfile(real):
-            raise where.error(name, "is not a regular file inside the checkpoint directory")
+        if os.path.commonpath([real, root]) != root:
+            raise where.error(
+                name,
+                f"leads outside the checkpoint directory (to {real})",
+                "jaxckpt reads nothing outside it: copy the file in place of the link",
+            )
+        if not os.path.isfile(real):
+            raise where.error(name, "is not a regular file")
     try:
         return item.read_bytes(name)
     except OSError as e:
@@ -91,7 +97,11 @@ def inside(where: Where, key: str) -> None:
         for path in (key.rsplit("/", 1)[0], key):
             real = os.path.realpath(os.path.join(where.item.url, path))
             if os.path.commonpath([real, root]) != root:
-                raise where.error(key, "resolves outside the checkpoint directory (a link)")
+                raise where.error(
+                    key,
+                    f"leads outside the checkpoint directory (to {real})",
+                    "jaxckpt reads nothing outside it: copy the file in place of the link",
+                )
 
 
 def read_json(where: Where, name: str, required: bool = True) -> Any:
