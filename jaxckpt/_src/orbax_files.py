@@ -59,12 +59,30 @@ def era(item: Location, doc: dict | None) -> str:
         return "written by orbax-checkpoint 0.12 or later; Orbax records no version"
     if "store_array_data_equal_to_fill_value" in doc or item.exists("array_metadatas"):
         return "written by orbax-checkpoint 0.11; Orbax records no version"
-    if item.exists(CHECKPOINT_METADATA) or item.parent().exists(CHECKPOINT_METADATA):
-        return "written by orbax-checkpoint 0.6 to 0.10; Orbax records no version"
-    return (
-        "written by orbax-checkpoint 0.5 or earlier (before September 2024: no "
-        f"{CHECKPOINT_METADATA}); Orbax records no version"
-    )
+    if not item.exists(CHECKPOINT_METADATA) and not item.parent().exists(CHECKPOINT_METADATA):
+        return (
+            "written by orbax-checkpoint 0.5 or earlier (before September 2024: no "
+            f"{CHECKPOINT_METADATA}); Orbax records no version"
+        )
+    if _meshes_without_devices(item):
+        return (
+            "written by orbax-checkpoint 0.5 (before September 2024: its _sharding has no "
+            "device_mesh); Orbax records no version"
+        )
+    return "written by orbax-checkpoint 0.6 to 0.10; Orbax records no version"
+
+
+def _meshes_without_devices(item: Location) -> bool:
+    """Whether ``_sharding`` has NamedShardings without ``device_mesh`` (orbax 0.5)."""
+    try:
+        doc = json.loads(read_file(Where(item), SHARDING) or b"{}")
+        entries = [json.loads(v) for v in doc.values()] if isinstance(doc, dict) else []
+    except (OrbaxFormatError, ValueError, TypeError, RecursionError):
+        return False  # damaged: the error at hand says so
+    named = [
+        e for e in entries if isinstance(e, dict) and e.get("sharding_type") == "NamedSharding"
+    ]
+    return bool(named) and not any("device_mesh" in e for e in named)
 
 
 def read_file(where: Where, name: str) -> bytes | None:

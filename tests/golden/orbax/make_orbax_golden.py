@@ -7,12 +7,15 @@ Run once per Orbax version, each in its own virtualenv (Python 3.11, CPU), from 
     python -m venv /tmp/orbax05 && /tmp/orbax05/bin/pip install 'orbax-checkpoint==0.5.10' \
         'jax[cpu]==0.4.26' 'jaxlib==0.4.26' 'flax==0.8.2' 'optax==0.2.2' 'numpy<2' \
         'tensorstore==0.1.56' 'ml_dtypes<0.5' 'chex<0.1.87'
+    python -m venv /tmp/orbax0523 && /tmp/orbax0523/bin/pip install 'orbax-checkpoint==0.5.23' \
+        'jax[cpu]==0.4.30' 'flax==0.8.5' 'optax==0.2.3' 'numpy<2' 'tensorstore==0.1.63'
     python -m venv /tmp/orbax06 && /tmp/orbax06/bin/pip install 'orbax-checkpoint==0.6.4' \
         'jax[cpu]==0.4.31' 'flax==0.9.0' 'optax==0.2.3' 'numpy<2' 'tensorstore==0.1.64'
     python -m venv /tmp/orbax011 && /tmp/orbax011/bin/pip install 'orbax-checkpoint==0.11.24' \
         'jax[cpu]==0.6.2' 'flax==0.10.6' 'optax==0.2.4' 'tensorstore==0.1.72'
         # (orbax 0.11.24 calls jax.monitoring.record_scalar: jax 0.5.3 is too old)
     /tmp/orbax05/bin/python tests/golden/orbax/make_orbax_golden.py
+    /tmp/orbax0523/bin/python tests/golden/orbax/make_orbax_golden.py
     /tmp/orbax06/bin/python tests/golden/orbax/make_orbax_golden.py
     /tmp/orbax011/bin/python tests/golden/orbax/make_orbax_golden.py
     python tests/golden/orbax/make_orbax_golden.py       # the project's own orbax (0.12.x)
