@@ -188,7 +188,7 @@ def read(item: Location) -> OrbaxCheckpoint:
                 continue
             if not _numpy(value):  # Orbax packs every array (jax's too) as an ndarray
                 raise where.error(
-                    AGGREGATE, f"leaf {e.name!r} is a {e.value_type} but holds {value!r}"
+                    AGGREGATE, f"leaf {e.name!r} is a {e.value_type} but holds {repr(value)[:40]}"
                 )
             value = inline[ours] = np.asarray(value)
             shape, dtype, chunks = value.shape, value.dtype, tuple(max(1, d) for d in value.shape)
