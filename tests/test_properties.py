@@ -618,6 +618,47 @@ def test_manager_saves_and_restores_the_latest_step_bit_exactly(
             check_per_process(value, mgr.per_process(step))
 
 
+@given(data=st.data())
+def test_emergency_local_tier_restores_bit_exactly(data: st.DataObject, tmp_path_factory):
+    """EmergencyCheckpointManager, one process: the newest local step comes back
+    bit-exactly without a target, onto another mesh, or onto a target's shardings."""
+    mesh = data.draw(meshes(), "mesh")
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1,
+        remote_interval_steps=10**9,
+        async_save=data.draw(st.booleans(), "async_save"),
+    )
+    root = tmp_path_factory.mktemp("emergency")
+    rng = np.random.default_rng(data.draw(seeds(), "seed"))
+    with jaxckpt.EmergencyCheckpointManager(root / "local", root / "remote", opts) as mgr:
+        for step in (1, 2):
+            tree = data.draw(trees(mesh, max_leaves=6), f"tree of step {step}")
+            value = data.draw(per_process_values(), f"per_process of step {step}")
+            expected = snapshot(tree)
+            assert mgr.save(step, tree, per_process=value)
+            let_go(tree, "keep", rng)  # NumPy leaves overwritten
+        mgr.wait_until_finished()
+        how = data.draw(st.sampled_from(["saved", "mesh", "target"]), "restore")
+        event(f"restore: {how}")
+        if how == "target":
+            other = data.draw(meshes(), "restore mesh")
+            drawn = {n: data.draw(target_leaves(v, other), n) for n, v in expected.items()}
+            out = flat(mgr.restore(target=unflatten(tree, {n: t for n, (t, _) in drawn.items()})))
+            for name, leaf in expected.items():
+                check_leaf(name, leaf, out[name], sharding=drawn[name][1])
+        else:
+            other = None
+            if how == "mesh":
+                fits = [m for m in (data.draw(meshes(), f"mesh {i}") for i in range(4))]
+                fits = [m for m in fits if mesh_fits(expected, m)] or [mesh]
+                other = fits[0]
+            got = in_order(expected, mgr.restore(mesh=other))
+            for name, leaf in expected.items():
+                check_leaf(name, leaf, got[name], sharding=saved_sharding(leaf, other))
+        assert mgr.last_report is not None
+        check_per_process(value, mgr.per_process())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_per_process_arrays_of_every_dtype_come_back_or_are_refused_on_save(dtype, tmp_path):
     """A per-process NumPy array comes back bit-exactly, or ``save`` refuses it before
