@@ -125,6 +125,11 @@ def test_golden_restores_onto_another_mesh_target_and_as_numpy(version, style):
     for name, sharding in shardings.items():
         assert out[name].sharding == sharding, name
     assert isinstance(out["host"], np.ndarray) and isinstance(out["step"], int)
+    bound = flat(jaxckpt.restore(path, mesh=mesh))  # no target: the saved specs on ``mesh``
+    assert_bits(bound, values)
+    for name in shardings:
+        if isinstance(bound[name], jax.Array) and name != "single":
+            assert bound[name].sharding == NamedSharding(mesh, spec_of(doc["leaves"][name]))
     as_numpy = flat(
         jaxckpt.restore(path, target=nest({n: np.zeros_like(v) for n, v in values.items()}))
     )
