@@ -361,9 +361,12 @@ def mesh_fits(saved: dict[str, Any], mesh: Mesh) -> bool:
 
 
 @st.composite
-def target_leaves(draw: st.DrawFn, leaf: Any, mesh: Mesh) -> tuple[Any, Any]:
+def target_leaves(
+    draw: st.DrawFn, leaf: Any, mesh: Mesh, bound: Mesh | None = None
+) -> tuple[Any, Any]:
     """A restore-target leaf for ``leaf`` and the sharding the result must have (None for
-    NumPy or Python results)."""
+    NumPy or Python results). ``bound``: the restore's ``mesh=``, which a ShapeDtypeStruct
+    without a sharding takes with the saved spec (without one, it means NumPy)."""
     if type(leaf) in (int, float, bool, str, type(None)):
         return leaf, None
     if is_key(leaf):
@@ -372,11 +375,14 @@ def target_leaves(draw: st.DrawFn, leaf: Any, mesh: Mesh) -> tuple[Any, Any]:
     arr = host_bits(leaf)
     if arr.dtype not in DEVICE_DTYPES or draw(st.integers(0, 3)) == 0:
         return np.zeros(arr.shape, arr.dtype), None
+    how = draw(st.sampled_from(["struct", "struct", "sharding", "array", "bare"]))
+    if how == "bare":
+        bare = jax.ShapeDtypeStruct(arr.shape, arr.dtype)
+        return bare, None if bound is None else saved_sharding(leaf, bound)
     if draw(st.integers(0, 5)) == 0:
         s: Any = SingleDeviceSharding(jax.devices()[draw(st.integers(0, 7))])
     else:
         s = NamedSharding(mesh, draw(specs(arr.shape, mesh)))  # pinned_host: see the xfail
-    how = draw(st.sampled_from(["struct", "struct", "sharding", "array"]))
     if how == "struct":
         return jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=s), s
     if how == "sharding":
@@ -425,7 +431,8 @@ def test_any_tree_restores_bit_exactly_onto_any_layout(data: st.DataObject, tmp_
     event(f"restore: {how}")
     if how == "target":
         other = data.draw(meshes(), "restore mesh")
-        drawn = {name: data.draw(target_leaves(leaf, other), name) for name, leaf in saved.items()}
+        bound = other if mesh_fits(saved, other) and data.draw(st.booleans(), "mesh=") else None
+        drawn = {n: data.draw(target_leaves(v, other, bound), n) for n, v in saved.items()}
         target = tree_lib.unflatten_like(tree, [t for t, _ in drawn.values()])
         paths = [p for p, _ in tree_lib.flatten(tree)]
         if len(paths) > 1 and all(paths) and data.draw(st.booleans(), "fewer leaves"):
@@ -434,7 +441,7 @@ def test_any_tree_restores_bit_exactly_onto_any_layout(data: st.DataObject, tmp_
             target = nested(
                 [(p, drawn[n][0]) for p, n in zip(paths, saved, strict=True) if n in names]
             )
-        out = jaxckpt.restore(path, target=target, read_budget_bytes=budget)
+        out = jaxckpt.restore(path, target=target, mesh=bound, read_budget_bytes=budget)
         assert jax.tree_util.tree_structure(out, is_leaf=lambda x: x is None) == (
             jax.tree_util.tree_structure(target, is_leaf=lambda x: x is None)
         )
@@ -568,10 +575,10 @@ def _overwrite(x: jax.Array) -> jax.Array:
 def test_manager_saves_and_restores_the_latest_step_bit_exactly(
     data: st.DataObject, tmp_path_factory
 ):
-    """CheckpointManager, sync or async: each step's tree and per-process value come back
-    bit-exactly, also when, once ``save`` returned, its NumPy leaves were overwritten and its
-    device arrays deleted or donated; the newest step is the latest, and a new manager over
-    the directory finds the kept steps."""
+    """CheckpointManager, sync or async, of a tree or a ``stage`` handle: each step's tree
+    and per-process value come back bit-exactly, also when, once ``save`` returned, its NumPy
+    leaves were overwritten and its device arrays deleted or donated; the newest step is the
+    latest, and a new manager over the directory finds the kept steps."""
     mesh = data.draw(meshes(), "mesh")
     opts = jaxckpt.Options(
         async_save=data.draw(st.booleans(), "async_save"),
@@ -591,7 +598,12 @@ def test_manager_saves_and_restores_the_latest_step_bit_exactly(
             value = data.draw(per_process_values(), f"per_process of step {step}")
             expected = snapshot(tree)
             saved[step] = (expected, copy.deepcopy(value), unflatten(tree, expected))
-            assert mgr.save(step, tree, per_process=value, metrics={"step": float(step)})
+            source = tree
+            if data.draw(st.booleans(), "staged"):
+                source = jaxckpt.stage(
+                    tree, compression=opts.compression, chunk_bytes=opts.chunk_bytes
+                )
+            assert mgr.save(step, source, per_process=value, metrics={"step": float(step)})
             how = data.draw(st.sampled_from(["keep", "delete", "donate"]), "after save")
             event(f"after save: {how}")
             let_go(tree, how, rng)  # the save owns its host copy by now
