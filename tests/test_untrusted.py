@@ -16,6 +16,7 @@ tweaked within its type. ``-s`` prints, per reader, the inputs tried and their o
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import logging
 import os
@@ -121,7 +122,8 @@ def _tweaks(v):
     if isinstance(v, str):
         return ["../" + v, "/" + v, v + "x", "", v.upper(), "../decoy"]
     if isinstance(v, list):
-        return [v[:-1], v + v[-1:], v[::-1], [], v * 1000] if v else [[0], [None]]
+        long = v * (1000 if len(v) < 10 else 2)  # stays under a million entries
+        return [v[:-1], v + v[-1:], v[::-1], [], long] if v else [[0], [None]]
     if isinstance(v, dict):
         return [{}, {**v, "unknown_field_of_a_later_minor": 1}, dict(list(v.items())[:-1])]
     return [0, "", [], {}]
@@ -129,8 +131,8 @@ def _tweaks(v):
 
 @st.composite
 def mutated(draw, original: bytes, utf8: bool = False):
-    """``original`` (a JSON file) changed once: returns (bytes, what was done). ``utf8``:
-    garbage stays valid UTF-8."""
+    """``original`` (a JSON file) truncated, or with garbage bytes, or with one to three
+    fields changed: returns (bytes, what was done). ``utf8``: garbage stays valid UTF-8."""
     doc = json.loads(original)
     how = draw(st.sampled_from(["truncate", "garbage", "replace", "delete", "tweak", "tweak"]))
     if how == "truncate":
@@ -142,20 +144,30 @@ def mutated(draw, original: bytes, utf8: bool = False):
         if utf8:
             junk = draw(st.text(min_size=1, max_size=8)).encode()
         return original[:at] + junk + original[at + len(junk) :], f"garbage {junk!r} at {at}"
+    whats = []
+    for _ in range(draw(st.integers(1, 3))):  # up to three fields changed together
+        whats.append(_change(draw, doc, how))
+        how = draw(st.sampled_from(["replace", "delete", "tweak", "tweak"]))
+    return json.dumps(doc, indent=1).encode(), "; ".join(whats)
+
+
+def _change(draw, doc, how: str) -> str:
+    """Changes one field of ``doc`` in place, each field equally likely (a list's entries
+    count as one field): ``how`` is replace (by a hostile value), delete or tweak."""
     nodes = list(_nodes(doc))
-    at, old = draw(st.sampled_from(nodes))
+    fields = sorted({_field(at) for at, _ in nodes})
+    field = draw(st.sampled_from(fields))
+    at, old = draw(st.sampled_from([(at, v) for at, v in nodes if _field(at) == field]))
     if how == "delete" and isinstance(_parent(doc, at), dict):
         _set(doc, at, None, delete=True)
-        what = f"deleted {list(at)}"
-    elif how == "tweak":
-        new = draw(st.sampled_from(_tweaks(old)))
-        _set(doc, at, new)
-        what = f"{list(at)}: {_short(old)} -> {_short(new)}"
-    else:
-        new = draw(HOSTILE)
-        _set(doc, at, new)
-        what = f"{list(at)}: {_short(old)} -> {_short(new)}"
-    return json.dumps(doc, indent=1).encode(), what
+        return f"deleted {list(at)}"
+    new = draw(st.sampled_from(_tweaks(old)) if how == "tweak" else HOSTILE)
+    _set(doc, at, copy.deepcopy(new))  # never shared with another field or example
+    return f"{list(at)}: {_short(old)} -> {_short(new)}"
+
+
+def _field(at: tuple) -> str:
+    return "/".join("*" if isinstance(k, int) else k for k in at)
 
 
 def _parent(doc, at):
@@ -332,6 +344,8 @@ def _local_says(doc: dict) -> dict:
 
     doc = json.loads(json.dumps(doc))
     known = set(local.LocalStep.__dataclass_fields__) | {"format", "slices"}
+    if type(doc.get("format_version")) is int:  # the 1.0 form of [1, 0]
+        doc["format_version"] = [doc["format_version"], 0]
     if isinstance(doc.get("leaves"), list):
         doc["leaves"] = [LeafRecord.from_dict(r).to_dict() for r in doc["leaves"]]
     return {k: v for k, v in doc.items() if k in known - {"required", "path"}}

@@ -271,7 +271,7 @@ def _variant(f: Fields, v: dict, at: str, axes: list[str], inputs: list[dict]) -
 def read_artifact(loc: Location, sig: dict, variant: dict) -> jax.export.Exported:
     """The variant's ``Exported``, once its versions, checksum and platform check out."""
     where = f"{loc.url}/{variant['file']}"
-    writer = sig.get("versions", {}).get("jax", "?")
+    writer = (sig.get("versions") or {}).get("jax", "?")
     lo = jax.export.minimum_supported_calling_convention_version
     hi = jax.export.maximum_supported_calling_convention_version
     ccv = variant["calling_convention_version"]

@@ -90,10 +90,12 @@ def check_format_version(
     ignore. Files written before 1.1 may carry a plain integer major (or ``legacy_key``).
     """
     raw = doc.get("format_version", doc.get(legacy_key) if legacy_key else None)
-    if isinstance(raw, int):
+    if type(raw) is int:  # not bool: JSON's true is no version
         raw = [raw, 0]
     if not (
-        isinstance(raw, (list, tuple)) and len(raw) == 2 and all(isinstance(v, int) for v in raw)
+        isinstance(raw, (list, tuple))
+        and len(raw) == 2
+        and all(type(v) is int and v >= 0 for v in raw)
     ):
         raise ManifestError(
             f"{where}: has no valid format_version ([major, minor]), got {raw!r}; the file is "
