@@ -277,14 +277,16 @@ def read_artifact(loc: Location, sig: dict, variant: dict) -> jax.export.Exporte
     ccv = variant["calling_convention_version"]
     if not lo <= ccv <= hi:
         raise ExportVersionError(
-            f"{where}: written by jax {writer} with calling convention version {ccv}; the "
+            f"{where}: written by jax {writer} with calling convention version {ccv} (as "
+            f"{SIGNATURE_FILE} records); the "
             f"installed jax {jax.__version__} supports versions {lo}..{hi}. Serve with a jax "
             "that supports it, or re-export with the installed jax"
         )
     schema, mine = variant.get("serialization_version"), schema_version()
     if schema is not None and mine is not None and schema > mine:
         raise ExportVersionError(
-            f"{where}: written by jax {writer} with serialization version {schema}; the "
+            f"{where}: written by jax {writer} with serialization version {schema} (as "
+            f"{SIGNATURE_FILE} records); the "
             f"installed jax {jax.__version__} reads up to version {mine}. Upgrade jax to at "
             f"least {writer}, or re-export with the installed jax"
         )
