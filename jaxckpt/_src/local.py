@@ -155,6 +155,7 @@ class LocalStep:
             f.items(doc.get(k, []), k, lambda v, at: f.integer(v, at, hi=count - 1))
             for k in ("sends_to", "receives_from")
         ]
+        hosts = doc.get("hosts", [])  # one per process (absent: none recorded)
         records = f.obj(doc.get("per_process", {}), "per_process")
         for k, rec in records.items():
             if not (k.isdigit() and int(k) < count):
@@ -170,7 +171,7 @@ class LocalStep:
             held=held,
             required=required,
             replication=f.integer(doc.get("replication", 0), "replication"),
-            hosts=f.items(doc.get("hosts", []), "hosts", f.text),
+            hosts=f.items(hosts, "hosts", f.text, length=count if hosts else None),
             sends_to=peers[0],
             receives_from=peers[1],
             per_process=records,
