@@ -7,15 +7,18 @@ wrong. Never a bare KeyError/ValueError/TypeError/AttributeError/IndexError, nev
 partial result, never a read outside the checkpoint's directory (an audit hook watches every
 file Python opens or lists; a full copy of the checkpoint sits next to it as a decoy).
 
-Mutations: truncation, garbage bytes, any field replaced by a hostile value (wrong JSON type,
-huge or negative numbers, long lists, paths leaving the directory), a field removed, a field
-tweaked within its type. ``-s`` prints, per reader, the inputs tried and their outcomes;
-``--hypothesis-show-statistics`` shows them as hypothesis events too.
+Mutations: truncation, garbage bytes, or one to three fields each replaced by a hostile value
+(wrong JSON type, huge or negative numbers, long lists, paths leaving the directory), removed,
+or tweaked within its type. (The emergency tier refuses a damaged local.json by logging a
+warning naming it and treating that copy as missing; its parser raises the error.) After the module, each reader's inputs and outcomes are printed
+(``--hypothesis-show-statistics`` shows them as hypothesis events too); longer runs:
+``JAXCKPT_HYPOTHESIS_PROFILE=fuzz pytest tests/test_untrusted.py``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import json
 import logging
@@ -188,16 +191,15 @@ COUNTS: dict[str, collections.Counter] = collections.defaultdict(collections.Cou
 
 @pytest.fixture(scope="module", autouse=True)
 def _print_counts(request):
+    """Prints, after the module, each reader's inputs and outcomes (past pytest's capture)."""
     yield
-    report = request.config.pluginmanager.get_plugin("terminalreporter")
-    for reader, c in sorted(COUNTS.items()):
-        line = f"untrusted {reader}: {sum(c.values())} inputs: " + ", ".join(
-            f"{n} {k}" for k, n in sorted(c.items())
-        )
-        if report is not None:
-            report.write_line(line)
-        else:
-            print(line)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        for reader, c in sorted(COUNTS.items()):
+            print(
+                f"\nuntrusted {reader}: {sum(c.values())} inputs: "
+                + ", ".join(f"{n} {k}" for k, n in sorted(c.items()))
+            )
 
 
 def outcome(reader: str, what: str) -> None:
