@@ -144,6 +144,9 @@ def test_restore_without_target_uses_numpy_when_mesh_does_not_fit(mesh42, tmp_pa
     jaxckpt.save(tmp_path / "c", {"x": x})
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     manifest["meshes"][0]["shape"] = [8, 2]  # pretend it was 16 devices
+    manifest["meshes"][0]["device_ids"] = np.arange(16).reshape(8, 2).tolist()
+    manifest["meshes"][0]["process_indices"] = np.zeros((8, 2), int).tolist()
+    manifest["leaves"][0]["chunk_shape"] = [1, 2]  # the shards of an (8, 2) mesh
     (tmp_path / "c" / "manifest.json").write_text(json.dumps(manifest))
     out = jaxckpt.restore(tmp_path / "c")
     assert isinstance(out["x"], np.ndarray)

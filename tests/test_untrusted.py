@@ -293,11 +293,6 @@ def test_manifest_is_loaded_exactly_or_refused_naming_the_file(saved, data):
         (ckpt / "manifest.json").write_bytes(original)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restoring.read_manifest decodes the bytes before Manifest.from_json sees them "
-    "(UnicodeDecodeError); the fix is Manifest.from_json(text, ...) without .decode()",
-)
 def test_manifest_that_is_not_utf8_is_refused_naming_the_file(saved):
     root, original, _ = saved
     ckpt = root / "ckpt"

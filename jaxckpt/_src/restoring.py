@@ -143,7 +143,7 @@ def read_manifest(path: str | os.PathLike | Location) -> Manifest:
     text = loc.read_bytes(MANIFEST_FILE)
     if text is None:
         raise CheckpointNotFoundError(f"{loc.url}: COMMITTED but {MANIFEST_FILE} is missing")
-    return Manifest.from_json(text.decode(), where=f"{loc.url}/{MANIFEST_FILE}")
+    return Manifest.from_json(text, where=f"{loc.url}/{MANIFEST_FILE}")
 
 
 # --- what each leaf should become ----------------------------------------------------------
