@@ -38,13 +38,11 @@ from ..errors import (
     ManifestError,
 )
 from . import checkpoint, multihost
+from .fields import MAX_NDIM, Fields, parse_json
 from .manifest import (
     AXIS_TYPES,
     FORMAT_VERSION,
-    MAX_NDIM,
-    Fields,
     check_format_version,
-    parse_json,
     path_entry,
 )
 from .storage import Location, location

@@ -30,16 +30,14 @@ import tensorstore as ts
 
 from ..errors import FormatVersionError, ManifestError
 from . import arrays, steps
+from .fields import MAX_PROCESSES, Fields, parse_json
 from .manifest import (
     COMMIT_FILE,
     FORMAT_VERSION,
-    MAX_PROCESSES,
-    Fields,
     LeafRecord,
     check_format_version,
     leaves_from_json,
     meshes_from_json,
-    parse_json,
 )
 from .sharding import Index
 from .storage import Location, release_owner_lock
