@@ -54,6 +54,7 @@ MESH_SHAPES = [(8,), (4, 2), (2, 4), (2, 2, 2), (8, 1), (1, 2, 4), (4,), (2, 2),
 DIMS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
 MAX_ELEMENTS = 512  # a leaf is at most a few KB
 ODD_KEYS = [".", "..", "c", "zarr.json", "manifest.json", "_root", "a b", "ü", "%", "", "0", "a/b"]
+ODD_KEYS += ["a\x00b", "\n", "c/0/0", "%2F", "../x"]
 
 
 NT = namedtuple("NT", ["p", "q"])
@@ -212,6 +213,7 @@ def trees(mesh: Mesh, max_leaves: int = 10) -> st.SearchStrategy:
         leaves(mesh),
         lambda inner: st.one_of(
             st.dictionaries(keys(), inner, min_size=1, max_size=4),
+            st.dictionaries(st.integers(-2, 300), inner, min_size=1, max_size=3),
             st.lists(inner, min_size=1, max_size=3),
             st.lists(inner, min_size=1, max_size=3).map(tuple),
             st.builds(NT, inner, inner),
@@ -592,6 +594,7 @@ def test_manager_saves_and_restores_the_latest_step_bit_exactly(
         chunk_bytes=data.draw(st.sampled_from([None, 1, 64]), "chunk_bytes"),
         read_budget_bytes=data.draw(st.sampled_from([None, 1, 1000]), "read_budget_bytes"),
         compression=data.draw(st.sampled_from([None, "zstd"]), "compression"),
+        staging_budget_bytes=data.draw(st.sampled_from([None, None, 1]), "staging_budget_bytes"),
     )
     event(f"async_save: {opts.async_save}")
     directory = tmp_path_factory.mktemp("run")
