@@ -161,10 +161,12 @@ def device_leaves(draw: st.DrawFn, mesh: Mesh) -> jax.Array:
 
 @st.composite
 def key_leaves(draw: st.DrawFn, mesh: Mesh) -> jax.Array:
-    """A typed threefry PRNG key array with random key data, sharded on ``mesh``."""
+    """A typed PRNG key array (threefry, rbg, unsafe_rbg) with random key data, sharded on
+    ``mesh``."""
     shape = draw(shapes(max_ndim=2, max_elements=32))
-    data = random_bits((*shape, 2), np.uint32, np.random.default_rng(draw(seeds())))
-    keys = jax.random.wrap_key_data(data, impl="threefry2x32")
+    impl, width = draw(st.sampled_from([("threefry2x32", 2), ("rbg", 4), ("unsafe_rbg", 4)]))
+    data = random_bits((*shape, width), np.uint32, np.random.default_rng(draw(seeds())))
+    keys = jax.random.wrap_key_data(data, impl=impl)
     return jax.device_put(keys, NamedSharding(mesh, draw(specs(shape, mesh))))
 
 
