@@ -140,7 +140,9 @@ def run_round(
         outcomes.update({i: (o, m, log) for i, (o, m) in got.items()})
         left = [i for i in remaining if i not in got]
         if run.interrupted or (left and time.monotonic() >= deadline):
-            outcomes.update({i: ("INTERRUPTED", "time up", log) for i in left})
+            outcomes.update({i: ("NOT STARTED", "time up", log) for i in left})
+            if run.interrupted and left:  # pytest runs in order: the first was running
+                outcomes[left[0]] = ("INTERRUPTED", "time up", log)
             return stats, outcomes, True
         if left:  # pytest runs in order: the first without an outcome took the process down
             why = f"the pytest process died (exit status {run.code}) while it ran"
@@ -246,7 +248,8 @@ def report(tallies: dict[str, Tally], rounds: int, elapsed_s: float) -> None:
     known = sum(t.rounds["XFAIL"] for t in tallies.values())
     tried = sum(t.tried for t in tallies.values())
     if any(
-        not t.counted and t.rounds.keys() - {"INTERRUPTED", "SKIPPED"} for t in tallies.values()
+        not t.counted and t.rounds.keys() - {"INTERRUPTED", "NOT STARTED", "SKIPPED"}
+        for t in tallies.values()
     ):
         print("-: no hypothesis statistics printed (e.g. its @given is on a function inside it)")
     print(
