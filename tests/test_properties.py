@@ -104,7 +104,7 @@ def shapes(draw: st.DrawFn, max_ndim: int = 3, max_elements: int = MAX_ELEMENTS)
 def specs(draw: st.DrawFn, shape: tuple, mesh: Mesh) -> P:
     """A PartitionSpec that fits ``shape`` on ``mesh``: each mesh axis used at most once,
     each dimension divisible by the product of its axes; names or tuples of names."""
-    free = [a for a in mesh.axis_names]
+    free = list(mesh.axis_names)
     entries: list = []
     for dim in shape:
         picked = draw(st.permutations(free))[: draw(st.integers(0, len(free)))]
@@ -131,7 +131,8 @@ def seeds() -> st.SearchStrategy[int]:
 
 @st.composite
 def python_scalars(draw: st.DrawFn) -> Any:
-    """int (also beyond 64 bits), float (any bit pattern but NaN), bool, str, None."""
+    """int (also beyond 64 bits), float (every value; NaN only as float("nan"): see
+    test_python_float_nan_keeps_its_bits), bool, str, None."""
     return draw(
         st.one_of(
             st.integers(-(2**80), 2**80),
