@@ -8,7 +8,8 @@ array, typed PRNG key, NumPy array in odd memory layouts, NumPy scalar, Python s
 dtype and shape, the save mesh (1-d to 3-d, permuted devices, 4- and 2-device submeshes) and
 PartitionSpecs that fit each shape, and the restore: a target with other shardings, another
 ``mesh=``, or nothing (saved mesh rebuilt, or NumPy). ``chunk_bytes``, ``read_budget_bytes``
-and zstd are drawn too; ``jaxckpt.metadata`` must describe what was saved. The same trees go
+and zstd are drawn too; ``jaxckpt.metadata`` must describe what was saved, and ``jaxckpt
+verify`` find nothing wrong. The same trees go
 through a ``CheckpointManager`` (sync, async, ``stage`` handles; NumPy leaves overwritten and
 device arrays deleted or donated once ``save`` returned; per-process values) and the
 emergency manager's local tier. Examples per property (``@pytest.mark.property``) come from
@@ -44,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt._src import tree as tree_lib
+from jaxckpt._src.verify import verify
 
 DEVICE_DTYPES = [d for d in DTYPES if d.itemsize < 8 or d == np.dtype("complex64")]
 """Dtypes a jax.Array holds without x64 (complex64 is two float32s)."""
@@ -273,6 +275,10 @@ def kind_of(leaf: Any) -> str:
     return "Python"
 
 
+def is_python(x: Any) -> bool:
+    return type(x) in (int, float, bool, str, type(None))
+
+
 def is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -292,7 +298,7 @@ def float_bits(x: float) -> bytes:
 def check_leaf(name: str, saved: Any, got: Any, *, sharding: Any = None) -> None:
     """``got`` holds exactly ``saved``'s bits; a jax.Array is checked shard by shard (every
     replica), and against ``sharding`` when one was asked for."""
-    if type(saved) in (int, float, bool, str, type(None)):
+    if is_python(saved):
         assert type(got) is type(saved), f"{name}: {type(got)} for {type(saved)}"
         if isinstance(saved, float):
             assert float_bits(got) == float_bits(saved), f"{name}: {got!r} for {saved!r}"
@@ -330,7 +336,7 @@ def check_metadata(path: Any, saved: dict[str, Any]) -> None:
     infos = in_order(saved, jaxckpt.metadata(path))
     for name, leaf in saved.items():
         info = infos[name]
-        if type(leaf) in (int, float, bool, str, type(None)):
+        if is_python(leaf):
             assert info.kind == "python", name
             check_leaf(f"{name} (metadata)", leaf, info.value)
             continue
@@ -374,7 +380,7 @@ def target_leaves(
     """A restore-target leaf for ``leaf`` and the sharding the result must have (None for
     NumPy or Python results). ``bound``: the restore's ``mesh=``, which a ShapeDtypeStruct
     without a sharding takes with the saved spec (without one, it means NumPy)."""
-    if type(leaf) in (int, float, bool, str, type(None)):
+    if is_python(leaf):
         return leaf, None
     if is_key(leaf):
         s = NamedSharding(mesh, draw(specs(leaf.shape, mesh)))
@@ -436,6 +442,9 @@ def test_any_tree_restores_bit_exactly_onto_any_layout(data: st.DataObject, tmp_
     for leaf in saved.values():
         event(f"leaf: {kind_of(leaf)}")
     check_metadata(path, saved)
+    report = verify(path)  # every chunk read, every CRC checked: no false alarm
+    assert report.ok, report.problems
+    assert report.bytes == sum(host_bits(v).nbytes for v in saved.values() if not is_python(v))
 
     how = data.draw(st.sampled_from(["target", "mesh", "saved"]), "restore")
     event(f"restore: {how}")
