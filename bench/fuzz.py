@@ -69,6 +69,9 @@ def collect(selection: list[str]) -> list[str]:
     ids = [line for line in out.stdout.splitlines() if "::" in line and not line[:1].isspace()]
     if not ids:
         sys.exit(f"no property tests collected:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    broken = [line for line in out.stdout.splitlines() if line.startswith("ERROR ")]
+    for line in broken:  # a test file that does not import: its properties are left out
+        print(f"collection error, left out: {line[len('ERROR ') :]}")
     return ids
 
 
