@@ -280,3 +280,17 @@ def test_chunk_bytes_bound_what_a_thin_slice_restore_reads(chunk_bytes, mesh42, 
         assert ratio <= 2.5, ratio
     else:
         assert ratio >= 6, ratio  # the case chunk_bytes is for
+
+
+def test_restore_onto_pinned_host_memory(mesh42, tmp_path):
+    """A target in pinned host memory gets its slices there, bytes unchanged."""
+    from hostile import assert_same_bits, random_bits
+
+    x = random_bits((8, 8), np.dtype(jnp.bfloat16), np.random.default_rng(0))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data", "model"))})
+    s = NamedSharding(mesh42, P("model"), memory_kind="pinned_host")
+    out = jaxckpt.restore(
+        tmp_path / "c", target={"x": jax.ShapeDtypeStruct((8, 8), x.dtype, sharding=s)}
+    )
+    assert out["x"].sharding == s
+    assert_same_bits(x, np.asarray(out["x"]))

@@ -33,9 +33,13 @@ class Placement:
 
     def put(self, index: Index, data: np.ndarray) -> None:
         first, *rest = self.devices[index]
-        self.placed[first] = jax.device_put(data, first, may_alias=True)
+        self.placed[first] = jax.device_put(data, self._on(first), may_alias=True)
         for device in rest:
-            self.placed[device] = jax.device_put(self.placed[first], device)
+            self.placed[device] = jax.device_put(self.placed[first], self._on(device))
+
+    def _on(self, device) -> jax.sharding.Sharding:
+        """``device`` in the memory the sharding asks for (``pinned_host``, say)."""
+        return jax.sharding.SingleDeviceSharding(device, memory_kind=self.sharding.memory_kind)
 
     def array(self) -> jax.Array:
         singles = [self.placed[d] for d in self.index_map]

@@ -41,6 +41,8 @@ def _sharing_processes(sharding, shape: tuple[int, ...]) -> tuple[tuple[int, ...
     """The sets of processes (two or more) that need the same slice."""
     if jax.process_count() == 1 or not isinstance(sharding, NamedSharding) or not shape:
         return ()
+    if sharding.memory_kind not in (None, jax.local_devices()[0].default_memory().kind):
+        return ()  # pinned host memory, say: placed per process, from the host
     procs: dict = {}
     for device, index in sharding.devices_indices_map(shape).items():
         procs.setdefault(normalize_index(index, shape), set()).add(device.process_index)
