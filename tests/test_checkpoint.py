@@ -204,3 +204,30 @@ def test_metadata_keyword_is_deprecated_but_works(tmp_path):
         assert jaxckpt.user_metadata(tmp_path / "c") == {"old": True}
     with pytest.raises(TypeError, match="custom_metadata= only"):
         jaxckpt.save(tmp_path / "d", {"s": 0}, metadata={"a": 1}, custom_metadata={"b": 2})
+
+
+def test_python_float_nans_keep_sign_and_payload(tmp_path):
+    """JSON's NaN has no sign or payload: a NaN Python float leaf also carries its 64 bits
+    (format 1.5 ``float_bits``); other floats (-0.0, inf, subnormals) are exact as JSON."""
+    import struct
+
+    def from_bits(b: int) -> float:
+        return struct.unpack("<d", struct.pack("<Q", b))[0]
+
+    def bits(x: float) -> int:
+        return struct.unpack("<Q", struct.pack("<d", x))[0]
+
+    tree = {
+        "nans": [
+            from_bits(b) for b in (0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001)
+        ],
+        "others": [-0.0, float("inf"), -float("inf"), 5e-324, 0.1],
+    }
+    jaxckpt.save(tmp_path / "c", tree)
+    out = jaxckpt.restore(tmp_path / "c")
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(out), strict=True):
+        assert type(b) is float and bits(a) == bits(b), (hex(bits(a)), hex(bits(b)))
+    leaves = json.loads((tmp_path / "c" / "manifest.json").read_text())["leaves"]
+    assert [leaf.get("float_bits") for leaf in leaves[:4]] == [
+        "7ff8000000000000", "fff8000000000000", "7ff0000000000001", None
+    ]  # fmt: skip

@@ -194,7 +194,8 @@ def test_golden_export_serves(version, tmp_path):
     copy = tmp_path / "export"
     shutil.copytree(path, copy)
     sig = copy / "signature.json"
-    _edit_json(sig, lambda d: d.update(format_version=[1, 4], a_future_field="x"))
+    newer = [1, jaxckpt.FORMAT_VERSION[1] + 1]
+    _edit_json(sig, lambda d: d.update(format_version=newer, a_future_field="x"))
     assert np.asarray(jaxckpt.export.load(copy)(values.EXPORT_X)).tobytes() == want.tobytes()
     _edit_json(sig, lambda d: d.update(format_version=[2, 0]))
     with pytest.raises(errors.ExportVersionError, match=r"2\.0.*major version 1"):

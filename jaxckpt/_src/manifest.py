@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 import json
 import math
+import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,7 @@ from .fields import MAX_BYTES, MAX_PROCESSES, Fields, parse_json
 from .sharding import spec_from_json
 
 FORMAT_NAME = "jaxckpt"
-FORMAT_VERSION = (1, 4)  # (major, minor): a reader accepts any minor of its own major
+FORMAT_VERSION = (1, 5)  # (major, minor): a reader accepts any minor of its own major
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMITTED"
 ARRAYS_DIR = "arrays"
@@ -46,6 +48,7 @@ class LeafRecord:
     python_type: str | None = None
     prng_impl: str | None = None
     scalar: bool = False  # a NumPy scalar (np.float32(1.0)) rather than a 0-d array
+    float_bits: str | None = None  # 1.5: a NaN Python float's 64 bits (JSON drops its payload)
 
     @property
     def has_array(self) -> bool:
@@ -282,6 +285,8 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
         value = doc.get("value")
         if typ == "float" and type(value) is int:
             value = float(value)
+        if typ == "float" and rec.float_bits is not None:
+            value = nan_from_bits(f, rec.float_bits, at + "float_bits")
         if type(value) is not PYTHON_TYPES[typ]:
             f.bad(at + "value", f"must be a {typ}", value)
         return dataclasses.replace(rec, shape=shape, value=value)
@@ -409,6 +414,25 @@ def array_info(leaf: LeafRecord, meshes: list[dict]) -> ArrayInfo:
         spec=spec,
         value=leaf.value if leaf.kind == "python" else None,
     )
+
+
+def nan_bits(x: float) -> str | None:
+    """A NaN Python float's 64 bits as 16 hex digits (None for other floats, which JSON
+    keeps exactly): its sign and payload survive the manifest."""
+    if x == x:
+        return None
+    return f"{struct.unpack('<Q', struct.pack('<d', x))[0]:016x}"
+
+
+def nan_from_bits(f: Fields, v: Any, at: str) -> float:
+    """The NaN that ``nan_bits`` wrote."""
+    text = f.text(v, at)
+    if not re.fullmatch(r"[0-9a-f]{16}", text):
+        f.bad(at, "must be 16 lowercase hex digits", v)
+    x = struct.unpack("<d", struct.pack("<Q", int(text, 16)))[0]
+    if x == x:
+        f.bad(at, "must be the bits of a NaN", v)
+    return x
 
 
 def _dtype_or_none(name: str | None) -> np.dtype | None:

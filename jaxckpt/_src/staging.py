@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import UnsupportedLeafError
 from . import arrays, multihost
 from . import tree as tree_lib
-from .manifest import LeafRecord
+from .manifest import LeafRecord, nan_bits
 from .sharding import layout, sharding_to_json, write_split
 
 PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
@@ -64,7 +64,9 @@ def leaf_record(
     """
     name = tree_lib.path_name(path)
     if type(leaf) in PY_TYPES:
-        return LeafRecord(path, name, "python", value=leaf, python_type=PY_TYPES[type(leaf)]), None
+        bits = nan_bits(leaf) if type(leaf) is float else None
+        typ = PY_TYPES[type(leaf)]
+        return LeafRecord(path, name, "python", value=leaf, python_type=typ, float_bits=bits), None
     if isinstance(leaf, jax.Array):
         kind, impl, arr = "array", None, leaf
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
