@@ -294,3 +294,15 @@ def test_restore_onto_pinned_host_memory(mesh42, tmp_path):
     )
     assert out["x"].sharding == s
     assert_same_bits(x, np.asarray(out["x"]))
+
+
+def test_without_a_target_list_elements_keep_their_index(tmp_path):
+    """An empty container has no leaves, so no saved path: inside a list it comes back as
+    {} and the elements after it keep their indices (and saved names); a dict key with a
+    lone surrogate is stored and restored (found by the property suite)."""
+    tree = {"l": [{}, np.arange(2.0), (), 3], "\ud800": 1.5}
+    jaxckpt.save(tmp_path / "c", tree)
+    out = jaxckpt.restore(tmp_path / "c")
+    assert out["l"][0] == {} and out["l"][2] == {} and out["l"][3] == 3
+    np.testing.assert_array_equal(out["l"][1], np.arange(2.0))
+    assert out["\ud800"] == 1.5

@@ -43,7 +43,8 @@ def path_name(path: PathJson) -> str:
     """``[["k","params"],["a","w"]]`` -> ``"params/w"``; the root leaf is ``"_root"``."""
     if not path:
         return "_root"
-    return "/".join(quote(str(key), safe=_SAFE) or "%" for _, key in path)
+    # surrogatepass: a str key may hold a lone surrogate, which UTF-8 proper refuses
+    return "/".join(quote(str(key), safe=_SAFE, errors="surrogatepass") or "%" for _, key in path)
 
 
 def leaves(tree: Any) -> list[Any]:
@@ -66,7 +67,9 @@ def unflatten_like(target: Any, leaves: list[Any]) -> Any:
 def unflatten_paths(items: list[tuple[PathJson, Any]]) -> Any:
     """Rebuilds nested dicts (keys, attributes) and lists (indices) from paths.
 
-    Used when restoring without a target: custom classes come back as dicts.
+    Used when restoring without a target: custom classes come back as dicts, and an empty
+    container (which has no leaves, so no path) inside a list as ``{}``, so that every other
+    element keeps its index.
     """
     if len(items) == 1 and not items[0][0]:
         return items[0][1]
@@ -83,6 +86,7 @@ def _materialize(node: Any) -> Any:
     if not isinstance(node, dict) or not node or not isinstance(next(iter(node)), tuple):
         return node
     kinds = {kind for kind, _ in node}
-    if kinds <= {"i", "f"}:
-        return [_materialize(node[k]) for k in sorted(node, key=lambda s: s[1])]
+    if kinds <= {"i", "f"}:  # positions left by empty containers (no leaves) come back as {}
+        at = {i: v for (_, i), v in node.items()}
+        return [_materialize(at[i]) if i in at else {} for i in range(max(at) + 1)]
     return {key: _materialize(v) for (_, key), v in node.items()}
