@@ -9,10 +9,13 @@ import time
 
 import multiproc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "workers", "save_restore.py")
 LOOP = os.path.join(HERE, "workers", "manager_loop.py")
+HOSTILE = os.path.join(HERE, "workers", "hostile_job.py")
 
 
 @pytest.mark.slow
@@ -251,3 +254,30 @@ def test_processes_of_one_host_read_an_object_store_once(s3_url):
     print("bytes read from the bucket per process", got)
     assert sum(got) <= 1.2 * DP_LOGICAL, got
     assert max(got) <= 0.65 * DP_LOGICAL, got
+
+
+@pytest.mark.slow
+@pytest.mark.property
+@settings(max_examples=max(1, settings().max_examples // 20))  # ci: 1, fuzz: 10
+@given(seed=st.integers(0, 2**31 - 1))
+def test_random_layouts_and_bits_through_every_multi_process_path(seed):
+    """Every dtype, random shapes and PartitionSpecs and random bits drawn from ``seed``
+    (tests/workers/hostile_job.py), processes as separate hosts: saved by 2, restored by 2
+    (read once + move) and by 4 onto saved, replicated and random specs; an async manager;
+    the emergency tier with the last host's local directory wiped (peer copies). Bytes."""
+    import tempfile
+
+    env = {"JAXCKPT_TEST_MACHINES": "separate", "JAXCKPT_TEST_SEED": str(seed)}
+    with tempfile.TemporaryDirectory() as root:
+        path = os.path.join(root, "c")
+
+        def run(n: int, *args: str) -> None:
+            multiproc.run(
+                HOSTILE, n, devices_per_process=8 // n, args=list(args), env=env, timeout_s=240
+            ).check()
+
+        run(2, "save", path)
+        run(2, "restore", path)
+        run(4, "restore", path)
+        run(2, "manager", os.path.join(root, "manager"))
+        run(2, "emergency", os.path.join(root, "emergency"))

@@ -57,16 +57,11 @@ def test_two_shifts_on_four_processes():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("machines", ["separate", "one"])
-def test_random_bits_of_every_dtype_survive_peer_copies(tmp_path, machines):
+def test_random_bits_of_every_dtype_survive_peer_copies(tmp_path):
     """replication=1, one step saved, the last process's local directory wiped: its shards
     come back from the other's peer copies, every dtype's random bits (bf16 NaN payloads,
-    float8s, int1/int2) unchanged (tests/workers/hostile_job.py)."""
-    res = multiproc.run(
-        HOSTILE,
-        2,
-        args=["emergency", str(tmp_path)],
-        env={"JAXCKPT_TEST_MACHINES": machines},
-        timeout_s=240,
-    ).check()
+    float8s, int1/int2) unchanged (tests/workers/hostile_job.py). Processes of one host
+    here; as separate hosts, with random layouts: test_multihost's
+    test_random_layouts_and_bits_through_every_multi_process_path."""
+    res = multiproc.run(HOSTILE, 2, args=["emergency", str(tmp_path)], timeout_s=240).check()
     assert "from_peers=(PeerSlice(" in res.outputs[1], res.outputs[1][-2000:]
