@@ -314,26 +314,33 @@ def report(counts, what: str) -> None:
 # --- the properties -----------------------------------------------------------------------------
 
 
+COUNTS = {"one file": collections.Counter(), "an index and its files": collections.Counter()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_counts():
+    """Prints each property's figures once its examples have all run."""
+    yield
+    for what, counts in COUNTS.items():
+        if counts:
+            report(counts, what)
+
+
 @pytest.mark.property
-def test_fuzz_one_file_loads_exactly_or_raises_naming_it():
-    counts = collections.Counter()
-
-    @given(st.data(), tensors(), st.booleans())
-    def prop(data, arrays, sharded):
-        header, blob = layout(arrays, data.draw(st.sampled_from([None, {"format": "pt"}])))
-        kind, raw = data.draw(damaged(header, blob))
-        event(f"damage: {kind}")
-        counts["inputs"] += 1
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "model.safetensors")
-            with open(path, "wb") as f:
-                f.write(raw)
-            ref = reference(raw)
-            target = target_of(ref if ref is not None else layout_ref(header, blob), sharded)
-            check(counts, kind, path, ref, target, [path])
-
-    prop()
-    report(counts, "one file")
+@given(st.data(), tensors(), st.booleans())
+def test_fuzz_one_file_loads_exactly_or_raises_naming_it(data, arrays, sharded):
+    counts = COUNTS["one file"]
+    header, blob = layout(arrays, data.draw(st.sampled_from([None, {"format": "pt"}])))
+    kind, raw = data.draw(damaged(header, blob))
+    event(f"damage: {kind}")
+    counts["inputs"] += 1
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.safetensors")
+        with open(path, "wb") as f:
+            f.write(raw)
+        ref = reference(raw)
+        target = target_of(ref if ref is not None else layout_ref(header, blob), sharded)
+        check(counts, kind, path, ref, target, [path])
 
 
 def layout_ref(header: dict, data: bytes) -> dict:
@@ -341,65 +348,60 @@ def layout_ref(header: dict, data: bytes) -> dict:
     return reference(encode(header, data))
 
 
+OUTSIDE = ["../secret.safetensors", "/SECRET", "sub/../../secret.safetensors",
+           "./a.safetensors", "a.safetensors/../../secret.safetensors", "",
+           "..\\secret.safetensors", 7, None, "missing.safetensors",
+           "model.safetensors.index.json"]  # fmt: skip
+
+
 @pytest.mark.property
-def test_fuzz_index_and_its_files_load_exactly_or_raise_naming_a_file():
-    counts = collections.Counter()
-    outside = ["../secret.safetensors", "/SECRET", "sub/../../secret.safetensors",
-               "./a.safetensors", "a.safetensors/../../secret.safetensors", "",
-               "..\\secret.safetensors", 7, None, "missing.safetensors",
-               "model.safetensors.index.json"]  # fmt: skip
-
-    @given(st.data(), tensors("a"), tensors("b"))
-    def prop(data, first, second):
-        files = {"a.safetensors": layout(first), "b.safetensors": layout(second)}
-        weight_map = {n: "a.safetensors" for n in first} | {n: "b.safetensors" for n in second}
-        index: object = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-        kind = data.draw(st.sampled_from(["none", "path", "weight_map", "index", "file", "dup"]))
-        raw = {f: encode(*hd) for f, hd in files.items()}
-        if kind == "path":
-            bad = data.draw(st.sampled_from(outside))
-            weight_map[data.draw(st.sampled_from(sorted(weight_map)))] = bad
-        elif kind == "weight_map":
-            index["weight_map"] = data.draw(st.sampled_from([[], "x", None, {}, 3]))
-        elif kind == "index":
-            index = data.draw(st.sampled_from([[], "x", None, {}, {"weight_map": None}, DEEP]))
-        elif kind == "file":
-            f = data.draw(st.sampled_from(sorted(files)))
-            raw[f] = data.draw(damaged(*files[f]))[1]
-        elif kind == "dup":  # the same tensor in both files
-            raw["b.safetensors"] = encode(*layout({**second, **first}))
-        event(f"damage: {kind}")
-        counts["inputs"] += 1
-        with tempfile.TemporaryDirectory() as root:
-            d = os.path.join(root, "model")
-            os.makedirs(os.path.join(d, "sub"))
-            secret = os.path.join(root, "secret.safetensors")
-            with open(secret, "wb") as fh:  # valid, and what an escaping path would load
-                fh.write(
-                    raw["a.safetensors"] if kind != "file" else encode(*files["a.safetensors"])
-                )
-            for f, b in raw.items():
-                with open(os.path.join(d, f), "wb") as fh:
-                    fh.write(b)
-            index_path = os.path.join(d, "model.safetensors.index.json")
-            with open(index_path, "w") as fh:
-                fh.write("[" * 100_000 + "]" * 100_000 if index is DEEP else json.dumps(index))
-            named = weight_map if isinstance(weight_map, dict) and index is not None else {}
-            inside = (
-                all(isinstance(f, str) and f in raw for f in named.values())
-                and kind not in ("weight_map", "index")
-                and kind != "dup"
-            )
-            ref = None
-            if inside and named:
-                refs = [reference(raw[f]) for f in sorted(set(named.values()))]
-                if all(r is not None for r in refs):
-                    ref = {n: t for r in refs for n, t in r.items()}
-            want = {**layout_ref(*files["a.safetensors"]), **layout_ref(*files["b.safetensors"])}
-            target = target_of(ref if ref is not None else want, False)
-            names = [os.path.join(d, f) for f in raw] + [index_path]
-            names += [os.path.join(d, f) for f in named.values() if isinstance(f, str) and f]
-            check(counts, kind, d, ref, target, names)
-
-    prop()
-    report(counts, "an index and its files")
+@given(st.data(), tensors("a"), tensors("b"))
+def test_fuzz_index_and_its_files_load_exactly_or_raise_naming_a_file(data, first, second):
+    counts, outside = COUNTS["an index and its files"], OUTSIDE
+    files = {"a.safetensors": layout(first), "b.safetensors": layout(second)}
+    weight_map = {n: "a.safetensors" for n in first} | {n: "b.safetensors" for n in second}
+    index: object = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    kind = data.draw(st.sampled_from(["none", "path", "weight_map", "index", "file", "dup"]))
+    raw = {f: encode(*hd) for f, hd in files.items()}
+    if kind == "path":
+        bad = data.draw(st.sampled_from(outside))
+        weight_map[data.draw(st.sampled_from(sorted(weight_map)))] = bad
+    elif kind == "weight_map":
+        index["weight_map"] = data.draw(st.sampled_from([[], "x", None, {}, 3]))
+    elif kind == "index":
+        index = data.draw(st.sampled_from([[], "x", None, {}, {"weight_map": None}, DEEP]))
+    elif kind == "file":
+        f = data.draw(st.sampled_from(sorted(files)))
+        raw[f] = data.draw(damaged(*files[f]))[1]
+    elif kind == "dup":  # the same tensor in both files
+        raw["b.safetensors"] = encode(*layout({**second, **first}))
+    event(f"damage: {kind}")
+    counts["inputs"] += 1
+    with tempfile.TemporaryDirectory() as root:
+        d = os.path.join(root, "model")
+        os.makedirs(os.path.join(d, "sub"))
+        secret = os.path.join(root, "secret.safetensors")
+        with open(secret, "wb") as fh:  # valid, and what an escaping path would load
+            fh.write(raw["a.safetensors"] if kind != "file" else encode(*files["a.safetensors"]))
+        for f, b in raw.items():
+            with open(os.path.join(d, f), "wb") as fh:
+                fh.write(b)
+        index_path = os.path.join(d, "model.safetensors.index.json")
+        with open(index_path, "w") as fh:
+            fh.write("[" * 100_000 + "]" * 100_000 if index is DEEP else json.dumps(index))
+        named = weight_map if isinstance(weight_map, dict) and index is not None else {}
+        inside = (
+            all(isinstance(f, str) and f in raw for f in named.values())
+            and kind not in ("weight_map", "index")
+            and kind != "dup"
+        )
+        ref = None
+        if inside and named:
+            refs = [reference(raw[f]) for f in sorted(set(named.values()))]
+            if all(r is not None for r in refs):
+                ref = {n: t for r in refs for n, t in r.items()}
+        want = {**layout_ref(*files["a.safetensors"]), **layout_ref(*files["b.safetensors"])}
+        target = target_of(ref if ref is not None else want, False)
+        names = [os.path.join(d, f) for f in raw] + [index_path]
+        names += [os.path.join(d, f) for f in named.values() if isinstance(f, str) and f]
+        check(counts, kind, d, ref, target, names)
