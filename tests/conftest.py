@@ -53,20 +53,29 @@ def assert_tree_equal(a, b):
             assert type(x) is type(y) and x == y, (x, y)
 
 
-def flip_a_byte_in_the_biggest_data_file(path) -> str:
-    """Corrupts a checkpoint at ``path``: one byte in the middle of its biggest data file."""
-    files = [
-        os.path.join(root, f)
-        for root, _, names in os.walk(os.path.join(path, "arrays"))
-        for f in names
-    ]
-    biggest = max(files, key=os.path.getsize)
+def flip_a_chunk_byte(path) -> tuple[str, int]:
+    """Corrupts a checkpoint at ``path``: one byte in the middle of the biggest chunk value of
+    its biggest data file; returns the file and the byte's offset. (A data file may also hold B-tree nodes of earlier generations
+    that nothing references: flipping a byte there changes nothing, so the byte is taken
+    from a value the B-tree points to, found with ``tensorstore.ocdbt.dump``.)"""
+    import tensorstore as ts
+
+    from jaxckpt._src import arrays, verify
+    from jaxckpt._src.storage import location
+
+    db = arrays.database_dir(location(str(path)), None)
+    kv = ts.KvStore.open(arrays.kvstore_spec(db), context=arrays.new_context()).result()
+    keys = {k.decode() for k in kv.list().result()}
+    values = [v for v in verify.chunk_bytes(kv.base, db, keys).values() if not v.inline]
+    biggest = max({v.file for v in values}, key=os.path.getsize)
+    value = max((v for v in values if v.file == biggest), key=lambda v: v.stop - v.start)
+    offset = (value.start + value.stop) // 2
     with open(biggest, "r+b") as f:
-        f.seek(os.path.getsize(biggest) // 2)
+        f.seek(offset)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    return biggest
+    return biggest, offset
 
 
 # --- S3: a moto server on 127.0.0.1 -----------------------------------------------------------

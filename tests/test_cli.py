@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import flip_a_byte_in_the_biggest_data_file, sharded
+from conftest import flip_a_chunk_byte, sharded
 
 import jaxckpt
 
@@ -81,7 +81,7 @@ def test_info_json_fields(ckpt):
 def test_verify_good_corrupt_and_missing(ckpt, tmp_path, mesh42):
     res = cli("verify", ckpt)
     assert res.returncode == 0 and res.stdout.startswith("ok "), res.stdout + res.stderr
-    flipped = flip_a_byte_in_the_biggest_data_file(ckpt)
+    flipped, _ = flip_a_chunk_byte(ckpt)
     res = cli("verify", ckpt)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "DAMAGED" in res.stdout and "leaf 'layer/w' chunk [" in res.stdout, res.stdout
@@ -99,8 +99,7 @@ def test_verify_names_the_data_file_and_byte_range_of_a_corrupt_chunk(ckpt):
     holding the flipped offset (from the OCDBT B-tree), and only that chunk."""
     from jaxckpt._src.verify import verify
 
-    flipped = flip_a_byte_in_the_biggest_data_file(ckpt)
-    offset = os.path.getsize(flipped) // 2  # where the helper flips
+    flipped, offset = flip_a_chunk_byte(ckpt)
     (problem,) = verify(ckpt).problems
     assert problem.leaf == "layer/w" and problem.chunk is not None, problem
     assert "Digest mismatch" in problem.why, problem
@@ -134,7 +133,7 @@ def test_verify_all_steps(mesh42, tmp_path):
             mgr.save(step, _state(mesh42))
     res = cli("verify", tmp_path / "run", "--all")
     assert res.returncode == 0 and res.stdout.count("ok ") == 2, res.stdout
-    flip_a_byte_in_the_biggest_data_file(tmp_path / "run" / "00000002")
+    flip_a_chunk_byte(tmp_path / "run" / "00000002")
     res = cli("verify", tmp_path / "run", "--all")
     assert res.returncode == 1 and "00000002" in res.stdout and res.stdout.count("ok ") == 1
 

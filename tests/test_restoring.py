@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_tree_equal, flip_a_byte_in_the_biggest_data_file, sharded
+from conftest import assert_tree_equal, flip_a_chunk_byte, sharded
 from flax.training import train_state
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -243,7 +243,7 @@ def test_corrupted_chunk_is_detected_and_named(mesh42, tmp_path):
         np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32), mesh42, ("data",)
     )
     jaxckpt.save(tmp_path / "c", {"layer": {"w": x}})
-    flip_a_byte_in_the_biggest_data_file(tmp_path / "c")
+    flip_a_chunk_byte(tmp_path / "c")
     with pytest.raises(errors.ChecksumError, match=r"layer/w.*process 0"):
         jaxckpt.restore(tmp_path / "c")
 
