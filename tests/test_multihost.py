@@ -264,7 +264,8 @@ def test_random_layouts_and_bits_through_every_multi_process_path(seed):
     """Every dtype, random shapes and PartitionSpecs and random bits drawn from ``seed``
     (tests/workers/hostile_job.py), processes as separate hosts: saved by 2, restored by 2
     (read once + move) and by 4 onto saved, replicated and random specs; an async manager;
-    the emergency tier with the last host's local directory wiped (peer copies). Bytes."""
+    the emergency tier with the last host's local directory wiped (peer copies); exported
+    parameters, as NumPy values and as arrays on another mesh. Compared as bytes."""
     import tempfile
 
     env = {"JAXCKPT_TEST_MACHINES": "separate", "JAXCKPT_TEST_SEED": str(seed)}
@@ -281,3 +282,4 @@ def test_random_layouts_and_bits_through_every_multi_process_path(seed):
         run(4, "restore", path)
         run(2, "manager", os.path.join(root, "manager"))
         run(2, "emergency", os.path.join(root, "emergency"))
+        run(2, "export", os.path.join(root, "export"))
