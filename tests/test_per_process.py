@@ -230,3 +230,29 @@ def test_emergency_resume_with_a_wiped_host_takes_the_position_from_the_peer(str
     assert resumed[0][1] == ["local", 0]
     _check_resumed_run_equals_straight(straight, tmp_path, resumed, kill_at)
     assert _digests(res) == straight[1]
+
+
+@pytest.mark.parametrize(
+    "forge, why",
+    [
+        (lambda a: a.update(shape=[1_000_000]), "must hold 1000000"),
+        (lambda a: a.pop("path"), "path is missing"),
+        (lambda a: a.update(path=[["i", 10**11]]), "sequence index above"),
+        (lambda a: a.update(dtype="O"), "not a numeric dtype"),
+        (lambda a: a.update(data="%%%"), "must be base64"),
+    ],
+    ids=["shape", "no-path", "huge-index", "object-dtype", "not-base64"],
+)
+def test_a_forged_record_is_refused_naming_the_file(tmp_path, forge, why):
+    """The checksum sits in the same file, so a record rewritten with a matching one passes
+    it: every field of its arrays is checked too, and a bad one names the file and field."""
+    from jaxckpt._src import per_process as pp
+
+    jaxckpt.save(tmp_path / "c", small(), per_process={"pos": np.arange(3)})
+    f = tmp_path / "c" / "per_process" / "00000.json"
+    doc = json.loads(f.read_text())
+    forge(doc["value"][0])
+    doc["sha256"] = pp._digest(doc["value"])
+    f.write_text(json.dumps(doc))
+    with pytest.raises(errors.CheckpointError, match=f"process 0's per-process record.*{why}"):
+        jaxckpt.per_process(tmp_path / "c")

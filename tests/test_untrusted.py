@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 import jaxckpt
 from jaxckpt._src import local, tree
-from jaxckpt.errors import CheckpointError
+from jaxckpt.errors import CheckpointError, ManifestError
 
 # --- watching for reads outside the directory ------------------------------------------------
 
@@ -461,3 +461,16 @@ def test_signature_is_loaded_exactly_or_refused_naming_the_file(exported, data):
         outcome("signature.json", "loaded exactly")
     finally:
         (path / "signature.json").write_bytes(original)
+
+
+def test_a_huge_list_index_in_a_path_is_refused(tmp_path):
+    """A restore without a target builds lists up to a path's index: an index of 10**12 in
+    a manifest would allocate until the process dies; it is a ManifestError instead."""
+    jaxckpt.save(tmp_path / "c", {"l": [1.5, 2.5]})
+    f = tmp_path / "c" / "manifest.json"
+    doc = json.loads(f.read_text())
+    doc["leaves"][1]["path"][1] = ["i", 10**12]
+    doc["leaves"][1]["name"] = f"l/{10**12}"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match=r"manifest.json.*sequence index above"):
+        jaxckpt.restore(tmp_path / "c")

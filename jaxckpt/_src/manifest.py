@@ -194,6 +194,7 @@ def _per_process(f: Fields, raw: Any, count: int) -> list[int] | None:
 
 AXIS_TYPES = ("Auto", "Explicit", "Manual")
 PRNG_KEY_SHAPES = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+MAX_INDEX = 1 << 24  # list positions in a path: more elements than any pytree has
 PATH_KINDS = {"k": (str, int), "a": (str,), "i": (int,), "f": (int,)}
 PYTHON_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "NoneType": type(None)}
 
@@ -349,6 +350,8 @@ def path_entry(f: Fields, entry: Any, at: str) -> list:
     kind, key = entry
     if type(key) not in PATH_KINDS[kind] or isinstance(key, int) and kind in "if" and key < 0:
         f.bad(at, f"has a key of the wrong type for kind {kind!r}", entry)
+    if kind in "if" and key > MAX_INDEX:  # a restore without target builds lists this long
+        f.bad(at, f"has a sequence index above {MAX_INDEX}", entry)
     return entry
 
 

@@ -19,6 +19,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ import numpy as np
 from ..errors import ChecksumError, PerProcessError, ProcessCountChangedError
 from . import multihost
 from . import tree as tree_lib
+from .fields import Fields
+from .manifest import path_entry
 from .storage import Location
 
 DIRECTORY = "per_process"
@@ -116,7 +119,9 @@ def decode(record: Record, *, where: str) -> Any:
     if record.kind == "bytes":
         return base64.b64decode(record.value)
     if record.kind == "numpy":
-        return tree_lib.unflatten_paths([(a["path"], _array(a)) for a in record.value])
+        f = Fields(f"{where}: process {record.process_index}'s per-process record")
+        arrays = f.items(record.value, "value", lambda a, at: _array(f, a, at))
+        return tree_lib.unflatten_paths(arrays)
     return record.value
 
 
@@ -185,8 +190,20 @@ def _plain(dtype: np.dtype) -> bool:
         return False
 
 
-def _array(doc: dict) -> np.ndarray | np.generic:
-    dtype = np.dtype(doc["dtype"])
-    arr = np.frombuffer(base64.b64decode(doc["data"]), dtype).reshape(doc["shape"])
-    arr = arr.astype(dtype.newbyteorder("="))
-    return arr[()] if doc.get("scalar") else arr
+def _array(f: Fields, doc: Any, at: str) -> tuple[list, np.ndarray | np.generic]:
+    """One array of a record, each field checked (the checksum sits in the same file, so a
+    forged record passes it): (path, value)."""
+    doc = f.obj(doc, at)
+    path = f.items(f.need(doc, "path", at), at + ".path", lambda e, a: path_entry(f, e, a))
+    dtype = f.dtype(f.need(doc, "dtype", at), at + ".dtype")
+    shape = f.shape(f.need(doc, "shape", at), at + ".shape")
+    try:
+        data = base64.b64decode(f.text(f.need(doc, "data", at), at + ".data"), validate=True)
+    except ValueError:
+        f.bad(at + ".data", "must be base64", doc["data"])
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        f.bad(at + ".data", f"must hold {math.prod(shape)} {dtype} values", len(data))
+    arr = np.frombuffer(data, dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    if doc.get("scalar") not in (None, False, True) or doc.get("scalar") and shape:
+        f.bad(at + ".scalar", "must be true (only for shape []) or false", doc.get("scalar"))
+    return path, arr[()] if doc.get("scalar") else arr
