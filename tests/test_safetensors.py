@@ -321,10 +321,10 @@ def test_names_rules_are_first_match_and_i_is_the_only_placeholder(mesh42, tmp_p
     ref = snp.load_file(tmp_path / "m" / "model.safetensors")
     assert sorted(ref) == ["lm_head", "model.layers.0.up.weight", "model.layers.1.up.weight"]
     assert _same(ref["model.layers.1.up.weight"], layers[1])
-    # a later rule that would rename the result again: refused, not silently chained
-    chained = [(r"^head$", "lm_head"), (r"^lm_", "out_")]
-    with pytest.raises(SafetensorsError, match=r"'head'.*'out_head'.*first-match"):
-        jaxckpt.safetensors.save(tmp_path / "c", {"head": tree["head"]}, names=chained)
+    # first match only: a specific rule, then a catch-all that would also match its result
+    rules = [(r"^head$", "lm_head"), (r"^(.*)$", r"model.\1")]
+    jaxckpt.safetensors.save(tmp_path / "c", {"head": tree["head"], "w": tree["head"]}, names=rules)
+    assert sorted(snp.load_file(tmp_path / "c" / "model.safetensors")) == ["lm_head", "model.w"]
     # transforms: the first rule whose regex matches, the others not at all
     first = [(r"^layers\.", [Stack()]), (r"up", [Stack(), Transpose((1, 0))])]
     out = jaxckpt.safetensors.load(tmp_path / "m", tree, names=names, transforms=first)

@@ -175,16 +175,6 @@ def tensor_name(path: str, names: Names) -> str:
     if first is None:
         return path
     tensor = re.sub(rules[first][0], rules[first][1], path)
-    chained = tensor
-    for p, r in rules[first + 1 :]:
-        chained = re.sub(p, r, chained)
-    if chained != tensor:
-        raise SafetensorsError(
-            f"leaf {path!r}: names rule {rules[first]} gives {tensor!r}, but a later rule "
-            f"would rename that further (to {chained!r}): names rules are first-match, like "
-            "transforms (an earlier version applied them all in turn); merge the rules into "
-            "one, or make their regexes exclusive"
-        )
     return tensor
 
 
