@@ -190,6 +190,16 @@ def test_an_orbax_manager_directory_is_refused_naming_a_step(version):
         jaxckpt.restore(run)
 
 
+@pytest.mark.parametrize("steps", [["1"], ["1", "2"]])
+def test_a_directory_of_numbered_pytree_saves_is_named_a_manager_directory(tmp_path, steps):
+    """Orbax saves straight under numbered names (``root/1/_METADATA``) are steps, not the
+    items of one step: one is not silently restored, two are not called items."""
+    for step in steps:
+        shutil.copytree(golden_path("0.12.8", "standard"), tmp_path / "run" / step)
+    with pytest.raises(OrbaxFormatError, match=r"CheckpointManager directory.*pass a step"):
+        jaxckpt.restore(tmp_path / "run")
+
+
 def test_an_unfinished_orbax_save_is_refused(tmp_path):
     src = golden_path("0.12.8", "maxtext")
     tmp = tmp_path / "3.orbax-checkpoint-tmp-1700000000"

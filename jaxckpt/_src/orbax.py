@@ -100,9 +100,11 @@ def item_dir(loc: Location) -> Location | None:
         )
     children = loc.list_children()
     items = [n for n in children if loc.join(n).exists(METADATA)]
+    steps = sorted((n for n in children if n.isdigit()), key=int)
+    if items and all(n.isdigit() for n in items):  # numbered saves: steps, not items
+        items = []
     if len(items) == 1:  # a step (orbax 0.5 wrote no _CHECKPOINT_METADATA) with one item
         return loc.join(items[0])
-    steps = sorted((n for n in children if n.isdigit()), key=int)
     if not items and steps and _is_orbax_step(loc.join(steps[-1])):
         raise OrbaxFormatError(
             f"{loc.url} is an Orbax CheckpointManager directory (steps {steps[:3]}"
@@ -124,7 +126,7 @@ def item_dir(loc: Location) -> Location | None:
 
 
 def _is_orbax_step(step: Location) -> bool:
-    if step.exists(CHECKPOINT_METADATA):
+    if step.exists(CHECKPOINT_METADATA) or step.exists(METADATA):  # a step, or a saved item
         return True
     return any(step.join(n).exists(METADATA) for n in step.list_children())
 
