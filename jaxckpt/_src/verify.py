@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import re
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -170,9 +171,11 @@ def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[P
     out = []
     for p in problems:
         at = found.get(_problem_key(p)) if p.chunk is not None else None
-        if at is not None:
-            whose = p.where[p.where.find("(process ") :] if "(process " in p.where else ""
-            p = dataclasses.replace(p, where=f"{at} {whose}".strip(), location=at)
+        if at is not None:  # "(process N's data files)" only where the file is process N's
+            whose = re.search(r"/p(\d+)/d/ \(process \d+'s data files\)$", p.where)
+            mine = whose is not None and f"/p{whose.group(1)}/" in at.file
+            suffix = f" (process {whose.group(1)}'s data files)" if mine else ""
+            p = dataclasses.replace(p, where=f"{at}{suffix}", location=at)
         out.append(p)
     return out
 
