@@ -14,7 +14,7 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from ..errors import SafetensorsError, SafetensorsLeafError, SafetensorsShapeError
-from . import multihost
+from . import bits, multihost
 from . import tree as tree_lib
 from .safetensors_format import (
     INDEX_FILE,
@@ -158,20 +158,25 @@ def _parts(m: LeafMap, v, salt: int):
     if m.simple:
         yield from _owned(v, salt)
         return
-    if isinstance(v, jax.Array) and not v.is_fully_addressable:
-        v = _gather_bits(v)
-    if multihost.process_index() == salt % multihost.process_count():
+    writer = salt % multihost.process_count()
+    if isinstance(v, jax.Array):
+        holders = sorted({d.process_index for d in v.sharding.device_set})  # the same everywhere
+        if len(holders) == 1:  # on one process's devices: that process writes it whole
+            writer = holders[0]
+        else:
+            v = _gather_bits(v)  # a collective: every process takes part
+    if multihost.process_index() == writer:
         yield tuple((0, d) for d in v.shape), np.asarray(v)
 
 
 def _gather_bits(v: jax.Array) -> np.ndarray:
-    """The whole of ``v`` on every process, moved as unsigned integers of its width (CPU
-    collectives have been seen to quiet NaN payloads of narrow floats)."""
+    """The whole of ``v`` on every process, moved as bits (``bits``: CPU collectives quiet
+    NaN payloads of narrow floats)."""
     dtype = np.dtype(v.dtype)
-    if dtype == np.bool_:
+    if dtype == np.bool_:  # (a pred collective is not to be relied on either)
         return multihost_utils.process_allgather(v.astype(np.uint8), tiled=True).astype(bool)
-    bits = jax.lax.bitcast_convert_type(v, np.dtype(f"u{dtype.itemsize}"))
-    return np.asarray(multihost_utils.process_allgather(bits, tiled=True)).view(dtype)
+    moved = multihost_utils.process_allgather(bits.to_bits([v], donate=False)[0], tiled=True)
+    return np.asarray(moved).view(dtype)
 
 
 def _owned(v, salt: int):
