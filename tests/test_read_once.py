@@ -59,7 +59,8 @@ def test_random_bits_of_every_dtype_on_processes_of_one_host(tmp_path):
 
 def test_moves_carry_bits_not_values(mesh42):
     """``move`` (and the bitcasts under it) gives back every dtype's bytes; the 1- and 2-bit
-    integers, which devices can't carry safely, are never read once."""
+    integers, which devices can't carry safely, are never read once. (One process: the
+    collectives that changed bits run only between processes, see the multi-process tests.)"""
     rng = np.random.default_rng(0)
     for dtype in DTYPES:
         if jax.dtypes.canonicalize_dtype(dtype) != dtype or not read_once.movable(dtype):

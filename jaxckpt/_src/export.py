@@ -147,6 +147,8 @@ def save(
             blob = bytes(exp.serialize())
         except KeyError as e:  # jax.export's serialization knows no 1- and 2-bit types
             names = [r["name"] for r in param_records if r["dtype"] == str(e.args[0])]
+            if not names:
+                raise
             raise ExportError(
                 f"{loc.url}: jax.export cannot serialize {e.args[0]} (parameters {names}); "
                 "store them as int4/int8 and cast inside the function"
