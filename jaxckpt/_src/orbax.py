@@ -27,12 +27,12 @@ import tensorstore as ts
 from ..errors import CheckpointNotFoundError, OrbaxFormatError
 from . import orbax_files as files
 from . import tree as tree_lib
-from .manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
+from .fields import MAX_NDIM, MAX_PROCESSES
+from .manifest import AXIS_TYPES, COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
 from .orbax_files import AGGREGATE, CHECKPOINT_METADATA, METADATA, SHARDING, Where
 from .storage import Location
 
 _KINDS = {"jax.Array": "array", "np.ndarray": "numpy", "scalar": "python", "None": "none"}
-_AXIS_TYPES = ("Auto", "Explicit", "Manual")
 
 
 @dataclass(frozen=True)
@@ -294,7 +294,7 @@ def _mesh(where: Where, name: str, s: dict) -> dict:
     ok = isinstance(shape, list) and isinstance(names, list) and len(shape) == len(names)
     ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
     ok = ok and all(isinstance(n, str) for n in names) and len(set(names)) == len(names)
-    if not ok or math.prod(shape) > files.MAX_DEVICES:
+    if not ok or math.prod(shape) > MAX_PROCESSES:
         raise where.error(SHARDING, f"leaf {name!r}: its mesh shape/axis_names are invalid")
     count = math.prod(shape)
     ids = list(range(count))
@@ -305,7 +305,7 @@ def _mesh(where: Where, name: str, s: dict) -> dict:
         if len(ids) != count or not all(isinstance(i, int) for i in ids):
             raise where.error(SHARDING, f"leaf {name!r}: its device_mesh does not fit {shape}")
     types = [t.rsplit(".", 1)[-1] if isinstance(t, str) else t for t in s.get("axis_types", [])]
-    if types and (len(types) != len(shape) or any(t not in _AXIS_TYPES for t in types)):
+    if types and (len(types) != len(shape) or any(t not in AXIS_TYPES for t in types)):
         raise where.error(SHARDING, f"leaf {name!r}: axis_types {types} are not JAX's")
     return {
         "axis_names": list(names),
@@ -332,7 +332,7 @@ def _flat(grid, depth: int = 0) -> list | None:
     """The device grid's entries in row-major order, whatever its rank (None if not one)."""
     if isinstance(grid, dict):
         return [grid]
-    if not isinstance(grid, list) or depth > files.MAX_RANK:
+    if not isinstance(grid, list) or depth > MAX_NDIM:
         return None
     out = []
     for row in grid:

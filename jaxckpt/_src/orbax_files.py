@@ -18,15 +18,14 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import OrbaxDependencyError, OrbaxFormatError
+from .fields import MAX_NDIM
 from .storage import Location
 
 METADATA = "_METADATA"
 SHARDING = "_sharding"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 AGGREGATE = "checkpoint"  # the msgpack file of aggregated leaves (skip_deserialize: true)
-MAX_RANK = 64
 MAX_LEAF_BYTES = 1 << 44  # 16 TiB: a larger shape is a corrupt file, not a leaf
-MAX_DEVICES = 1 << 20
 _ML_NAMES = {"bfloat16", "int4", "uint4", "int2", "uint2"} | {
     n for n in dir(ml_dtypes) if n.startswith("float8") or n.startswith("float4")
 }
@@ -217,7 +216,7 @@ def check_dtype(where: Where, file: str, leaf: str, text: Any) -> np.dtype:
 
 
 def check_shape(where: Where, file: str, leaf: str, shape: Any, itemsize: int = 1) -> tuple:
-    ok = isinstance(shape, list) and len(shape) <= MAX_RANK
+    ok = isinstance(shape, list) and len(shape) <= MAX_NDIM
     ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     if not ok or math.prod(shape) * itemsize > MAX_LEAF_BYTES:
         raise where.error(file, f"leaf {leaf!r} has shape {str(shape)[:80]}, not a valid one")

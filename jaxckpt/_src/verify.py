@@ -76,7 +76,15 @@ def chunk_grid(rec: LeafRecord) -> list[tuple[int, ...]]:
 
 def chunk_key(rec: LeafRecord, coords: tuple[int, ...]) -> str:
     """The chunk's key in the OCDBT database (zarr v3's default key encoding)."""
-    return "/".join([rec.name, "c", *map(str, coords)])
+    return _key(rec.name, coords)
+
+
+def _key(leaf: str, coords) -> str:
+    return "/".join([leaf, "c", *map(str, coords)])
+
+
+def _chunk_key(p: Problem) -> str:
+    return _key(p.leaf, p.chunk or ())
 
 
 def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
@@ -161,7 +169,7 @@ def _where(rec: LeafRecord, coords, manifest: Manifest, db: Location) -> str:
 def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[Problem]:
     """``problems`` with each chunk's data file and byte range added (where the B-tree has
     the chunk's key; a missing chunk has none), and named in ``where``."""
-    keys = {_problem_key(p): p for p in problems if p.chunk is not None}
+    keys = {_chunk_key(p): p for p in problems if p.chunk is not None}
     if not keys:
         return problems
     try:
@@ -170,7 +178,7 @@ def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[P
         return problems
     out = []
     for p in problems:
-        at = found.get(_problem_key(p)) if p.chunk is not None else None
+        at = found.get(_chunk_key(p)) if p.chunk is not None else None
         if at is not None:  # "(process N's data files)" only where the file is process N's
             whose = re.search(r"/p(\d+)/d/ \(process \d+'s data files\)$", p.where)
             mine = whose is not None and f"/p{whose.group(1)}/" in at.file
@@ -178,10 +186,6 @@ def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[P
             p = dataclasses.replace(p, where=f"{at}{suffix}", location=at)
         out.append(p)
     return out
-
-
-def _problem_key(p: Problem) -> str:
-    return "/".join([p.leaf, "c", *map(str, p.chunk or ())])
 
 
 def chunk_bytes(base: ts.KvStore, db: Location, keys: set[str]) -> dict[str, ChunkBytes]:
