@@ -63,13 +63,13 @@ def flip_a_chunk_byte(path) -> tuple[str, int]:
     from a value the B-tree points to, found with ``tensorstore.ocdbt.dump``.)"""
     import tensorstore as ts
 
-    from jaxckpt._src import arrays, verify
+    from jaxckpt._src import arrays
     from jaxckpt._src.storage import location
 
     db = arrays.database_dir(location(str(path)), None)
     kv = ts.KvStore.open(arrays.kvstore_spec(db), context=arrays.new_context()).result()
     keys = {k.decode() for k in kv.list().result()}
-    values = [v for v in verify.chunk_bytes(kv.base, db, keys).values() if not v.inline]
+    values = [v for v in arrays.chunk_bytes(kv.base, db, keys).values() if not v.inline]
     biggest = max({v.file for v in values}, key=os.path.getsize)
     value = max((v for v in values if v.file == biggest), key=lambda v: v.stop - v.start)
     offset = (value.start + value.stop) // 2

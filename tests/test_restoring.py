@@ -3,6 +3,7 @@
 import collections
 import json
 import os
+import re
 
 import flax.struct
 import jax
@@ -243,9 +244,12 @@ def test_corrupted_chunk_is_detected_and_named(mesh42, tmp_path):
         np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32), mesh42, ("data",)
     )
     jaxckpt.save(tmp_path / "c", {"layer": {"w": x}})
-    flip_a_chunk_byte(tmp_path / "c")
-    with pytest.raises(errors.ChecksumError, match=r"layer/w.*process 0"):
+    flipped, offset = flip_a_chunk_byte(tmp_path / "c")
+    with pytest.raises(errors.ChecksumError, match=r"layer/w.*process 0") as e:
         jaxckpt.restore(tmp_path / "c")
+    # the data file and the byte range of the chunk, as jaxckpt verify names them
+    start, stop = re.search(rf"{re.escape(flipped)} \(bytes (\d+)-(\d+)\)", str(e.value)).groups()
+    assert int(start) <= offset <= int(stop), (offset, str(e.value))
 
 
 def _file_bytes_read() -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -258,3 +259,70 @@ def read_slice(store: ts.TensorStore, index: Index) -> _ReadInto:
     buf = aligned_empty([b - a for a, b in index], store.dtype.numpy_dtype)
     target = ts.array(buf, copy=False, write=True)
     return _ReadInto(target.write(store[_slices(index)]), buf)
+
+
+# --- where a chunk's bytes are -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """Where one OCDBT value's bytes are: ``file`` (a path or URL), bytes ``start`` up to
+    ``stop`` (exclusive). ``inline``: the value is stored inside the B-tree node that
+    occupies that range (zstd-compressed with its neighbours), not on its own."""
+
+    file: str
+    start: int
+    stop: int
+    inline: bool = False
+
+    def __str__(self) -> str:
+        what = "the B-tree node holding it inline, " if self.inline else ""
+        return f"{self.file} ({what}bytes {self.start}-{self.stop - 1})"
+
+
+def chunk_bytes(base: ts.KvStore, db: Location, keys: set[str]) -> dict[str, ChunkBytes]:
+    """Where the values of ``keys`` live in the OCDBT database at ``db`` (opened as ``base``,
+    its underlying key-value store): the data file and byte range, from the B-tree as
+    ``tensorstore.ocdbt.dump`` gives it. Keys the database lacks are left out."""
+    manifest = ts.ocdbt.dump(base).result()
+    versions = manifest.get("versions") or []
+    if not versions or "location" not in versions[-1]["root"]:
+        return {}
+    root = max(versions, key=lambda v: v["generation_number"])["root"]["location"]
+    wanted = {k.encode() for k in keys}
+    found: dict[str, ChunkBytes] = {}
+    todo = [(root, b"")]
+    while todo:
+        node_at, prefix = todo.pop()
+        node = ts.ocdbt.dump(base, node_at).result()
+        for entry in node["entries"]:
+            if node["height"] > 0:
+                sub = prefix + entry.get("subtree_common_prefix", b"")
+                todo.append((entry["location"], sub))
+                continue
+            key = prefix + entry["key"]
+            if key not in wanted:
+                continue
+            if "indirect_value" in entry:
+                found[key.decode()] = _reference(db, entry["indirect_value"], inline=False)
+            else:
+                found[key.decode()] = _reference(db, node_at, inline=True)
+    return found
+
+
+def _reference(db: Location, ref: str, *, inline: bool) -> ChunkBytes:
+    """``kind:base_path:relative_path:offset:length`` (TensorStore's data reference)."""
+    head, offset, length = ref.rsplit(":", 2)
+    _, base_path, relative = head.split(":", 2)
+    path = urllib.parse.unquote(base_path + relative)
+    return ChunkBytes(db.join(path).url, int(offset), int(offset) + int(length), inline)
+
+
+def locate(db: Location, key: str) -> ChunkBytes | None:
+    """Where ``key``'s value lives in the OCDBT database at ``db``, or None when the B-tree
+    can't tell (an error path's extra detail: it never raises)."""
+    try:
+        base = ts.KvStore.open(db.kvstore()).result()
+        return chunk_bytes(base, db, {key}).get(key)
+    except Exception:  # a damaged or unreadable B-tree: the caller names the directory
+        return None

@@ -389,6 +389,10 @@ class _BoundedReader:
                 proc = where.get(tuple(int(c) for c in coords))
             except ValueError:
                 proc = None
+            at = arrays.locate(self.db, key)  # the data file and byte range, from the B-tree
+            by = "" if proc is None else f", written by process {proc}"
+            if at is not None:
+                return f"{at}{by}"
             if proc is None:
                 return f"the OCDBT database under {self.db.url}"
             return f"the OCDBT data files of process {proc} under {self.db.url}"

@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import math
 import re
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,22 +29,6 @@ BUDGET_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
-class ChunkBytes:
-    """Where one OCDBT value's bytes are: ``file`` (a path or URL), bytes ``start`` up to
-    ``stop`` (exclusive). ``inline``: the value is stored inside the B-tree node that
-    occupies that range (zstd-compressed with its neighbours), not on its own."""
-
-    file: str
-    start: int
-    stop: int
-    inline: bool = False
-
-    def __str__(self) -> str:
-        what = "the B-tree node holding it inline, " if self.inline else ""
-        return f"{self.file} ({what}bytes {self.start}-{self.stop - 1})"
-
-
-@dataclass(frozen=True)
 class Problem:
     """One thing wrong: the leaf, the chunk (grid position, or ``None`` for the whole leaf)
     and where its bytes live (``location``: the data file and range, when the B-tree has it)."""
@@ -54,7 +37,7 @@ class Problem:
     chunk: tuple[int, ...] | None
     where: str
     why: str
-    location: ChunkBytes | None = None
+    location: arrays.ChunkBytes | None = None
 
 
 @dataclass
@@ -173,7 +156,7 @@ def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[P
     if not keys:
         return problems
     try:
-        found = chunk_bytes(kv.base, db, set(keys))
+        found = arrays.chunk_bytes(kv.base, db, set(keys))
     except Exception:  # the B-tree can't be walked: keep naming the data directory
         return problems
     out = []
@@ -186,44 +169,6 @@ def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[P
             p = dataclasses.replace(p, where=f"{at}{suffix}", location=at)
         out.append(p)
     return out
-
-
-def chunk_bytes(base: ts.KvStore, db: Location, keys: set[str]) -> dict[str, ChunkBytes]:
-    """Where the values of ``keys`` live in the OCDBT database at ``db`` (opened as ``base``,
-    its underlying key-value store): the data file and byte range, from the B-tree as
-    ``tensorstore.ocdbt.dump`` gives it. Keys the database lacks are left out."""
-    manifest = ts.ocdbt.dump(base).result()
-    versions = manifest.get("versions") or []
-    if not versions or "location" not in versions[-1]["root"]:
-        return {}
-    root = max(versions, key=lambda v: v["generation_number"])["root"]["location"]
-    wanted = {k.encode() for k in keys}
-    found: dict[str, ChunkBytes] = {}
-    todo = [(root, b"")]
-    while todo:
-        node_at, prefix = todo.pop()
-        node = ts.ocdbt.dump(base, node_at).result()
-        for entry in node["entries"]:
-            if node["height"] > 0:
-                sub = prefix + entry.get("subtree_common_prefix", b"")
-                todo.append((entry["location"], sub))
-                continue
-            key = prefix + entry["key"]
-            if key not in wanted:
-                continue
-            if "indirect_value" in entry:
-                found[key.decode()] = _reference(db, entry["indirect_value"], inline=False)
-            else:
-                found[key.decode()] = _reference(db, node_at, inline=True)
-    return found
-
-
-def _reference(db: Location, ref: str, *, inline: bool) -> ChunkBytes:
-    """``kind:base_path:relative_path:offset:length`` (TensorStore's data reference)."""
-    head, offset, length = ref.rsplit(":", 2)
-    _, base_path, relative = head.split(":", 2)
-    path = urllib.parse.unquote(base_path + relative)
-    return ChunkBytes(db.join(path).url, int(offset), int(offset) + int(length), inline)
 
 
 def _first_line(e: Exception) -> str:
