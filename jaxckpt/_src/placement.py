@@ -26,6 +26,10 @@ class Placement:
         for device, index in self.index_map.items():
             self.devices.setdefault(normalize_index(index, shape), []).append(device)
         self.placed: dict = {}
+        kind = sharding.memory_kind  # each device in the memory the sharding asks for
+        self.on = {
+            d: jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in self.index_map
+        }
 
     @property
     def indices(self) -> list[Index]:
@@ -33,13 +37,9 @@ class Placement:
 
     def put(self, index: Index, data: np.ndarray) -> None:
         first, *rest = self.devices[index]
-        self.placed[first] = jax.device_put(data, self._on(first), may_alias=True)
+        self.placed[first] = jax.device_put(data, self.on[first], may_alias=True)
         for device in rest:
-            self.placed[device] = jax.device_put(self.placed[first], self._on(device))
-
-    def _on(self, device) -> jax.sharding.Sharding:
-        """``device`` in the memory the sharding asks for (``pinned_host``, say)."""
-        return jax.sharding.SingleDeviceSharding(device, memory_kind=self.sharding.memory_kind)
+            self.placed[device] = jax.device_put(self.placed[first], self.on[device])
 
     def array(self) -> jax.Array:
         singles = [self.placed[d] for d in self.index_map]
