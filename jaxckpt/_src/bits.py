@@ -26,29 +26,18 @@ def carrier(dtype) -> np.dtype | None:
     """The dtype ``dtype``'s data travels as between devices: unsigned integers of its width
     for floating-point types, the dtype itself for integers, bools, complex and the 4-bit
     types; None for 1- and 2-bit integers, which must move through host memory."""
-    dtype = np.dtype(dtype)
+    return _carrier(np.dtype(dtype))
+
+
+@functools.cache
+def _carrier(dtype: np.dtype) -> np.dtype | None:
     if dtype in _HOST_ONLY:
         return None
-    if _is_float(dtype) and dtype.itemsize in (1, 2, 4, 8) and _width(dtype) == 8 * dtype.itemsize:
-        return np.dtype(f"uint{8 * dtype.itemsize}")
-    return dtype
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    if dtype.kind == "f":
-        return True
     try:
-        ml_dtypes.finfo(dtype)
+        width = int(ml_dtypes.finfo(dtype).bits)  # NumPy's floats and ml_dtypes' alike
     except (ValueError, TypeError):
-        return False
-    return True
-
-
-def _width(dtype: np.dtype) -> int:
-    try:
-        return int(ml_dtypes.finfo(dtype).bits)
-    except (ValueError, TypeError):
-        return 8 * dtype.itemsize
+        return dtype  # not a real floating-point type
+    return np.dtype(f"uint{width}") if width == 8 * dtype.itemsize and width <= 64 else dtype
 
 
 def to_bits(arrays: Sequence[jax.Array], donate: bool = True) -> list[jax.Array]:
