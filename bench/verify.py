@@ -23,7 +23,7 @@ import compare  # noqa: E402  (8 CPU devices, set before jax is imported)
 import jax  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._src.verify import verify  # noqa: E402
+from jaxckpt._src.cli.verify import verify  # noqa: E402
 
 
 def main() -> None:

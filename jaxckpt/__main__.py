@@ -1,7 +1,7 @@
-"""``python -m jaxckpt``: the ``jaxckpt`` command (see :mod:`jaxckpt._src.cli`)."""
+"""``python -m jaxckpt``: the ``jaxckpt`` command (see :mod:`jaxckpt._src.cli.main`)."""
 
 import sys
 
-from ._src.cli import main
+from ._src.cli.main import main
 
 sys.exit(main())

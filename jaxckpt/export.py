@@ -2,8 +2,8 @@
 
 ``save`` writes one directory: the parameters once as a jaxckpt checkpoint (``params/``), one
 serialized ``jax.export.Exported`` per serving device count (``artifacts/``) and, last,
-``signature.json`` (layout and checks: :mod:`jaxckpt._src.export_format`). ``load`` and the
-callable it returns live in :mod:`jaxckpt._src.serving`; ``signature`` reads ``signature.json``.
+``signature.json`` (layout and checks: :mod:`jaxckpt._src.export.save.format`). ``load`` and the
+callable it returns live in :mod:`jaxckpt._src.export.save.serving`; ``signature`` reads ``signature.json``.
 This module holds the writing side: checking the specs, placing the parameters and lowering
 each variant.
 
@@ -19,16 +19,16 @@ gives 8 -> (4, 2), 4 -> (2, 2), 2 -> (1, 2), 1 -> (1, 1), 16 -> (8, 2).
 >>> y = served(x)
 """
 
-from ._src.export import axis_sizes_for as axis_sizes_for
-from ._src.export import save as save
-from ._src.export_format import ARTIFACTS_DIR as ARTIFACTS_DIR
-from ._src.export_format import EXPORT_FORMAT as EXPORT_FORMAT
-from ._src.export_format import EXPORT_FORMAT_VERSION as EXPORT_FORMAT_VERSION
-from ._src.export_format import PARAMS_DIR as PARAMS_DIR
-from ._src.export_format import SIGNATURE_FILE as SIGNATURE_FILE
-from ._src.export_format import signature as signature
-from ._src.serving import Served as Served
-from ._src.serving import load as load
+from ._src.export.format import ARTIFACTS_DIR as ARTIFACTS_DIR
+from ._src.export.format import EXPORT_FORMAT as EXPORT_FORMAT
+from ._src.export.format import EXPORT_FORMAT_VERSION as EXPORT_FORMAT_VERSION
+from ._src.export.format import PARAMS_DIR as PARAMS_DIR
+from ._src.export.format import SIGNATURE_FILE as SIGNATURE_FILE
+from ._src.export.format import signature as signature
+from ._src.export.save import axis_sizes_for as axis_sizes_for
+from ._src.export.save import save as save
+from ._src.export.serving import Served as Served
+from ._src.export.serving import load as load
 
 __all__ = [
     "ARTIFACTS_DIR",

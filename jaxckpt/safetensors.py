@@ -21,15 +21,15 @@ let several processes write slices of one file); files written here read back bi
 with ``safetensors.numpy.load_file``.
 """
 
-from ._src.safetensors import Files as Files
-from ._src.safetensors import load as load
-from ._src.safetensors import metadata as metadata
-from ._src.safetensors_format import TensorInfo as TensorInfo
-from ._src.safetensors_map import Cast as Cast
-from ._src.safetensors_map import Reshape as Reshape
-from ._src.safetensors_map import Stack as Stack
-from ._src.safetensors_map import Transpose as Transpose
-from ._src.safetensors_save import save as save
+from ._src.safetensors.format import TensorInfo as TensorInfo
+from ._src.safetensors.load import Files as Files
+from ._src.safetensors.load import load as load
+from ._src.safetensors.load import metadata as metadata
+from ._src.safetensors.mapping import Cast as Cast
+from ._src.safetensors.mapping import Reshape as Reshape
+from ._src.safetensors.mapping import Stack as Stack
+from ._src.safetensors.mapping import Transpose as Transpose
+from ._src.safetensors.save import save as save
 from .errors import SafetensorsError as SafetensorsError
 
 __all__ = [

@@ -97,7 +97,7 @@ def test_verify_good_corrupt_and_missing(ckpt, tmp_path, mesh42):
 def test_verify_names_the_data_file_and_byte_range_of_a_corrupt_chunk(ckpt):
     """One flipped byte: verify names the leaf, the chunk, the data file and a byte range
     holding the flipped offset (from the OCDBT B-tree), and only that chunk."""
-    from jaxckpt._src.verify import verify
+    from jaxckpt._src.cli.verify import verify
 
     flipped, offset = flip_a_chunk_byte(ckpt)
     (problem,) = verify(ckpt).problems

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src import local
+from jaxckpt._src.emergency import local
 from jaxckpt._src.options import OptionsError
 from jaxckpt.errors import CheckpointNotFoundError, UnsupportedLeafError
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src.local import read_step
+from jaxckpt._src.emergency.local import read_step
 from jaxckpt._src.storage import location
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")

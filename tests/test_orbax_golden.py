@@ -218,7 +218,7 @@ def test_a_missing_chunk_of_a_complete_orbax_checkpoint_is_an_error_not_zeros(tm
 
 @pytest.mark.parametrize(("version", "style"), [("0.5.10", "flax"), ("0.5.10", "maxtext")])
 def test_orbax05_converts_to_jaxckpt_bit_exactly(tmp_path, version, style):
-    from jaxckpt._src import convert
+    from jaxckpt._src.cli import convert
 
     convert.to_jaxckpt(golden_path(version, style), tmp_path / "c")
     assert_bits(flat(jaxckpt.restore(tmp_path / "c")), expected(version)[1])

@@ -6,7 +6,7 @@ import os
 import multiproc
 import pytest
 
-from jaxckpt._src import peers
+from jaxckpt._src.emergency import peers
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "peers_send.py")
 HOSTILE = os.path.join(os.path.dirname(__file__), "workers", "hostile_job.py")

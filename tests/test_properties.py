@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt._src import tree as tree_lib
-from jaxckpt._src.verify import verify
+from jaxckpt._src.cli.verify import verify
 
 DEVICE_DTYPES = [d for d in DTYPES if d.itemsize < 8 or d == np.dtype("complex64")]
 """Dtypes a jax.Array holds without x64 (complex64 is two float32s)."""

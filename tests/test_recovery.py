@@ -5,7 +5,7 @@ saved ones. (The multi-process runs are in tests/test_emergency.py.)"""
 import numpy as np
 import pytest
 
-from jaxckpt._src.planner import (
+from jaxckpt._src.emergency.planner import (
     Holdings,
     StepHolding,
     StepUnusable,
@@ -15,7 +15,7 @@ from jaxckpt._src.planner import (
     shift_rounds,
     uncovered,
 )
-from jaxckpt._src.recovery import fill
+from jaxckpt._src.emergency.recovery import fill
 
 S = 7  # the step
 
@@ -111,7 +111,7 @@ def test_the_planner_imports_no_jax():
 
     import jaxckpt
 
-    path = os.path.join(os.path.dirname(jaxckpt.__file__), "_src", "planner.py")
+    path = os.path.join(os.path.dirname(jaxckpt.__file__), "_src", "emergency", "planner.py")
     with open(path) as f:
         tree = ast.parse(f.read())
     imported = {

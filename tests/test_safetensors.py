@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src.safetensors_format import coalesce, runs
+from jaxckpt._src.safetensors.format import coalesce, runs
 from jaxckpt.safetensors import Cast, Reshape, SafetensorsError, Stack, Transpose
 
 snp = pytest.importorskip("safetensors.numpy")
@@ -49,7 +49,7 @@ def _read_reference(directory) -> dict:
 def _read_reference_file(path) -> dict:
     import safetensors
 
-    from jaxckpt._src.safetensors_format import DTYPES
+    from jaxckpt._src.safetensors.format import DTYPES
 
     with open(path, "rb") as f:
         return {

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src.safetensors_format import DTYPES
+from jaxckpt._src.safetensors.format import DTYPES
 from jaxckpt.errors import SafetensorsError
 
 safetensors = pytest.importorskip("safetensors")

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src.safetensors_format import DTYPES
+from jaxckpt._src.safetensors.format import DTYPES
 from jaxckpt.safetensors import Reshape, Stack, Transpose
 
 safetensors = pytest.importorskip("safetensors")

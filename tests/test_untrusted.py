@@ -34,7 +34,8 @@ from hypothesis import event, given, note
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt._src import local, tree
+from jaxckpt._src import tree
+from jaxckpt._src.emergency import local
 from jaxckpt.errors import CheckpointError, ManifestError
 
 # --- watching for reads outside the directory ------------------------------------------------

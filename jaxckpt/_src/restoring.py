@@ -8,7 +8,7 @@ two threads copy them onto their devices -> the arrays are assembled into the tr
 (``result``).
 
 ``wants``, ``result``, ``Want`` and ``place_key`` are also used to restore from local copies
-(:mod:`jaxckpt._src.local_restore`, :mod:`jaxckpt._src.recovery`). (Named ``restoring`` so
+(:mod:`jaxckpt._src.emergency.restore`, :mod:`jaxckpt._src.emergency.recovery`). (Named ``restoring`` so
 that ``jaxckpt.restore`` stays the function, unshadowed.)
 """
 

@@ -20,7 +20,7 @@ from jax._src.sharding_impls import GSPMDSharding  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxckpt._src import peers  # noqa: E402
+from jaxckpt._src.emergency import peers  # noqa: E402
 from jaxckpt._src.sharding import normalize_index  # noqa: E402
 
 shifts = tuple(int(j) for j in sys.argv[1].split(","))

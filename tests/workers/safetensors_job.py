@@ -100,7 +100,7 @@ def hostile(path: str, mesh) -> None:
     if jax.process_index() == 0:  # the reference reads what was written, bit for bit
         import safetensors
 
-        from jaxckpt._src.safetensors_format import DTYPES as ST
+        from jaxckpt._src.safetensors.format import DTYPES as ST
 
         ref = {}
         for f in sorted(os.listdir(path)):

@@ -13,16 +13,16 @@ import uuid
 import jax
 import numpy as np
 
-from ..errors import CheckpointExistsError, SafetensorsError, UnsupportedLeafError
-from . import arrays, checkpoint, multihost, orbax, steps
-from . import safetensors as st
-from . import tree as tree_lib
-from .manifest import COMMIT_FILE, MANIFEST_FILE
-from .restoring import read_manifest, restore
-from .safetensors_format import INDEX_FILE, create_files, index_json, plan
-from .safetensors_map import dotted
-from .staging import describe
-from .storage import location, rename_dir
+from ...errors import CheckpointExistsError, SafetensorsError, UnsupportedLeafError
+from .. import arrays, checkpoint, multihost, orbax, steps
+from .. import tree as tree_lib
+from ..manifest import COMMIT_FILE, MANIFEST_FILE
+from ..restoring import read_manifest, restore
+from ..safetensors import load as st
+from ..safetensors.format import INDEX_FILE, create_files, index_json, plan
+from ..safetensors.mapping import dotted
+from ..staging import describe
+from ..storage import location, rename_dir
 
 BATCH_BYTES = 256 << 20  # host memory of a conversion: leaves read and written together
 

@@ -15,11 +15,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import arrays
-from .placement import Placement
+from .. import arrays
+from ..placement import Placement
+from ..restoring import Want, place_key
+from ..sharding import Index, normalize_index
 from .planner import BadCopy, PeerSlice, Rejected, intersect
-from .restoring import Want, place_key
-from .sharding import Index, normalize_index
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import arrays, bits, multihost
-from .sharding import Index, normalize_index
+from .. import arrays, bits, multihost
+from ..sharding import Index, normalize_index
 
 Slices = dict[tuple[str, Index], np.ndarray]
 

@@ -13,10 +13,12 @@ import numpy as np
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
-from ..errors import SafetensorsError, SafetensorsLeafError, SafetensorsShapeError
-from . import bits, multihost
-from . import tree as tree_lib
-from .safetensors_format import (
+from ...errors import SafetensorsError, SafetensorsLeafError, SafetensorsShapeError
+from .. import bits, multihost
+from .. import tree as tree_lib
+from ..sharding import Index, layout, write_split
+from ..storage import Location, location, rename_dir
+from .format import (
     INDEX_FILE,
     create_files,
     dtype_name,
@@ -24,7 +26,7 @@ from .safetensors_format import (
     plan,
     runs,
 )
-from .safetensors_map import (
+from .mapping import (
     LeafMap,
     Names,
     Transforms,
@@ -36,8 +38,6 @@ from .safetensors_map import (
     to_reshaped,
     volume,
 )
-from .sharding import Index, layout, write_split
-from .storage import Location, location, rename_dir
 
 WRITE_BLOCK_BYTES = 128 << 20  # a leaf's owned parts joined into one host block up to this
 

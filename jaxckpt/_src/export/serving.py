@@ -1,7 +1,7 @@
 """Serving an export: :func:`load` and the :class:`Served` callable it returns.
 
 ``load`` picks the variant exported for the serving mesh's device count, reads and checks its
-artifact (:mod:`jaxckpt._src.export_format`), restores the parameters onto the mesh with their
+artifact (:mod:`jaxckpt._src.export.format`), restores the parameters onto the mesh with their
 recorded PartitionSpecs and wraps the ``jax.export.Exported`` in :class:`Served`, which
 checks each call's arguments against the signature before placing them on the mesh. No
 model code is needed. Reached as ``jaxckpt.export.load``.
@@ -18,18 +18,18 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from ..errors import ExportArgumentError, ExportError
-from . import checkpoint
-from . import tree as tree_lib
-from .export_format import (
+from ...errors import ExportArgumentError, ExportError
+from .. import checkpoint
+from .. import tree as tree_lib
+from ..sharding import spec_from_json
+from ..storage import Location, location
+from .format import (
     PLAIN_SYMBOL,
     SIGNATURE_FILE,
     matches_params,
     read_artifact,
     signature,
 )
-from .sharding import spec_from_json
-from .storage import Location, location
 
 
 def _fmt_shape(shape: Sequence[Any]) -> str:

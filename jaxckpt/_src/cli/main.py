@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import errors
-from .local import LOCAL_FILE
-from .manifest import COMMIT_FILE, LeafRecord, Manifest
-from .restoring import read_manifest
-from .sharding import spec_from_json
-from .storage import Location, location
+from ... import errors
+from ..emergency.local import LOCAL_FILE
+from ..manifest import COMMIT_FILE, LeafRecord, Manifest
+from ..restoring import read_manifest
+from ..sharding import spec_from_json
+from ..storage import Location, location
 
 
 def main(argv: list[str] | None = None) -> int:

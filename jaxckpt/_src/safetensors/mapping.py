@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import SafetensorsError, SafetensorsShapeError
-from .sharding import Index
+from ...errors import SafetensorsError, SafetensorsShapeError
+from ..sharding import Index
 
 # --- the declarative mapping -----------------------------------------------------------------
 

@@ -14,10 +14,12 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from ..errors import ExportError
-from . import bits
-from . import tree as tree_lib
-from .export_format import (
+from ...errors import ExportError
+from .. import bits
+from .. import tree as tree_lib
+from ..sharding import entry_axes, spec_to_json
+from ..storage import Location, location
+from .format import (
     EXPORT_FORMAT,
     EXPORT_FORMAT_VERSION,
     PARAMS_DIR,
@@ -29,8 +31,6 @@ from .export_format import (
     variant_record,
     write,
 )
-from .sharding import entry_axes, spec_to_json
-from .storage import Location, location
 
 # --- axis sizes and small helpers ---------------------------------------------------------
 

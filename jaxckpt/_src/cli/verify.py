@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import tensorstore as ts
 
-from . import arrays
-from . import per_process as pp
-from .manifest import LeafRecord, Manifest
-from .restoring import read_manifest
-from .sharding import saved_writers
-from .storage import Location, location
+from .. import arrays
+from .. import per_process as pp
+from ..manifest import LeafRecord, Manifest
+from ..restoring import read_manifest
+from ..sharding import saved_writers
+from ..storage import Location, location
 
 BUDGET_BYTES = 256 << 20
 

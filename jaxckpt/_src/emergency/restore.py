@@ -7,7 +7,7 @@ to it alone by the lowest verified holder: one ``ppermute`` of packed rows per s
 Slices are placed by global index, never by device id, so renumbered processes or a
 different process count work when the copies cover every slice.
 
-Who sends what is planned in :mod:`jaxckpt._src.recovery`; which step to restore is chosen by
+Who sends what is planned in :mod:`jaxckpt._src.emergency.recovery`; which step to restore is chosen by
 :class:`jaxckpt.EmergencyCheckpointManager`.
 """
 
@@ -20,9 +20,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from . import local, multihost, restoring, steps
-from . import per_process as pp
-from .monitoring import Figures
+from .. import multihost, restoring, steps
+from .. import per_process as pp
+from ..monitoring import Figures
+from ..sharding import Index
+from ..storage import Location
+from . import local
 from .peers import send_rows
 from .planner import (
     BadCopy,
@@ -35,8 +38,6 @@ from .planner import (
     shift_rounds,
 )
 from .recovery import assemble, needed_slices
-from .sharding import Index
-from .storage import Location
 
 _EMPTY = np.zeros(0, np.uint8)
 

@@ -1,13 +1,13 @@
 """``EmergencyCheckpointManager``: frequent saves to each host's local disk, rare remote ones.
 
 Local tier (every ``local_interval_steps``): each process writes every distinct shard it
-holds to its own ``local_directory`` (see :mod:`jaxckpt._src.local`); with ``replication=k`` it
+holds to its own ``local_directory`` (see :mod:`jaxckpt._src.emergency.local`); with ``replication=k`` it
 also sends them to k other processes ``p + j`` (mod the process count; shifts ``j`` chosen
 once so that copies leave their host, ``peers.peer_shifts``; written in ``local.json``)
-through a JAX collective (``ppermute``, device to device, see :mod:`jaxckpt._src.peers`), which
+through a JAX collective (``ppermute``, device to device, see :mod:`jaxckpt._src.emergency.peers`), which
 store them too.
 ``save`` only starts the transfer; the writer thread waits for it (both halves in
-:mod:`jaxckpt._src.local_save`). No cross-host filesystem traffic, no barrier: each process
+:mod:`jaxckpt._src.emergency.save`). No cross-host filesystem traffic, no barrier: each process
 commits its own copy.
 
 Remote tier (every ``remote_interval_steps``): a normal checkpoint through an inner
@@ -15,7 +15,7 @@ Remote tier (every ``remote_interval_steps``): a normal checkpoint through an in
 
 Restore: processes publish what they hold through the ``jax.distributed`` key-value store and
 take the newest step whose every slice is held by somebody, unless the remote tier has a newer
-one; they assemble it from their local copies (see :mod:`jaxckpt._src.local_restore`), or try the
+one; they assemble it from their local copies (see :mod:`jaxckpt._src.emergency.restore`), or try the
 next older step when it proves unusable, and fall back to the remote tier.
 """
 
@@ -30,18 +30,20 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from ..errors import CheckpointError, CheckpointNotFoundError
-from . import local_restore, local_save, multihost, steps
-from . import per_process as pp
+from ...errors import CheckpointError, CheckpointNotFoundError
+from .. import multihost, steps
+from .. import per_process as pp
+from ..manager import CheckpointManager
+from ..monitoring import Figures
+from ..options import EmergencyOptions, Options
+from ..storage import location
+from ..writer import Writer
+from . import restore as local_restore
+from . import save as local_save
 from .local import LocalStep
-from .manager import CheckpointManager
-from .monitoring import Figures
-from .options import EmergencyOptions, Options
 from .peers import peer_shifts
 from .planner import BadCopy, Holdings, Rejected, StepUnusable, candidates
 from .recovery import RecoveryReport
-from .storage import location
-from .writer import Writer
 
 log = logging.getLogger("jaxckpt")
 
@@ -190,7 +192,7 @@ class EmergencyCheckpointManager:
 
     def _save_local(self, step: int, state: Any, fig: Figures, record) -> None:
         """On the calling thread only snapshots and the peer copies' dispatch; the rest on
-        the writer thread (see :mod:`jaxckpt._src.local_save`)."""
+        the writer thread (see :mod:`jaxckpt._src.emergency.save`)."""
         self._wait_local()  # host buffers are reused
         shifts, hosts = self._peer_shifts()
         pending = self._saver.start(

@@ -15,10 +15,12 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ..errors import SafetensorsError, SafetensorsLeafNotFoundError, SafetensorsShapeError
-from . import tree as tree_lib
-from .placement import Placement
-from .safetensors_format import (
+from ...errors import SafetensorsError, SafetensorsLeafNotFoundError, SafetensorsShapeError
+from .. import tree as tree_lib
+from ..placement import Placement
+from ..sharding import Index
+from ..storage import Location, location
+from .format import (
     INDEX_FILE,
     TensorInfo,
     checked,
@@ -28,7 +30,7 @@ from .safetensors_format import (
     read_header,
     runs,
 )
-from .safetensors_map import (
+from .mapping import (
     LeafMap,
     Names,
     Transforms,
@@ -40,8 +42,6 @@ from .safetensors_map import (
     tensor_boxes,
     volume,
 )
-from .sharding import Index
-from .storage import Location, location
 
 READ_BUDGET_BYTES = 128 << 20
 

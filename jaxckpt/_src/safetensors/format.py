@@ -25,9 +25,9 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from ..errors import SafetensorsError
-from .sharding import Index
-from .storage import Location
+from ...errors import SafetensorsError
+from ..sharding import Index
+from ..storage import Location
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -19,15 +19,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import local, multihost, staging
-from . import per_process as pp
-from . import tree as tree_lib
-from .manifest import LeafRecord
-from .monitoring import Figures
+from .. import multihost, staging
+from .. import per_process as pp
+from .. import tree as tree_lib
+from ..manifest import LeafRecord
+from ..monitoring import Figures
+from ..sharding import Index, layout
+from ..staging import PY_TYPES, HostCopies, check_numpy, unsupported
+from ..storage import Location
+from . import local
 from .peers import PeerCopies, send_rows, send_shards
-from .sharding import Index, layout
-from .staging import PY_TYPES, HostCopies, check_numpy, unsupported
-from .storage import Location
 
 
 @dataclass

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from ..errors import FormatVersionError, ManifestError
-from . import arrays, steps
-from .fields import MAX_PROCESSES, Fields, parse_json
-from .manifest import (
+from ...errors import FormatVersionError, ManifestError
+from .. import arrays, steps
+from ..fields import MAX_PROCESSES, Fields, parse_json
+from ..manifest import (
     COMMIT_FILE,
     FORMAT_VERSION,
     LeafRecord,
@@ -39,8 +39,8 @@ from .manifest import (
     leaves_from_json,
     meshes_from_json,
 )
-from .sharding import Index
-from .storage import Location, release_owner_lock
+from ..sharding import Index
+from ..storage import Location, release_owner_lock
 
 log = logging.getLogger("jaxckpt")
 

@@ -11,7 +11,7 @@ An export is one directory::
 :func:`prepare_target` refuses a finished one and clears what an unfinished one left. Reading
 checks the format version (:func:`signature`) and, per artifact, the calling convention and
 serialization versions, the SHA-256 and the platform (:func:`read_artifact`). The signature's
-contents are built by :mod:`jaxckpt.export`; :mod:`jaxckpt._src.serving` loads an export.
+contents are built by :mod:`jaxckpt.export`; :mod:`jaxckpt._src.export.serving` loads an export.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from ..errors import (
+from ...errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ExportChecksumError,
@@ -37,15 +37,15 @@ from ..errors import (
     FormatVersionError,
     ManifestError,
 )
-from . import checkpoint, multihost
-from .fields import MAX_NDIM, Fields, parse_json
-from .manifest import (
+from .. import checkpoint, multihost
+from ..fields import MAX_NDIM, Fields, parse_json
+from ..manifest import (
     AXIS_TYPES,
     FORMAT_VERSION,
     check_format_version,
     path_entry,
 )
-from .storage import Location, location
+from ..storage import Location, location
 
 EXPORT_FORMAT = "jaxckpt.export"
 EXPORT_FORMAT_VERSION = FORMAT_VERSION  # one version scheme for every file jaxckpt writes
@@ -176,7 +176,7 @@ def signature(path: str | os.PathLike) -> dict:
 def check_signature(f: Fields, sig: dict) -> None:
     """Every field serving reads, checked: types, ranges, names against the mesh axes, the
     artifact and parameter paths (fixed names inside the export, never elsewhere)."""
-    from .tree import path_name
+    from ..tree import path_name
 
     for key in ("function", "created"):
         f.text(sig.get(key, ""), key)
