@@ -5,12 +5,12 @@ saved ones. (The multi-process runs are in tests/test_emergency.py.)"""
 import numpy as np
 import pytest
 
+from jaxckpt._src.boxes import intersect
 from jaxckpt._src.emergency.planner import (
     Holdings,
     StepHolding,
     StepUnusable,
     candidates,
-    intersect,
     plan_sends,
     shift_rounds,
     uncovered,

@@ -23,7 +23,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import ChecksumError, StorageError
-from .sharding import Index
+from .boxes import Index
 from .storage import Location
 
 MIN_DATA_FILE_BYTES = 64 << 20

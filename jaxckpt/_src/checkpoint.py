@@ -11,6 +11,7 @@ Reading a checkpoint back is :mod:`jaxckpt.restore`, which also reads the manife
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -38,7 +39,6 @@ from .staging import StagedLeaf, describe
 from .storage import (
     Location,
     location,
-    release_owner_lock,
 )
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -103,33 +103,26 @@ def save(
     fig.bytes = sum(w.nbytes for w in writes)
     pid, count = multihost.process_index(), multihost.process_count()
     my_id = uuid.uuid4().hex[:12]
-    work = loc.parent().join(f"{loc.name}.tmp-{my_id}") if loc.is_local else loc
-    # Process 0's temporary directory exists, locked (steps.claim; none on object stores),
-    # before the others learn its name and make their parts in it; removed if they disagree.
-    owner = steps.claim(work) if pid == 0 else None
-    try:
+    # Process 0's temporary directory exists, locked, before the others learn its name and
+    # make their parts in it (steps.committing); removed if anything fails or they disagree.
+    lead = steps.committing(loc, my_id) if pid == 0 else contextlib.nullcontext()
+    with lead:
         # One round before any data is written: the same path, tree, shapes and dtypes on
         # every process? Who runs where, and process 0's id for this save (temporary
         # directory and barrier names, so a restarted job never meets a stale one).
-        extras = multihost.agree(
+        agreed = multihost.agree(
             multihost.unique_name("save"),
             _summary(loc, leaves),
             timeout_s,
             what=loc.url,
             extra=f"{multihost.host_name()} {my_id} {fig.bytes} {int(record is not None)}",
         )
-        save_id = extras.first.rsplit(" ", 3)[1]
-        got = [e.rsplit(" ", 3) for e in extras.all or []]  # process 0 only
+        save_id = agreed.first.rsplit(" ", 3)[1]
+        got = [e.rsplit(" ", 3) for e in agreed.all or []]  # process 0 only
         hosts = [g[0] for g in got]
         bytes_per_process = [int(g[2]) for g in got]
         with_records = [p for p, g in enumerate(got) if g[3] == "1"]
-        work = loc.parent().join(f"{loc.name}.tmp-{save_id}") if loc.is_local else loc
-        if work == loc:
-            # Object stores have no rename, so the arrays go straight to ``loc``: first clear
-            # what an earlier save that never committed left there (its zarr.json would clash).
-            if pid == 0 and loc.list_children():
-                loc.remove()
-            multihost.barrier(f"jaxckpt/{save_id}/cleared", timeout_s, what=loc.url)
+        work = steps.work_dir(loc, save_id)
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
         with fig.phase("write"):
@@ -146,14 +139,8 @@ def save(
                 manifest = manifest_of(leaves, meshes, hosts, bytes_per_process, metadata, metrics)
                 manifest = dataclasses.replace(manifest, per_process=with_records or None)
                 work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
-                steps.publish(work, loc)
-            multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
-    except BaseException:
-        if pid == 0 and work != loc:
-            work.remove()
-        raise
-    finally:
-        release_owner_lock(owner)
+    with fig.phase("commit"):
+        multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
     return fig.done()
 
 

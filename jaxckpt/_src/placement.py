@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .sharding import Index, normalize_index
+from .boxes import Index, from_slices
 
 
 class Placement:
@@ -24,7 +24,7 @@ class Placement:
         self.index_map = sharding.addressable_devices_indices_map(shape)
         self.devices: dict[Index, list] = {}
         for device, index in self.index_map.items():
-            self.devices.setdefault(normalize_index(index, shape), []).append(device)
+            self.devices.setdefault(from_slices(index, shape), []).append(device)
         self.placed: dict = {}
         kind = sharding.memory_kind  # each device in the memory the sharding asks for
         self.on = {

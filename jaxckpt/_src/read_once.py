@@ -28,7 +28,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import bits
-from .sharding import entry_axes, normalize_index
+from .boxes import from_slices
+from .sharding import entry_axes
 
 
 def shared_across_processes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
@@ -45,7 +46,7 @@ def _sharing_processes(sharding, shape: tuple[int, ...]) -> tuple[tuple[int, ...
         return ()  # pinned host memory, say: placed per process, from the host
     procs: dict = {}
     for device, index in sharding.devices_indices_map(shape).items():
-        procs.setdefault(normalize_index(index, shape), set()).add(device.process_index)
+        procs.setdefault(from_slices(index, shape), set()).add(device.process_index)
     return tuple(sorted({tuple(sorted(p)) for p in procs.values() if len(p) > 1}))
 
 

@@ -20,9 +20,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ..errors import ShardingError
-
-Index = tuple[tuple[int, int], ...]  # per dimension: [start, stop)
-
+from .boxes import Index, chunks_in, from_slices
 
 # --- JSON forms -------------------------------------------------------------------------
 
@@ -87,13 +85,6 @@ def sharding_to_json(sharding: jax.sharding.Sharding, meshes: list[dict]) -> dic
 # --- ownership: who writes which shard ----------------------------------------------------
 
 
-def normalize_index(index: tuple, shape: tuple[int, ...]) -> Index:
-    """A device's index (a tuple of slices, maybe shorter than ``shape``) as
-    ``((start, stop), ...)`` over every dimension."""
-    given = tuple(sl.indices(dim)[:2] for sl, dim in zip(index, shape, strict=False))
-    return given + tuple((0, dim) for dim in shape[len(index) :])
-
-
 @dataclass(frozen=True)
 class Layout:
     """How a sharding splits an array of one shape, worked out once (see ``layout``).
@@ -127,7 +118,7 @@ def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
     seen: set[Index] = set()
     position = 0  # among this process's devices
     for device, index in sharding.devices_indices_map(shape).items():
-        index = normalize_index(index, shape)
+        index = from_slices(index, shape)
         owners.setdefault(index, device)
         if device.process_index == me:
             if index not in seen:
@@ -239,7 +230,7 @@ def write_split(
 ) -> WriteSplit:
     """The ``WriteSplit`` of ``shape`` under ``sharding`` (cached, like ``layout``)."""
     held = [
-        (normalize_index(index, shape), device.process_index)
+        (from_slices(index, shape), device.process_index)
         for device, index in sharding.devices_indices_map(shape).items()
     ]
     procs = _holders(held)
@@ -295,12 +286,6 @@ def saved_writers(record, meshes: list[dict]) -> dict[tuple[int, ...], int]:
     held = named_indices(sharding["spec"], meshes[sharding["mesh"]], shape)
     split = _split(_holders(held), shape, tuple(record.chunk_shape), itemsize)
     return dict(split.chunk_writers(record.writer_salt or 0))
-
-
-def chunks_in(region: Index, chunks: tuple[int, ...]):
-    """The grid coordinates of every chunk inside the chunk-aligned ``region``."""
-    ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(region, chunks, strict=True)]
-    return itertools.product(*ranges)
 
 
 # --- binding saved shardings to current devices -------------------------------------------

@@ -9,11 +9,13 @@ step is never listed or restored.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 
 from ..errors import CheckpointExistsError
 from .manifest import COMMIT_FILE
@@ -57,21 +59,65 @@ def claim(work: Location) -> int | None:
     return fd
 
 
-def publish(work: Location, final: Location, *, replace_committed: bool = False) -> None:
+def work_dir(final: Location, token: str) -> Location:
+    """Where a save of ``final`` writes: ``<final>.tmp-<token>`` beside it, or ``final``
+    itself on object stores (they have no rename; the marker written last is the truth)."""
+    return final.parent().join(f"{final.name}.tmp-{token}") if final.is_local else final
+
+
+@contextlib.contextmanager
+def committing(
+    final: Location,
+    token: str | None = None,
+    *,
+    marker: bool = True,
+    replace_committed: bool = False,
+) -> Iterator[Location]:
+    """Writes the directory ``final`` all at once: yields its temporary ``work_dir``,
+    created already holding the owner lock (``claim``), for the caller to fill; on a clean
+    exit renames it into place and writes ``COMMITTED`` last (``publish``; ``marker=False``
+    for directories that other tools read, which carry no marker); on any error removes
+    it, so an earlier committed ``final`` is never touched. On object stores the leftovers
+    of an earlier uncommitted attempt at ``final`` are cleared first. In a multi-process
+    save only process 0 enters it; the others write into ``work_dir(final, token)``.
+
+    >>> with steps.committing(loc) as work:
+    ...     work.write_bytes("data", b"...")
+    """
+    work = work_dir(final, token or uuid.uuid4().hex[:12])
+    if work == final and final.list_children():
+        final.remove()
+    owner = claim(work)
+    try:
+        yield work
+        publish(work, final, replace_committed=replace_committed, marker=marker)
+    except BaseException:
+        if work != final:
+            work.remove()
+        raise
+    finally:
+        release_owner_lock(owner)
+
+
+def publish(
+    work: Location, final: Location, *, replace_committed: bool = False, marker: bool = True
+) -> None:
     """Makes the finished ``work`` directory the committed ``final`` one: rename (local
     filesystems; on object stores ``work`` is ``final``), then the marker. A leftover at
     ``final`` without a marker is replaced; a committed one too with ``replace_committed``,
-    else it is an error and nothing is overwritten."""
+    else it is an error and nothing is overwritten (always, for ``marker=False``
+    directories, which have no marker to tell a leftover from a finished one)."""
     if work != final:
         if os.path.exists(final.url):
-            if final.exists(COMMIT_FILE) and not replace_committed:
+            if not marker or (final.exists(COMMIT_FILE) and not replace_committed):
                 raise CheckpointExistsError(
-                    f"{final.url} was committed by another save while this one was writing; "
+                    f"{final.url} was written by another save while this one was writing; "
                     "nothing was overwritten. Save each checkpoint once"
                 )
             final.remove()
         rename_dir(work, final)
-    final.write_bytes(COMMIT_FILE, b"", create_dir=False)
+    if marker:
+        final.write_bytes(COMMIT_FILE, b"", create_dir=False)
     final.delete_file(OWNER_FILE)
 
 

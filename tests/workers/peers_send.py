@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxckpt._src.emergency import peers  # noqa: E402
-from jaxckpt._src.sharding import normalize_index  # noqa: E402
+from jaxckpt._src.sharding import from_slices  # noqa: E402
 
 shifts = tuple(int(j) for j in sys.argv[1].split(","))
 me, count = jax.process_index(), jax.process_count()
@@ -55,7 +55,7 @@ def check(values: dict, reuse=None):
         imap = sharding.devices_indices_map(value.shape)
         held = {}
         for d, idx in imap.items():
-            held.setdefault(d.process_index, set()).add(normalize_index(idx, value.shape))
+            held.setdefault(d.process_index, set()).add(from_slices(idx, value.shape))
         expect = {}
         for j in shifts:
             sender = (me - j) % count

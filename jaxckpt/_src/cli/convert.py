@@ -8,7 +8,6 @@ Both stream a few leaves at a time (``BATCH_BYTES``, or the largest leaf, in hos
 from __future__ import annotations
 
 import os
-import uuid
 
 import jax
 import numpy as np
@@ -22,7 +21,7 @@ from ..safetensors import load as st
 from ..safetensors.format import INDEX_FILE, create_files, index_json, plan
 from ..safetensors.mapping import dotted
 from ..staging import describe
-from ..storage import location, rename_dir
+from ..storage import location
 
 BATCH_BYTES = 256 << 20  # host memory of a conversion: leaves read and written together
 
@@ -52,11 +51,10 @@ def to_jaxckpt(src, dst) -> None:
 
     if d.exists(COMMIT_FILE) or os.path.exists(d.url):
         raise CheckpointExistsError(f"{d.url} already exists; choose a new path or delete it")
-    work = d.parent().join(f"{d.name}.tmp-{uuid.uuid4().hex[:12]}") if d.is_local else d
-    db = arrays.database_dir(work, None)
-    db.makedirs()
     staged, total = [], 0
-    try:
+    with steps.committing(d) as work:
+        db = arrays.database_dir(work, None)
+        db.makedirs()
         for batch in _batches(leaves):
             tree = read(batch)
             described = describe(tree).leaves
@@ -71,11 +69,6 @@ def to_jaxckpt(src, dst) -> None:
             staged, [], [multihost.host_name()], [total], custom, None
         )
         work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
-        steps.publish(work, d)
-    except BaseException:
-        if work != d:
-            work.remove()
-        raise
 
 
 def _batches(leaves):
@@ -142,8 +135,7 @@ def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
     names = {r.name: dotted(r.path) for r in leaves}
     specs = [(names[r.name], np.dtype(r.dtype), tuple(r.shape)) for r in leaves]
     files, placed = plan(specs, max_file_bytes, {"format": "jaxckpt"})
-    work = d.parent().join(f"{d.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
+    with steps.committing(d, marker=False) as work:
         create_files(work, files)
         for rec, data in host_leaves(s, leaves):
             t = placed[names[rec.name]]
@@ -156,7 +148,3 @@ def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
             os.close(fd)
         if len(files) > 1:
             work.write_bytes(INDEX_FILE, index_json(placed, {"format": "jaxckpt"}))
-        rename_dir(work, d)
-    except BaseException:
-        work.remove()
-        raise

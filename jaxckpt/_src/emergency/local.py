@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import struct
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
 from .. import arrays, steps
+from ..boxes import Index, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
 from ..manifest import (
     COMMIT_FILE,
@@ -39,8 +39,7 @@ from ..manifest import (
     leaves_from_json,
     meshes_from_json,
 )
-from ..sharding import Index
-from ..storage import Location, release_owner_lock
+from ..storage import Location
 
 log = logging.getLogger("jaxckpt")
 
@@ -54,17 +53,6 @@ LOCAL_CHUNK_BYTES = 16 << 20
 
 # A held slice: (leaf name, global index) -> host data in the stored dtype.
 Slices = dict[tuple[str, Index], np.ndarray]
-
-
-def index_key(index: Index) -> str:
-    """A slice's global index as text: ``0:16,0:8`` (``-`` for a 0-d array)."""
-    return ",".join(f"{a}:{b}" for a, b in index) or "-"
-
-
-def parse_index(key: str) -> Index:
-    if key == "-":
-        return ()
-    return tuple((int(a), int(b)) for a, b in (part.split(":") for part in key.split(",")))
 
 
 def tree_digest(records: Iterable[LeafRecord]) -> str:
@@ -189,7 +177,7 @@ def _by_leaf(f: Fields, v: Any, at: str, shapes: dict[str, list[int]]) -> dict:
 def _index(f: Fields, key: Any, at: str, shape: list[int]) -> str:
     """An index key (``0:16,0:8``, ``-`` for 0-d) inside ``shape``."""
     try:
-        index = parse_index(f.text(key, at))
+        index = from_text(f.text(key, at))
     except ValueError:
         f.bad(at, "has an index that is not 'a:b,c:d'", key)
     if len(index) != len(shape) or any(
@@ -232,8 +220,6 @@ def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int 
     """Writes one committed local step (tmp dir, rename, marker last) holding ``slices``
     (``doc.held`` lists them); returns its path."""
     final = steps.step_dir(directory, doc.step, digits)
-    work = final.parent().join(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    db = work.join("arrays")
     by_leaf: dict[str, list] = {}
     for (name, index), data in slices.items():
         by_leaf.setdefault(name, []).append((index, lambda d=data: d))
@@ -247,17 +233,11 @@ def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int 
         pieces = by_leaf.get(rec.name, [])
         nbytes = sum(get().nbytes for _, get in pieces)
         writes.append(arrays.ArrayWrite(rec.name, meta, pieces, True, nbytes))
-    owner = steps.claim(work)  # locked from the start: a manager starting leaves it alone
-    try:
+    with steps.committing(final, replace_committed=True) as work:  # saved again: replaced
+        db = work.join("arrays")
         db.makedirs()
         arrays.write(db, writes)
         work.write_bytes(LOCAL_FILE, json.dumps(doc.to_json()).encode())
-        steps.publish(work, final, replace_committed=True)  # a step saved again replaces it
-    except BaseException:
-        work.remove()
-        raise
-    finally:
-        release_owner_lock(owner)
     return final
 
 
@@ -265,7 +245,7 @@ def held_keys(slices: Slices, origins: dict[tuple[str, Index], int]) -> dict[str
     """``LocalStep.held`` for these slices and their original writers."""
     held: dict[str, dict[str, int]] = {}
     for name, index in slices:
-        held.setdefault(name, {})[index_key(index)] = origins[(name, index)]
+        held.setdefault(name, {})[to_text(index)] = origins[(name, index)]
     return held
 
 
@@ -308,7 +288,7 @@ def read_slices(
             bad.extend((name, k, f"cannot open: {e}") for k in keys)
             continue
         for k in keys:
-            index = parse_index(k)
+            index = from_text(k)
             dst = into.get((name, index))
             dtype = store.dtype.numpy_dtype
             if (
@@ -322,7 +302,7 @@ def read_slices(
     out: Slices = {}
     for name, k, fut in futures:
         try:
-            out[(name, parse_index(k))] = fut.result()
+            out[(name, from_text(k))] = fut.result()
         except Exception as e:
             err = arrays.read_error(e, leaf=name, db=db, writers=lambda _k: db.url)
             bad.append((name, k, f"{type(err).__name__}: {err}"))
@@ -370,7 +350,7 @@ def pack_layout(
     """
     entries, offset = [], 0
     for (name, index), (dtype, shape, origin) in specs.items():
-        entries.append([name, index_key(index), origin, offset, str(dtype), list(shape)])
+        entries.append([name, to_text(index), origin, offset, str(dtype), list(shape)])
         offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
     header = json.dumps(entries).encode()
     start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
@@ -406,6 +386,6 @@ def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:
         dt = jnp.dtype(dtype)
         n = math.prod(shape) * dt.itemsize
         data = buf[start + off : start + off + n].view(dt).reshape(shape)
-        slices[(name, parse_index(key))] = data
-        origins[(name, parse_index(key))] = origin
+        slices[(name, from_text(key))] = data
+        origins[(name, from_text(key))] = origin
     return slices, origins

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import arrays, bits, multihost
-from ..sharding import Index, normalize_index
+from ..boxes import Index, from_slices
 
 Slices = dict[tuple[str, Index], np.ndarray]
 
@@ -75,7 +75,7 @@ def _route(sharding, shape: tuple[int, ...], shifts: tuple[int, ...], me: int, c
         by_proc.setdefault(d.process_index, []).append(d)
     if sorted(by_proc) != list(range(count)) or len({len(v) for v in by_proc.values()}) != 1:
         return None
-    index = {d: normalize_index(imap[d], shape) for d in devices}
+    index = {d: from_slices(imap[d], shape) for d in devices}
     if len({tuple(b - a for a, b in i) for i in index.values()}) != 1:
         return None
     pos = {d: i for i, d in enumerate(devices)}

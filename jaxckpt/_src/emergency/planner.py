@@ -8,8 +8,6 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
-Index = tuple[tuple[int, int], ...]  # per dimension: [start, stop), as jaxckpt._src.sharding
-
 
 @dataclass(frozen=True)
 class StepHolding:
@@ -155,11 +153,6 @@ def uncovered(s: int, views: list[Holdings]) -> str | None:
                 f"the {len(views)} processes"
             )
     return None
-
-
-def intersect(a: Index, b: Index) -> Index | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
 
 
 def candidates(views: list[Holdings], step: int | None = None) -> tuple[list[int], list[Rejected]]:

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 
 from .. import arrays
+from ..boxes import Index, from_slices, intersect
 from ..placement import Placement
 from ..restoring import Want, place_key
-from ..sharding import Index, normalize_index
-from .planner import BadCopy, PeerSlice, Rejected, intersect
+from .planner import BadCopy, PeerSlice, Rejected
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ def needed_slices(w: Want, required: list[Index]) -> list[Index]:
         return list(required)
     shape = tuple(rec.shape)
     targets = {
-        normalize_index(i, shape)
-        for i in w.sharding.addressable_devices_indices_map(shape).values()
+        from_slices(i, shape) for i in w.sharding.addressable_devices_indices_map(shape).values()
     }
     return [s for s in required if any(intersect(s, t) is not None for t in targets)]
 

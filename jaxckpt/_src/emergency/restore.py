@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 
 from .. import multihost, restoring, steps
 from .. import per_process as pp
+from ..boxes import Index, from_text, to_text
 from ..monitoring import Figures
-from ..sharding import Index
 from ..storage import Location
 from . import local
 from .peers import send_rows
@@ -119,9 +119,9 @@ def restore_step(
     )
     by_name = {r.name: r for r in doc.leaves}
     wants = restoring.wants(doc.leaves, doc.meshes, target, mesh, directory)
-    required = {n: [local.parse_index(k) for k in keys] for n, keys in doc.required.items()}
+    required = {n: [from_text(k) for k in keys] for n, keys in doc.required.items()}
     needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
-    needs = {n: [local.index_key(i) for i in idx] for n, idx in needs.items() if idx}
+    needs = {n: [to_text(i) for i in idx] for n, idx in needs.items() if idx}
     all_needs = [
         json.loads(v) for v in multihost.all_gather(f"{tag}/needs", json.dumps(needs), timeout_s)
     ]
@@ -139,7 +139,7 @@ def restore_step(
     for p in range(len(views)):
         read_by[p] |= sent_by(first, p)
     to_read = set(read_by[pid])
-    my_needs = {(n, local.parse_index(k)) for n, keys in needs.items() for k in keys}
+    my_needs = {(n, from_text(k)) for n, keys in needs.items() for k in keys}
     rows = _rows_to_read_into(first, my_needs, mine, by_name)
     into = {key: v for _, views in rows.values() for key, v in views.items()}
     data: local.Slices = {}
@@ -166,19 +166,19 @@ def restore_step(
         raise StepUnusable("copies kept failing verification", tuple(bad_copies))
     fig.lap("read")
     origins_mine = {
-        (name, local.parse_index(k)): w
+        (name, from_text(k)): w
         for name, h in (mine.held if mine else {}).items()
         for k, w in h.items()
     }
     del into
-    sending = {(n, local.parse_index(k)) for n, k in sent_by(sends, pid)}
+    sending = {(n, from_text(k)) for n, k in sent_by(sends, pid)}
     for key in [k for k in data if k not in my_needs and k not in sending]:
         del data[key]  # read for a plan that a failed copy changed
     used_from = _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s)
     own_pid = mine.process_index if mine else None
     for name, keys in needs.items():
         for k in keys:
-            key = (name, local.parse_index(k))
+            key = (name, from_text(k))
             if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
                 used_from[key] = (pid, origins_mine[key])
     fig.lap("move")
@@ -188,9 +188,7 @@ def restore_step(
     return Restored(
         restoring.result(target, wants, values),
         doc.process_count,
-        tuple(
-            sorted(PeerSlice(n, local.index_key(i), h, w) for (n, i), (h, w) in used_from.items())
-        ),
+        tuple(sorted(PeerSlice(n, to_text(i), h, w) for (n, i), (h, w) in used_from.items())),
         tuple(bad_copies),
         records,
         records_from,
@@ -231,7 +229,7 @@ def _rows_to_read_into(first, my_needs, mine, by_name) -> dict:
             times[key] = times.get(key, 0) + 1
     rows = {}
     for r, keys in sorted(mine_first.items()):
-        parsed = sorted((n, local.parse_index(k)) for n, k in keys)
+        parsed = sorted((n, from_text(k)) for n, k in keys)
         if mine is None or any(times[k] > 1 for k in keys) or my_needs.intersection(parsed):
             continue
         held = mine.held
@@ -240,7 +238,7 @@ def _rows_to_read_into(first, my_needs, mine, by_name) -> dict:
                 (n, i): (
                     by_name[n].storage_dtype,
                     tuple(b - a for a, b in i),
-                    held[n][local.index_key(i)],
+                    held[n][to_text(i)],
                 )
                 for n, i in parsed
             }
@@ -262,11 +260,11 @@ def _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s) -> d
     last: dict[tuple[str, Index], int] = {}
     for r, (j, _) in enumerate(rounds):
         for n, k in sends.get((pid, (pid + j) % count), ()):
-            last[(n, local.parse_index(k))] = r
+            last[(n, from_text(k))] = r
     used_from: dict[tuple[str, Index], tuple[int, int]] = {}
     for r, (j, pairs) in enumerate(rounds):
         dst = (pid + j) % count
-        keys = sorted((n, local.parse_index(k)) for n, k in sends.get((pid, dst), ()))
+        keys = sorted((n, from_text(k)) for n, k in sends.get((pid, dst), ()))
         if keys and dst in rows and sends[(pid, dst)] == first.get((pid, dst)):
             row = rows.pop(dst)[0]  # read into already
         else:

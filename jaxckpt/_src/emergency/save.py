@@ -22,9 +22,10 @@ import numpy as np
 from .. import multihost, staging
 from .. import per_process as pp
 from .. import tree as tree_lib
+from ..boxes import Index, to_text
 from ..manifest import LeafRecord
 from ..monitoring import Figures
-from ..sharding import Index, layout
+from ..sharding import layout
 from ..staging import PY_TYPES, HostCopies, check_numpy, unsupported
 from ..storage import Location
 from . import local
@@ -199,7 +200,7 @@ def _required(records: list[LeafRecord], flat, key_data) -> dict[str, list[str]]
         if not rec.has_array or not math.prod(rec.shape):
             continue
         if rec.kind == "numpy":
-            out[rec.name] = [local.index_key(tuple((0, d) for d in rec.shape))]
+            out[rec.name] = [to_text(tuple((0, d) for d in rec.shape))]
         else:
             arr = key_data.get(i, leaf)
             out[rec.name] = list(_index_keys(arr.sharding, tuple(arr.shape)))
@@ -208,5 +209,5 @@ def _required(records: list[LeafRecord], flat, key_data) -> dict[str, list[str]]
 
 @functools.lru_cache(maxsize=4096)
 def _index_keys(sharding, shape: tuple[int, ...]) -> tuple[str, ...]:
-    """Every slice of an array (``local.index_key``), sorted: recorded at each local save."""
-    return tuple(local.index_key(i) for i in layout(sharding, shape).indices)
+    """Every slice of an array (``to_text``), sorted: recorded at each local save."""
+    return tuple(to_text(i) for i in layout(sharding, shape).indices)

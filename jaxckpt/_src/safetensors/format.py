@@ -26,7 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import SafetensorsError
-from ..sharding import Index
+from ..boxes import Index
 from ..storage import Location
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -17,8 +17,8 @@ import tensorstore as ts
 
 from ...errors import SafetensorsError, SafetensorsLeafNotFoundError, SafetensorsShapeError
 from .. import tree as tree_lib
+from ..boxes import Index, bounding, volume
 from ..placement import Placement
-from ..sharding import Index
 from ..storage import Location, location
 from .format import (
     INDEX_FILE,
@@ -34,13 +34,11 @@ from .mapping import (
     LeafMap,
     Names,
     Transforms,
-    bounding,
     dotted,
     from_reshaped,
     leaf_map,
     reshaped,
     tensor_boxes,
-    volume,
 )
 
 READ_BUDGET_BYTES = 128 << 20

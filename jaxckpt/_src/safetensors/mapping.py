@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from ...errors import SafetensorsError, SafetensorsShapeError
-from ..sharding import Index
+from ..boxes import Index
 
 # --- the declarative mapping -----------------------------------------------------------------
 
@@ -269,18 +269,3 @@ def to_reshaped(m: LeafMap, block: np.ndarray) -> np.ndarray:
     if not m.simple:
         return invert(m.steps, block)
     return block if m.axes is None else np.transpose(block, np.argsort(m.axes))
-
-
-def volume(box: Index) -> int:
-    return math.prod(b - a for a, b in box)
-
-
-def bounding(boxes: list[Index]) -> Index | None:
-    """The box around ``boxes`` when they tile it with at most 1.5x its volume needed
-    elsewhere (replicas counted once), else None."""
-    if not boxes or not boxes[0]:
-        return None
-    box = tuple(
-        (min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0]))
-    )
-    return box if volume(box) <= 1.5 * sum(volume(b) for b in set(boxes)) else None

@@ -6,6 +6,7 @@ import collections
 import math
 import os
 import uuid
+from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -14,10 +15,11 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from ...errors import SafetensorsError, SafetensorsLeafError, SafetensorsShapeError
-from .. import bits, multihost
+from .. import bits, multihost, steps
 from .. import tree as tree_lib
-from ..sharding import Index, layout, write_split
-from ..storage import Location, location, rename_dir
+from ..boxes import Index, bounding, volume
+from ..sharding import layout, write_split
+from ..storage import Location, location
 from .format import (
     INDEX_FILE,
     create_files,
@@ -30,13 +32,11 @@ from .mapping import (
     LeafMap,
     Names,
     Transforms,
-    bounding,
     dotted,
     leaf_map,
     reshaped,
     tensor_boxes,
     to_reshaped,
-    volume,
 )
 
 WRITE_BLOCK_BYTES = 128 << 20  # a leaf's owned parts joined into one host block up to this
@@ -96,26 +96,26 @@ def save(
     )
     if os.path.exists(loc.url):
         raise SafetensorsError(f"{loc.url} already exists; choose a new directory or delete it")
-    work = loc.parent().join(f"{loc.name}.tmp-{agreed.first}")
-    if multihost.process_index() == 0:
-        create_files(work, files)
-    multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/created", timeout_s, what=loc.url)
-    fds = {f.name: os.open(os.path.join(work.url, f.name), os.O_WRONLY) for f in files}
-    try:
-        for salt, (m, v) in enumerate(leaves):
-            for box, data in _blocks(_parts(m, v, salt), WRITE_BLOCK_BYTES):
-                for file, offset, chunk in _placements(m, box, data, placed):
-                    os.pwrite(fds[file], chunk, offset)
-        for fd in fds.values():
-            os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/written", timeout_s, what=loc.url)
-    if multihost.process_index() == 0:
-        if len(files) > 1:
+    lead = multihost.process_index() == 0
+    with steps.committing(loc, agreed.first, marker=False) if lead else nullcontext():
+        work = steps.work_dir(loc, agreed.first)
+        if lead:
+            create_files(work, files)
+        multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/created", timeout_s, what=loc.url)
+        fds = {f.name: os.open(os.path.join(work.url, f.name), os.O_WRONLY) for f in files}
+        try:
+            for salt, (m, v) in enumerate(leaves):
+                for box, data in _blocks(_parts(m, v, salt), WRITE_BLOCK_BYTES):
+                    for file, offset, chunk in _placements(m, box, data, placed):
+                        os.pwrite(fds[file], chunk, offset)
+            for fd in fds.values():
+                os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/written", timeout_s, what=loc.url)
+        if lead and len(files) > 1:
             work.write_bytes(INDEX_FILE, index_json(placed, metadata))
-        rename_dir(work, loc)
     multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/committed", timeout_s, what=loc.url)
 
 
