@@ -8,19 +8,20 @@
 from . import errors as errors
 from . import export as export
 from . import safetensors as safetensors
-from ._src.checkpoint import custom_metadata as custom_metadata
-from ._src.checkpoint import metadata as metadata
-from ._src.checkpoint import per_process as per_process
-from ._src.checkpoint import save as save
-from ._src.checkpoint import user_metadata as user_metadata
 from ._src.emergency.manager import EmergencyCheckpointManager as EmergencyCheckpointManager
 from ._src.emergency.recovery import RecoveryReport as RecoveryReport
 from ._src.manager import CheckpointManager as CheckpointManager
 from ._src.manifest import FORMAT_VERSION as FORMAT_VERSION
 from ._src.manifest import ArrayInfo as ArrayInfo
+from ._src.monitoring import Figures as Figures
 from ._src.options import EmergencyOptions as EmergencyOptions
 from ._src.options import Options as Options
+from ._src.readers import custom_metadata as custom_metadata
+from ._src.readers import metadata as metadata
+from ._src.readers import per_process as per_process
+from ._src.readers import user_metadata as user_metadata
 from ._src.restoring import restore as restore
+from ._src.saving import save as save
 from ._src.staging import Staged as Staged
 from ._src.staging import stage as stage
 
@@ -32,6 +33,7 @@ __all__ = [
     "custom_metadata",
     "EmergencyCheckpointManager",
     "EmergencyOptions",
+    "Figures",
     "Options",
     "RecoveryReport",
     "Staged",

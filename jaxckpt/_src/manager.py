@@ -22,10 +22,11 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
 )
-from . import checkpoint, monitoring, multihost, steps
-from . import per_process as pp
+from . import monitoring, multihost, readers, saving, steps
+from .manifest import read_manifest
 from .options import Options
-from .staging import HostCopies, Staged, describe
+from .restoring import restore
+from .staging import HostCopies, Staged
 from .storage import Location, location
 from .writer import Writer
 
@@ -55,7 +56,7 @@ class CheckpointManager:
             )
         self._host = HostCopies()
         self._writer = Writer("jaxckpt-writer", self.options.timeout_s)
-        # this process's figures (monitoring.Figures): the last committed save's phases,
+        # this process's figures (jaxckpt.Figures): the last committed save's phases,
         # bytes and GB/s; the calling thread's part of the last save; the last restore
         self.last_save_figures: monitoring.Figures | None = None
         self.last_save_blocking_s: float | None = None
@@ -92,7 +93,7 @@ class CheckpointManager:
         """The metrics saved with ``step`` (None if none were given)."""
         self._require(step)
         if self._metrics[step] is _NOT_READ:
-            self._metrics[step] = checkpoint.read_manifest(self.step_path(step)).metrics
+            self._metrics[step] = read_manifest(self.step_path(step)).metrics
         return self._metrics[step]
 
     def best_step(self) -> int | None:
@@ -102,11 +103,11 @@ class CheckpointManager:
 
     def metadata(self, step: int | None = None) -> Any:
         """The tree of leaf info of ``step`` (default: newest); see ``jaxckpt.metadata``."""
-        return checkpoint.metadata(self.step_path(self._step_or_latest(step)).url)
+        return readers.metadata(self.step_path(self._step_or_latest(step)).url)
 
     def custom_metadata(self, step: int | None = None) -> Any:
         """The ``custom_metadata=`` saved with ``step`` (default: newest)."""
-        return checkpoint.custom_metadata(self.step_path(self._step_or_latest(step)).url)
+        return readers.custom_metadata(self.step_path(self._step_or_latest(step)).url)
 
     def per_process(
         self,
@@ -121,7 +122,7 @@ class CheckpointManager:
         if step is None:
             step = self._restored_step
         path = self.step_path(self._step_or_latest(step)).url
-        return checkpoint.per_process(path, process=process, all=all)
+        return readers.per_process(path, process=process, all=all)
 
     def should_save(self, step: int) -> bool:
         """True when the interval policy asks for ``step`` and it is not saved yet."""
@@ -158,46 +159,48 @@ class CheckpointManager:
         (``mgr.per_process(step)``); each process passes its own. ``metadata=`` is the
         deprecated name of ``custom_metadata=``.
         """
-        metadata = checkpoint.renamed_metadata(custom_metadata, metadata)
+        metadata = saving.renamed_metadata(custom_metadata, metadata)
         if self._closed:
             raise CheckpointError(f"the manager of {self.directory.url} is closed")
         self._writer.raise_error()
         if not force and not self.should_save(step):
             return False
-        checkpoint.check_json(metrics, "metrics", self.step_path(step))
-        checkpoint.check_json(metadata, "custom_metadata", self.step_path(step))
-        record = pp.encode(per_process, where=self.step_path(step).url)  # a snapshot, checked
         if step in self._metrics:
             raise CheckpointExistsError(
                 f"step {step} is already committed at {self.step_path(step).url}; delete it "
                 "first (mgr.delete(step)) or save another step"
             )
-        fig = monitoring.Figures("manager_save", self.step_path(step).url)
-        with fig.phase("blocking"):
+        clock = monitoring.Stopwatch("manager_save", self.step_path(step).url)
+        with clock.phase("blocking"):
             self.wait_until_finished()
             opts = self.options
-            if not isinstance(state, Staged) and opts.async_save and not self._over_budget(state):
-                state = describe(
-                    state,
-                    compression=opts.compression,
-                    host=self._host,
-                    chunk_bytes=opts.chunk_bytes,
-                )
-            job = (step, state, metrics, metadata, record)
+            prepared = saving.prepare(
+                self.step_path(step),
+                state,
+                custom_metadata=metadata,
+                metrics=metrics,
+                per_process=per_process,
+                compression=opts.compression,
+                chunk_bytes=opts.chunk_bytes,
+            )
+            background = opts.async_save and (
+                isinstance(state, Staged) or not self._over_budget(prepared.staged)
+            )
+            if background and not isinstance(state, Staged):
+                prepared = prepared.snapshot(self._host)
             what = f"saving step {step} to {self.directory.url}"
-            if isinstance(state, Staged) and opts.async_save:
-                self._writer.submit(what, self._write, *job)
+            if background:
+                self._writer.submit(what, self._write, step, prepared)
             else:
-                self._writer.run_now(what, self._write, *job)
-        self.last_save_blocking_s = fig.done().phases["blocking"]
+                self._writer.run_now(what, self._write, step, prepared)
+        self.last_save_blocking_s = clock.done().phases["blocking"]
         return True
 
-    def _over_budget(self, state: Any) -> bool:
+    def _over_budget(self, staged: Staged) -> bool:
         budget = self.options.staging_budget_bytes
         if budget is None:
             return False
-        owned = describe(state, compression=self.options.compression)
-        total = sum(leaf.write.nbytes for leaf in owned.leaves if leaf.write is not None)
+        total = sum(leaf.write.nbytes for leaf in staged.leaves if leaf.write is not None)
         if total > budget:
             log.warning(
                 "jaxckpt: %d bytes to stage exceed staging_budget_bytes=%d; saving synchronously",
@@ -207,18 +210,9 @@ class CheckpointManager:
             return True
         return False
 
-    def _write(self, step: int, state: Any, metrics: dict | None, metadata: Any, record) -> None:
-        self.last_save_figures = checkpoint.save(
-            self.step_path(step).url,
-            state,
-            custom_metadata=metadata,
-            per_process=record,
-            metrics=metrics,
-            compression=self.options.compression,
-            chunk_bytes=self.options.chunk_bytes,
-            timeout_s=self.options.timeout_s,
-        )
-        self._metrics[step] = metrics
+    def _write(self, step: int, prepared: saving.Prepared) -> None:
+        self.last_save_figures = saving.commit(prepared, self.options.timeout_s)
+        self._metrics[step] = prepared.metrics
         self._apply_retention()
 
     def wait_until_finished(self) -> None:
@@ -285,7 +279,7 @@ class CheckpointManager:
         """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`."""
         self.wait_until_finished()
         step = self._step_or_latest(step)
-        out = checkpoint.restore(
+        out = restore(
             self.step_path(step).url,
             target=target,
             mesh=mesh,

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -14,9 +15,10 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ..errors import FormatVersionError, ManifestError
+from ..errors import CheckpointNotFoundError, FormatVersionError, ManifestError
 from .fields import MAX_BYTES, MAX_PROCESSES, Fields, parse_json
 from .sharding import spec_from_json
+from .storage import Location, location
 
 FORMAT_NAME = "jaxckpt"
 FORMAT_VERSION = (1, 5)  # (major, minor): a reader accepts any minor of its own major
@@ -441,3 +443,22 @@ def nan_from_bits(f: Fields, v: Any, at: str) -> float:
 def _dtype_or_none(name: str | None) -> np.dtype | None:
     # jax.numpy.dtype is np.dtype; names like "bfloat16" resolve once jax (ml_dtypes) is in
     return None if name is None else np.dtype(name)
+
+
+def read_manifest(path: str | os.PathLike | Location) -> Manifest:
+    """The manifest of the committed checkpoint at ``path``."""
+    loc = location(path)
+    if not loc.exists(COMMIT_FILE):
+        why = (
+            "its save never finished (no COMMITTED marker)"
+            if loc.exists(MANIFEST_FILE) or loc.list_children()
+            else "nothing is there"
+        )
+        raise CheckpointNotFoundError(
+            f"{loc.url} is not a committed jaxckpt checkpoint: {why}; pass the directory "
+            "that jaxckpt.save wrote, or a manager's step directory"
+        )
+    text = loc.read_bytes(MANIFEST_FILE)
+    if text is None:
+        raise CheckpointNotFoundError(f"{loc.url}: COMMITTED but {MANIFEST_FILE} is missing")
+    return Manifest.from_json(text, where=f"{loc.url}/{MANIFEST_FILE}")

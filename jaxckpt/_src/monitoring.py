@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import jax
@@ -32,24 +33,41 @@ log = logging.getLogger("jaxckpt")
 _last = threading.local()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Figures:
-    """One operation's figures on this process."""
+    """One save's or restore's figures on this process: what :func:`jaxckpt.save` returns,
+    and a manager's ``last_save_figures`` / ``last_restore_figures``.
+
+    op: ``"save"``, ``"restore"``, ``"manager_save"``, ``"emergency_save"``... (see above).
+    path: the checkpoint. bytes: this process's bytes written or read. phases: seconds per
+    phase. total_s: seconds from start to end.
+    """
+
+    op: str
+    path: str
+    bytes: int
+    phases: Mapping[str, float]
+    total_s: float
+
+    @property
+    def gbps(self) -> float:
+        """This process's bytes / total seconds / 1e9."""
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+
+@dataclass
+class Stopwatch:
+    """Times the phases of one operation; ``done`` reports them and returns the Figures."""
 
     op: str
     path: str
     bytes: int = 0
     phases: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
-    total_s: float = 0.0
     _lap: float | None = field(default=None, repr=False)
 
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
-
     @contextlib.contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str) -> Iterator[None]:
         """Times the block as phase ``name`` (added up if it runs several times)."""
         t = time.perf_counter()
         try:
@@ -65,23 +83,25 @@ class Figures:
 
     def done(self) -> Figures:
         """Stamps the total, reports the figures and keeps them as this thread's last."""
-        self.total_s = time.perf_counter() - self.started
-        for name, secs in self.phases.items():
-            jax.monitoring.record_event_duration_secs(f"/jaxckpt/{self.op}/{name}_secs", secs)
-        jax.monitoring.record_event_duration_secs(f"/jaxckpt/{self.op}/total_secs", self.total_s)
-        jax.monitoring.record_scalar(f"/jaxckpt/{self.op}/bytes", float(self.bytes))
-        jax.monitoring.record_scalar(f"/jaxckpt/{self.op}/gbps", self.gbps)
+        fig = Figures(
+            self.op, self.path, self.bytes, dict(self.phases), time.perf_counter() - self.started
+        )
+        for name, secs in fig.phases.items():
+            jax.monitoring.record_event_duration_secs(f"/jaxckpt/{fig.op}/{name}_secs", secs)
+        jax.monitoring.record_event_duration_secs(f"/jaxckpt/{fig.op}/total_secs", fig.total_s)
+        jax.monitoring.record_scalar(f"/jaxckpt/{fig.op}/bytes", float(fig.bytes))
+        jax.monitoring.record_scalar(f"/jaxckpt/{fig.op}/gbps", fig.gbps)
         log.debug(
             "jaxckpt %s %s: %d bytes in %.3f s (%.3f GB/s); %s",
-            self.op,
-            self.path,
-            self.bytes,
-            self.total_s,
-            self.gbps,
-            ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items()),
+            fig.op,
+            fig.path,
+            fig.bytes,
+            fig.total_s,
+            fig.gbps,
+            ", ".join(f"{k} {v:.3f} s" for k, v in fig.phases.items()),
         )
-        setattr(_last, self.op, self)
-        return self
+        setattr(_last, fig.op, fig)
+        return fig
 
 
 def last(op: str) -> Figures | None:

@@ -1,16 +1,17 @@
 """Describing a pytree for writing, and the device->host snapshot of the owned shards.
 
-``describe`` decides, for every leaf, what goes into the manifest and which shards this
-process writes (one replica of each). ``stage`` does the same and also copies those shards
-into host memory now (``copy_to_host_async`` on all of them before any is awaited), so an
-asynchronous save only needs the host copy; host buffers are reused across saves. On CPU
-devices the "copy" of a jax.Array is a zero-copy view (see ``_shard_getter``); NumPy
-leaves, which can be mutated, are always copied.
+``describe`` decides, for every leaf, its manifest record (``records.leaf_record``) and the
+parts of shards this process writes (one replica of each, ``Part``). ``snapshot`` copies
+those parts into host memory now (``copy_to_host_async`` on all of them before any is
+awaited), so an asynchronous save only needs the host copy; host buffers are reused across
+saves (``HostCopies``). ``stage`` is both. On CPU devices the "copy" of a jax.Array is a
+zero-copy view (see ``HostCopies.snapshot``); NumPy leaves, which can be mutated, are
+always copied.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,13 +21,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import UnsupportedLeafError
 from . import arrays, multihost
 from . import tree as tree_lib
-from .manifest import LeafRecord, nan_bits
-from .sharding import layout, sharding_to_json, write_split
-
-PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "NoneType"}
+from .boxes import Index, volume, whole, within
+from .manifest import LeafRecord
+from .records import leaf_record, numpy_writer
+from .sharding import layout, write_split
 
 
 @dataclass(frozen=True)
@@ -48,118 +48,11 @@ class StagedLeaf:
     write: arrays.ArrayWrite | None
 
 
-def leaf_record(
-    path: list,
-    leaf: Any,
-    meshes: list[dict],
-    key_data: jax.Array | None = None,
-    *,
-    chunk_bytes: int | None = None,
-    salt: int = 0,
-) -> tuple[LeafRecord, Any]:
-    """The record of one leaf, and the array that stores it (the key data of a PRNG key, a
-    native-order NumPy array). Reads metadata only, so it also describes arrays that have
-    been donated since; ``key_data``: the key's data, taken while it was alive. The chunks
-    and their writers follow ``sharding.write_split`` (``salt``: the leaf's position).
-    """
-    name = tree_lib.path_name(path)
-    if type(leaf) in PY_TYPES:
-        bits = nan_bits(leaf) if type(leaf) is float else None
-        typ = PY_TYPES[type(leaf)]
-        return LeafRecord(path, name, "python", value=leaf, python_type=typ, float_bits=bits), None
-    if isinstance(leaf, jax.Array):
-        kind, impl, arr = "array", None, leaf
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            impl = str(jax.random.key_impl(leaf))
-            kind, arr = "prng_key", key_data if key_data is not None else jax.random.key_data(leaf)
-        shape = tuple(arr.shape)
-        stored = arrays.stored_dtype(np.dtype(arr.dtype))
-        itemsize = np.dtype(stored).itemsize
-        nbytes = math.prod(shape) * itemsize
-        split = write_split(arr.sharding, shape, itemsize, chunk_bytes)
-        named = isinstance(arr.sharding, jax.sharding.NamedSharding)
-        record = LeafRecord(
-            path,
-            name,
-            kind,
-            shape=list(shape),
-            dtype=str(leaf.dtype),
-            stored_dtype=stored if stored != str(arr.dtype) else None,
-            sharding=sharding_to_json(arr.sharding, meshes),
-            chunk_shape=list(split.chunks) if shape else [],
-            nbytes=nbytes,
-            # Named shardings: the writers follow from the saved spec, mesh and salt
-            # (sharding.saved_writers), so the manifest stays O(leaves), not O(chunks).
-            # Others list every chunk (cached and shared between leaves of one layout).
-            chunk_writers=None
-            if named or not nbytes
-            else _writers(arr.sharding, shape, itemsize, chunk_bytes, salt % split.period),
-            writer_salt=salt % split.period if named and nbytes else None,
-            prng_impl=impl,
-        )
-        return record, arr
-    if isinstance(leaf, (np.ndarray, np.generic)):
-        arr = np.asarray(leaf)
-        check_numpy(arr, name)
-        if not arr.dtype.isnative:
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        stored = arrays.stored_dtype(arr.dtype)
-        nbytes = arr.size * np.dtype(stored).itemsize
-        record = LeafRecord(
-            path,
-            name,
-            "numpy",
-            shape=list(arr.shape),
-            dtype=arr.dtype.name,
-            stored_dtype=stored if stored != arr.dtype.name else None,
-            chunk_shape=[max(1, d) for d in arr.shape],
-            nbytes=nbytes,
-            chunk_writers=[[[0] * arr.ndim, numpy_writer(salt)]] if nbytes else None,
-            scalar=isinstance(leaf, np.generic),
-        )
-        return record, arr
-    raise unsupported(leaf, name)
-
-
-def check_numpy(arr: np.ndarray, name: str) -> None:
-    if arr.dtype.kind in "OUSMm" or arr.dtype.fields or arr.dtype.name.startswith("void"):
-        raise UnsupportedLeafError(
-            f"leaf {name!r} is a NumPy array of dtype {arr.dtype}, which jaxckpt cannot "
-            "store (strings, bytes, structured, object and datetime arrays are not "
-            "supported); convert it to numbers, or keep it in the custom_metadata= JSON"
-        )
-
-
-def unsupported(leaf: Any, name: str) -> UnsupportedLeafError:
-    return UnsupportedLeafError(
-        f"leaf {name!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}, which "
-        "jaxckpt cannot store; leaves must be jax.Array, NumPy arrays or int/float/bool/str/"
-        "None. Convert it, or register its class as a pytree node so its fields are leaves"
-    )
-
-
-def records(
-    flat: list[tuple[list, Any]], key_data: dict[int, jax.Array] | None = None
-) -> tuple[list[LeafRecord], list[dict]]:
-    """The records of a flattened tree (``tree.flatten``) and its meshes, from metadata only
-    (see ``leaf_record``; ``key_data`` by leaf position)."""
-    meshes: list[dict] = []
-    key_data = key_data or {}
-    out = [leaf_record(p, leaf, meshes, key_data.get(i))[0] for i, (p, leaf) in enumerate(flat)]
-    return out, meshes
-
-
-def numpy_writer(salt: int) -> int:
-    """The process that writes a NumPy leaf (equal on every process): round-robin."""
-    return salt % multihost.process_count()
-
-
 def _describe(
     path: list,
     leaf: Any,
     meshes: list[dict],
     compression: str | None,
-    host: HostCopies | None,
     chunk_bytes: int | None,
     salt: int,
 ) -> StagedLeaf:
@@ -170,20 +63,19 @@ def _describe(
     shape, stored = tuple(record.shape), record.stored_dtype or str(arr.dtype)
     itemsize = np.dtype(stored).itemsize
     if record.kind == "numpy":
-        whole = tuple((0, d) for d in shape)
         mine = pid == numpy_writer(salt) and arr.size
-        pieces = [(whole, _numpy_getter(arr, host, name))] if mine else []
+        pieces = [(whole(shape), Part(name, arr, None, whole(shape)))] if mine else []
     elif math.prod(shape):
         split = write_split(arr.sharding, shape, itemsize, chunk_bytes)
         pieces = [
-            (region, _shard_getter(arr.addressable_data(position), host, name, index, region))
+            (region, Part(name, arr.addressable_data(position), index, region))
             for position, index in layout(arr.sharding, shape).held_at
             for region, group in split.parts[index]
             if split.writer(index, group, salt) == pid
         ]
     else:
         pieces = []
-    nbytes = sum(math.prod(b - a for a, b in idx) for idx, _ in pieces) * itemsize
+    nbytes = sum(volume(region) for region, _ in pieces) * itemsize
     meta = arrays.zarr_metadata(shape, stored, record.chunk_shape, compression)
     return StagedLeaf(record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes))
 
@@ -226,54 +118,64 @@ class HostCopies:
             list(pool.map(copy, pending))
 
 
-@functools.lru_cache(maxsize=4096)
-def _writers(
-    sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None, salt: int
-) -> tuple[tuple[tuple[int, ...], int], ...]:
-    """(grid position, writing process) of every chunk (``chunk_writers``)."""
-    return tuple(write_split(sharding, shape, itemsize, chunk_bytes).chunk_writers(salt))
-
-
-def _shard_getter(
-    data: jax.Array, host: HostCopies | None, name: str, index, region
-) -> Callable[[], np.ndarray]:
-    """The part ``region`` (global coordinates) of the shard ``data`` at ``index``."""
-    part = tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(region, index, strict=True))
-    if host is None:
-        return lambda: np.asarray(data)[part]
-    if region != index and data.platform() != "cpu":  # copy only this process's part
-        data, part = data[part], ()
-    snap = host.snapshot((name, region), data)[part]
-    return lambda: snap
-
-
-def _numpy_getter(arr: np.ndarray, host: HostCopies | None, name: str) -> Callable[[], np.ndarray]:
-    if host is None:
-        return lambda: np.array(arr, order="C", copy=not arr.flags.c_contiguous)
-    buf = host.snapshot((name, None), arr)
-    return lambda: buf
-
-
 def describe(
-    tree: Any,
-    *,
-    compression: str | None = None,
-    host: HostCopies | None = None,
-    chunk_bytes: int | None = None,
+    tree: Any, *, compression: str | None = None, chunk_bytes: int | None = None
 ) -> Staged:
-    """Describes ``tree`` for writing; with ``host``, also snapshots the owned shards."""
+    """Describes ``tree`` for writing: each leaf's record and the parts this process
+    writes, read from the live arrays when written (``snapshot`` copies them now)."""
     if isinstance(tree, Staged):
         return tree
     meshes: list[dict] = []
     leaves = tuple(
-        _describe(p, leaf, meshes, compression, host, chunk_bytes, salt)
+        _describe(p, leaf, meshes, compression, chunk_bytes, salt)
         for salt, (p, leaf) in enumerate(tree_lib.flatten(tree))
     )
-    held = 0
-    if host is not None:
-        held = sum(buf.nbytes for buf, _ in host.copies)
-        host.run_copies()
-    return Staged(leaves, meshes, compression, held)
+    return Staged(leaves, meshes, compression, 0)
+
+
+@dataclass(frozen=True)
+class Part:
+    """The part ``region`` (global coordinates) of one shard ``data`` whose box is
+    ``index``, or (``index`` None) a whole NumPy leaf. Called, it gives the data to write."""
+
+    leaf: str
+    data: Any  # a jax.Array shard, or a NumPy array
+    index: Index | None
+    region: Index
+
+    def __call__(self) -> np.ndarray:
+        if self.index is None:
+            return np.array(self.data, order="C", copy=not self.data.flags.c_contiguous)
+        return np.asarray(self.data)[within(self.region, self.index)]
+
+    def on_host(self, host: HostCopies) -> Callable[[], np.ndarray]:
+        """The part copied into a host buffer that ``host`` reuses across saves (the copy
+        runs in ``host.run_copies``; device copies start now)."""
+        if self.index is None:  # NumPy leaves can be mutated: always copied
+            buf = host.snapshot((self.leaf, None), self.data)
+            return lambda: buf
+        data, part = self.data, within(self.region, self.index)
+        if self.region != self.index and data.platform() != "cpu":  # copy only this part
+            data, part = data[part], ()
+        snap = host.snapshot((self.leaf, self.region), data)[part]
+        return lambda: snap
+
+
+def snapshot(staged: Staged, host: HostCopies) -> Staged:
+    """``staged`` with the parts this process writes copied to the host now (every device
+    copy started before any is awaited), so the arrays may change or be donated after."""
+    leaves = []
+    for leaf in staged.leaves:
+        if leaf.write is not None:
+            pieces = [
+                (region, get.on_host(host) if isinstance(get, Part) else get)
+                for region, get in leaf.write.pieces
+            ]
+            leaf = StagedLeaf(leaf.record, dataclasses.replace(leaf.write, pieces=pieces))
+        leaves.append(leaf)
+    held = sum(buf.nbytes for buf, _ in host.copies)
+    host.run_copies()
+    return Staged(tuple(leaves), staged.meshes, staged.compression, held)
 
 
 def stage(
@@ -292,4 +194,4 @@ def stage(
     >>> staged = jaxckpt.stage(state)
     >>> mgr.save(step, staged)
     """
-    return describe(tree, compression=compression, host=HostCopies(), chunk_bytes=chunk_bytes)
+    return snapshot(describe(tree, compression=compression, chunk_bytes=chunk_bytes), HostCopies())

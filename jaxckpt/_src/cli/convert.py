@@ -13,10 +13,10 @@ import jax
 import numpy as np
 
 from ...errors import CheckpointExistsError, SafetensorsError, UnsupportedLeafError
-from .. import arrays, checkpoint, multihost, orbax, steps
+from .. import arrays, multihost, orbax, saving, steps
 from .. import tree as tree_lib
-from ..manifest import COMMIT_FILE, MANIFEST_FILE
-from ..restoring import read_manifest, restore
+from ..manifest import COMMIT_FILE, MANIFEST_FILE, read_manifest
+from ..restoring import restore
 from ..safetensors import load as st
 from ..safetensors.format import INDEX_FILE, create_files, index_json, plan
 from ..safetensors.mapping import dotted
@@ -65,9 +65,7 @@ def to_jaxckpt(src, dst) -> None:
             del tree
         order = {tree_lib.path_name(p): k for k, (p, _) in enumerate(leaves)}
         staged.sort(key=lambda leaf: order[leaf.record.name])
-        manifest = checkpoint.manifest_of(
-            staged, [], [multihost.host_name()], [total], custom, None
-        )
+        manifest = saving.manifest_of(staged, [], [multihost.host_name()], [total], custom, None)
         work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
 
 

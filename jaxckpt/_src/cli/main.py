@@ -23,8 +23,7 @@ import numpy as np
 
 from ... import errors
 from ..emergency.local import LOCAL_FILE
-from ..manifest import COMMIT_FILE, LeafRecord, Manifest
-from ..restoring import read_manifest
+from ..manifest import COMMIT_FILE, LeafRecord, Manifest, read_manifest
 from ..sharding import spec_from_json
 from ..storage import Location, location
 

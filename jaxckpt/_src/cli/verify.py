@@ -8,24 +8,24 @@ with the data file and byte range its value occupies (from TensorStore's OCDBT d
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import itertools
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import tensorstore as ts
 
 from .. import arrays
 from .. import per_process as pp
-from ..manifest import LeafRecord, Manifest
-from ..restoring import read_manifest
+from ..boxes import volume
+from ..inflight import READ_BUDGET_BYTES, InFlight
+from ..manifest import LeafRecord, Manifest, read_manifest
 from ..sharding import saved_writers
 from ..storage import Location, location
-
-BUDGET_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -89,24 +89,20 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
     # before 1.3, chunks equal to the fill value (all zeros) were not stored
     every_chunk_stored = tuple(manifest.format_version) >= (1, 3)
     progress = progress or (lambda nbytes: None)
-    in_flight: collections.deque = collections.deque()
-    held = 0
 
     def damaged(rec: LeafRecord, coords: tuple[int, ...], why: str) -> None:
         report.problems.append(Problem(rec.name, coords, _where(rec, coords, manifest, db), why))
 
-    def finish_one() -> None:
-        nonlocal held
-        rec, coords, fut, nbytes = in_flight.popleft()
+    def check(rec: LeafRecord, coords: tuple[int, ...], nbytes: int, fut: Any) -> None:
         try:
             fut.result()
             report.chunks += 1
             report.bytes += nbytes
         except Exception as e:
             damaged(rec, coords, _first_line(e))
-        held -= nbytes
         progress(nbytes)
 
+    reads = InFlight[Any](READ_BUDGET_BYTES)
     for rec in leaves:
         try:
             store = arrays.open_leaf(db, rec.name, ctx).result()
@@ -118,20 +114,20 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
         itemsize = rec.nbytes // math.prod(rec.shape)
         for coords in chunk_grid(rec):
             box = tuple(
-                slice(i * c, min((i + 1) * c, s))
-                for i, c, s in zip(coords, rec.chunk_shape, rec.shape, strict=True)
+                (i * c, min((i + 1) * c, s))
+                for i, c, s in zip(coords, rec.chunk_shape or (), rec.shape, strict=True)
             )
-            nbytes = math.prod(b.stop - b.start for b in box) * itemsize
+            nbytes = volume(box) * itemsize
             if every_chunk_stored and chunk_key(rec, coords) not in present:
                 damaged(rec, coords, "the chunk is missing")
                 progress(nbytes)
                 continue
-            while in_flight and held + nbytes > BUDGET_BYTES:
-                finish_one()
-            in_flight.append((rec, coords, store[box].read(), nbytes))
-            held += nbytes
-    while in_flight:
-        finish_one()
+            reads.add(
+                nbytes,
+                functools.partial(arrays.read_slice, store, box),
+                functools.partial(check, rec, coords, nbytes),
+            )
+    reads.drain()
     report.problems[:] = _with_bytes(report.problems, kv, db)
     for i in manifest.per_process or ():  # 1.4: each process's record and its checksum
         try:

@@ -34,7 +34,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError
 from .. import multihost, steps
 from .. import per_process as pp
 from ..manager import CheckpointManager
-from ..monitoring import Figures
+from ..monitoring import Figures, Stopwatch
 from ..options import EmergencyOptions, Options
 from ..storage import location
 from ..writer import Writer
@@ -176,7 +176,7 @@ class EmergencyCheckpointManager:
         if not (do_local or do_remote):
             return False
         record = pp.encode(per_process, where=f"{self.local_directory.url} step {step}")
-        fig = Figures("emergency_save", self.local_directory.url)
+        fig = Stopwatch("emergency_save", self.local_directory.url)
         if do_remote and step not in self._remote.all_steps():
             with fig.phase("remote"):
                 self._remote.save(step, state, metrics=metrics, per_process=record, force=True)
@@ -190,7 +190,7 @@ class EmergencyCheckpointManager:
         # the same on every process: every process makes the same save/restore calls, in order
         return f"jaxckpt/emergency/{what}/{next(_seq)}"
 
-    def _save_local(self, step: int, state: Any, fig: Figures, record) -> None:
+    def _save_local(self, step: int, state: Any, fig: Stopwatch, record) -> None:
         """On the calling thread only snapshots and the peer copies' dispatch; the rest on
         the writer thread (see :mod:`jaxckpt._src.emergency.save`)."""
         self._wait_local()  # host buffers are reused
@@ -234,7 +234,7 @@ class EmergencyCheckpointManager:
         return self._shifts
 
     def _write(self, step: int, pending: local_save.Pending) -> None:
-        fig = Figures("emergency_write", self.local_directory.url)
+        fig = Stopwatch("emergency_write", self.local_directory.url)
         digits = self.options.step_digits
         local_save.finish(
             self.local_directory,
@@ -277,7 +277,7 @@ class EmergencyCheckpointManager:
         # into fresh buffers).
         self._saver = local_save.LocalSaver()
         tag = self._tag("restore")
-        fig = Figures("emergency_restore", self.local_directory.url)
+        fig = Stopwatch("emergency_restore", self.local_directory.url)
         mine, views = self._publish_holdings(tag)
         tries, rejected = candidates(views, step)
         bad_copies: list[BadCopy] = []

@@ -17,8 +17,8 @@ import numpy as np
 
 from .. import arrays
 from ..boxes import Index, from_slices, intersect
+from ..leaf_plan import Want, place_key
 from ..placement import Placement
-from ..restoring import Want, place_key
 from .planner import BadCopy, PeerSlice, Rejected
 
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from .. import multihost, restoring, steps
+from .. import leaf_plan, multihost, steps
 from .. import per_process as pp
 from ..boxes import Index, from_text, to_text
-from ..monitoring import Figures
+from ..monitoring import Stopwatch
 from ..storage import Location
 from . import local
 from .peers import send_rows
@@ -96,7 +96,7 @@ def restore_step(
     *,
     tag: str,
     timeout_s: float,
-    fig: Figures,
+    fig: Stopwatch,
 ) -> Restored:
     """Restores step ``s`` from the processes' local copies; every process calls it.
 
@@ -118,7 +118,7 @@ def restore_step(
         json.loads(docs[elected]), where=f"process {elected}'s step {s}"
     )
     by_name = {r.name: r for r in doc.leaves}
-    wants = restoring.wants(doc.leaves, doc.meshes, target, mesh, directory)
+    wants = leaf_plan.wants(doc.leaves, doc.meshes, target, mesh, directory)
     required = {n: [from_text(k) for k in keys] for n, keys in doc.required.items()}
     needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
     needs = {n: [to_text(i) for i in idx] for n, idx in needs.items() if idx}
@@ -186,7 +186,7 @@ def restore_step(
     records, records_from = _gather_records(s, views, mine, doc.process_count, tag, timeout_s)
     fig.lap("place")
     return Restored(
-        restoring.result(target, wants, values),
+        leaf_plan.result(target, wants, values),
         doc.process_count,
         tuple(sorted(PeerSlice(n, to_text(i), h, w) for (n, i), (h, w) in used_from.items())),
         tuple(bad_copies),

@@ -19,14 +19,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import multihost, staging
+from .. import multihost
 from .. import per_process as pp
 from .. import tree as tree_lib
 from ..boxes import Index, to_text
 from ..manifest import LeafRecord
-from ..monitoring import Figures
+from ..monitoring import Stopwatch
+from ..records import PY_TYPES, check_numpy, leaf_records, unsupported
 from ..sharding import layout
-from ..staging import PY_TYPES, HostCopies, check_numpy, unsupported
+from ..staging import HostCopies
 from ..storage import Location
 from . import local
 from .peers import PeerCopies, send_rows, send_shards
@@ -66,7 +67,7 @@ class LocalSaver:
         hosts: list[str],
         tag: Callable[[str], str],
         timeout_s: float,
-        fig: Figures,
+        fig: Stopwatch,
     ) -> Pending:
         """Snapshots ``state`` and dispatches its peer copies to ``p + j`` for each shift;
         ``tag`` names key-value exchanges (the same on every process)."""
@@ -156,7 +157,7 @@ def finish(
     *,
     digits: int,
     timeout_s: float,
-    fig: Figures,
+    fig: Stopwatch,
     write: bool = True,
 ) -> None:
     """Takes what the peers sent (their shards and records) and writes the step (unless
@@ -177,7 +178,7 @@ def finish(
         return
     with fig.phase("write"):
         paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in p.flat]
-        records, meshes = staging.records(paths, p.key_data)
+        records, meshes = leaf_records(paths, p.key_data)
         name = {str(i): r.name for i, r in enumerate(records)}
         slices = {(name[i], index): v for (i, index), v in p.slices.items()}
         origins = {(name[i], index): o for (i, index), o in p.origins.items()}

@@ -37,7 +37,7 @@ from ...errors import (
     FormatVersionError,
     ManifestError,
 )
-from .. import checkpoint, multihost
+from .. import multihost, saving
 from ..fields import MAX_NDIM, Fields, parse_json
 from ..manifest import (
     AXIS_TYPES,
@@ -136,9 +136,7 @@ def variant_record(
 
 def write(loc: Location, params: Any, blobs: dict[str, bytes], sig: dict) -> None:
     """Writes the parameters, then the artifacts, then ``signature.json``, which commits."""
-    checkpoint.save(
-        loc.join(PARAMS_DIR), params, custom_metadata={"jaxckpt.export": sig["function"]}
-    )
+    saving.save(loc.join(PARAMS_DIR), params, custom_metadata={"jaxckpt.export": sig["function"]})
     if multihost.process_index() == 0:
         for file, blob in blobs.items():
             folder, _, name = file.rpartition("/")

@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from ...errors import ExportArgumentError, ExportError
-from .. import checkpoint
 from .. import tree as tree_lib
+from ..restoring import restore
 from ..sharding import spec_from_json
 from ..storage import Location, location
 from .format import (
@@ -160,6 +160,6 @@ def _restore_params(loc: Location, sig: dict, mesh: Mesh) -> list:
     target = tree_lib.unflatten_paths(
         [(r["path"], NamedSharding(mesh, spec_from_json(r["spec"]))) for r in records]
     )
-    restored = checkpoint.restore(loc.join(sig["params"]["dir"]), target=target)
+    restored = restore(loc.join(sig["params"]["dir"]), target=target)
     by_name = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(restored)}
     return [by_name[r["name"]] for r in records]

@@ -3,7 +3,6 @@ transforms work); ``save`` is in ``safetensors_save``."""
 
 from __future__ import annotations
 
-import collections
 import difflib
 import math
 import os
@@ -18,6 +17,7 @@ import tensorstore as ts
 from ...errors import SafetensorsError, SafetensorsLeafNotFoundError, SafetensorsShapeError
 from .. import tree as tree_lib
 from ..boxes import Index, bounding, volume
+from ..inflight import READ_BUDGET_BYTES, InFlight
 from ..placement import Placement
 from ..storage import Location, location
 from .format import (
@@ -40,9 +40,6 @@ from .mapping import (
     reshaped,
     tensor_boxes,
 )
-
-READ_BUDGET_BYTES = 128 << 20
-
 
 # --- metadata and load -------------------------------------------------------------------------
 
@@ -160,12 +157,13 @@ def load(
         _want(p, t, tensors, names, transforms, loc, where) if _is_array(t) else None
         for p, t in flat
     ]
-    reader = _Reader(kv, loc.url, read_budget_bytes or READ_BUDGET_BYTES)
+    reads = InFlight[list](read_budget_bytes or READ_BUDGET_BYTES)
+    reader = _Reader(kv, loc.url, reads)
     finish = [
         reader.leaf(w) if w is not None else (lambda t=t: t)
         for w, (_, t) in zip(wants, flat, strict=True)
     ]
-    reader.drain()
+    reads.drain()
     return tree_lib.unflatten_like(target, [f() for f in finish])
 
 
@@ -232,10 +230,8 @@ def _cut(data: np.ndarray, index: Index, block: Index) -> np.ndarray:
 class _Reader:
     """Reads boxes of leaves as coalesced byte ranges, at most ``budget`` bytes in flight."""
 
-    def __init__(self, kv: ts.KvStore, url: str, budget: int):
-        self.kv, self.url, self.budget = kv, url, budget
-        self.pending: collections.deque = collections.deque()
-        self.bytes = 0
+    def __init__(self, kv: ts.KvStore, url: str, reads: InFlight[list]):
+        self.kv, self.url, self.reads = kv, url, reads
 
     def leaf(self, w: _Want) -> Callable[[], Any]:
         whole = tuple((0, d) for d in w.shape)
@@ -256,7 +252,9 @@ class _Reader:
                 for d in range(len(w.shape))
             )
         itemsize = w.tensors[0].dtype.itemsize
-        if block is not None and (not w.m.simple or volume(block) * itemsize <= self.budget // 2):
+        if block is not None and (
+            not w.m.simple or volume(block) * itemsize <= self.reads.budget // 2
+        ):
             # the slices this process needs, read together (a few long runs, not one short
             # run per row of every slice) and cut on the host
             def cut(data, block=block):
@@ -269,27 +267,36 @@ class _Reader:
                 self._submit(w, index, lambda data, i=index: out.put(i, data))
         return out.array
 
-    def _submit(self, w: _Want, box: Index, consume) -> None:
-        parts = []
-        nbytes = 0
+    def _submit(self, w: _Want, box: Index, consume: Callable[[np.ndarray], None]) -> None:
+        """Reads ``box`` of the leaf (its tensors' byte runs, coalesced) under the budget."""
+        pieces = []
         for i, rbox in tensor_boxes(w.m, box, w.tensors[0].shape):
             info = w.tensors[i]
             rshape = reshaped(w.m, info.shape)
             # absolute offsets in the file
-            pieces = [(info.begin + off, n) for off, n in runs(rshape, info.dtype.itemsize, rbox)]
-            reads = [
-                (read(self.kv, info.file, off, off + n, self.url), off, n, members)
-                for off, n, members in coalesce(pieces)
-            ]
-            parts.append((info, rbox, reads))
-            nbytes += sum(n for _, n in pieces)
-        while self.pending and self.bytes + nbytes > self.budget:
-            self._finish_oldest()
-        self.pending.append((w, box, parts, consume, nbytes))
-        self.bytes += nbytes
+            runs_ = [(info.begin + off, n) for off, n in runs(rshape, info.dtype.itemsize, rbox)]
+            pieces.append((info, rbox, runs_))
 
-    def _finish_oldest(self) -> None:
-        w, box, parts, consume, nbytes = self.pending.popleft()
+        def start() -> list:
+            return [
+                (
+                    info,
+                    rbox,
+                    [
+                        (read(self.kv, info.file, o, o + n, self.url), o, n, members)
+                        for o, n, members in coalesce(runs_)
+                    ],
+                )
+                for info, rbox, runs_ in pieces
+            ]
+
+        def use(parts: list) -> None:
+            consume(self._assemble(w, box, parts))
+
+        self.reads.add(sum(n for _, _, r in pieces for _, n in r), start, use)
+
+    def _assemble(self, w: _Want, box: Index, parts: list) -> np.ndarray:
+        """The box of the leaf from its tensors' reads, in the leaf's dtype."""
         blocks = []
         for info, rbox, reads in parts:
             extent = tuple(b - a for a, b in rbox)
@@ -312,9 +319,4 @@ class _Reader:
         if not w.m.simple:  # whole tensors were read: the box of the leaf
             inner = box[1:] if w.m.stacked else box
             data = data[(slice(None),) * w.m.stacked + tuple(slice(a, b) for a, b in inner)]
-        consume(data.astype(w.dtype, copy=data.dtype != w.dtype))
-        self.bytes -= nbytes
-
-    def drain(self) -> None:
-        while self.pending:
-            self._finish_oldest()
+        return data.astype(w.dtype, copy=data.dtype != w.dtype)

@@ -1,12 +1,13 @@
-"""Writing one checkpoint directory (``save``) and reading its description (``metadata``).
+"""Writing one checkpoint directory: ``save`` = ``prepare`` + ``commit``.
 
-A save goes: flatten the tree and describe each leaf -> each process writes the shards it
-owns (``arrays.write``) -> barrier -> process 0 merges the per-process databases, writes
-``manifest.json``, renames the temporary directory into place and writes ``COMMITTED``.
-
-Reading a checkpoint back is :mod:`jaxckpt.restore`, which also reads the manifest
-(``read_manifest``, used by ``metadata`` here). ``restore`` is re-exported, so
-``checkpoint.restore`` (the manager, serving) keeps working; the import goes one way only.
+``prepare`` checks everything a save is given (before anything is written) and describes
+the tree: each leaf's manifest record and the pieces this process writes
+(``staging.describe``). ``commit`` agrees with the other processes in one key-value round
+(the same tree everywhere? who runs where?), writes this process's pieces into its own
+OCDBT database (``arrays.write``), and process 0 merges the databases, writes
+``manifest.json`` and commits the directory (``steps.committing``). A
+``CheckpointManager`` prepares on the calling thread (with a host snapshot, for an
+asynchronous save) and commits on its writer thread.
 """
 
 from __future__ import annotations
@@ -18,33 +19,21 @@ import json
 import os
 import uuid
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from ..errors import (
-    CheckpointExistsError,
-    ManifestError,
-    OptionsError,
-    UnsupportedLeafError,
-)
+from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
 from . import arrays, multihost, steps
 from . import per_process as pp
-from . import tree as tree_lib
-from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest, array_info
-from .monitoring import Figures
-from .restoring import any_manifest, read_manifest
-from .restoring import restore as restore  # re-export: checkpoint.restore
-from .staging import StagedLeaf, describe
-from .storage import (
-    Location,
-    location,
-)
+from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
+from .monitoring import Figures, Stopwatch
+from .staging import HostCopies, Staged, StagedLeaf, describe, snapshot
+from .storage import Location, location
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-# --- save ----------------------------------------------------------------------------------
 
 
 def save(
@@ -74,39 +63,101 @@ def save(
 
     Shards held by several processes are written in parts, one part by each (see
     ``sharding.write_split``), so save time falls with the number of hosts. Returns this
-    process's figures (``monitoring.Figures``: phases, bytes, GB/s), also reported through
+    process's figures (:class:`jaxckpt.Figures`: phases, bytes, GB/s), also reported through
     ``jax.monitoring``.
 
     >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
     """
+    prepared = prepare(
+        path,
+        tree,
+        custom_metadata=renamed_metadata(custom_metadata, metadata),
+        metrics=metrics,
+        per_process=per_process,
+        compression=compression,
+        chunk_bytes=chunk_bytes,
+    )
+    return commit(prepared, timeout_s)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A save checked and described, ready to ``commit`` (on another thread, maybe)."""
+
+    loc: Location
+    staged: Staged
+    custom_metadata: Any
+    metrics: dict | None
+    record: pp.Record | None  # this process's per-process value, encoded
+    clock: Stopwatch
+
+    def snapshot(self, host: HostCopies) -> Prepared:
+        """The same save with the pieces this process writes copied to the host now."""
+        with self.clock.phase("describe"):
+            return dataclasses.replace(self, staged=snapshot(self.staged, host))
+
+
+def prepare(
+    path: str | os.PathLike,
+    tree: Any,
+    *,
+    custom_metadata: Any = None,
+    metrics: dict | None = None,
+    per_process: Any = None,
+    compression: str | None = None,
+    chunk_bytes: int | None = None,
+) -> Prepared:
+    """Checks a save's arguments and describes ``tree`` (see :func:`save`); writes nothing."""
     loc = location(path)
-    metadata = renamed_metadata(custom_metadata, metadata)
     if compression not in (None, "zstd"):
         raise OptionsError(
             f"{loc.url}: compression={compression!r} is not supported; pass None or 'zstd'"
         )
-    check_json(metadata, "custom_metadata", loc)
+    if chunk_bytes is not None and chunk_bytes < 1:
+        raise OptionsError(f"{loc.url}: chunk_bytes={chunk_bytes!r}; pass None or a positive size")
+    check_json(custom_metadata, "custom_metadata", loc)
     check_json(metrics, "metrics", loc)
     if loc.exists(COMMIT_FILE):
         raise CheckpointExistsError(
             f"{loc.url} already holds a committed checkpoint; choose a new path or delete it first"
         )
-    if chunk_bytes is not None and chunk_bytes < 1:
-        raise OptionsError(f"{loc.url}: chunk_bytes={chunk_bytes!r}; pass None or a positive size")
     record = pp.encode(per_process, where=loc.url)
-    fig = Figures("save", loc.url)
-    with fig.phase("describe"):
+    clock = Stopwatch("save", loc.url)
+    with clock.phase("describe"):
         staged = describe(tree, compression=compression, chunk_bytes=chunk_bytes)
-    leaves, meshes = list(staged.leaves), staged.meshes
-    _check_unique_names(leaves, loc)
+    _check_unique_names(staged.leaves, loc)
+    return Prepared(loc, staged, custom_metadata, metrics, record, clock)
+
+
+@dataclass(frozen=True)
+class _Writer:
+    """What each process tells process 0 in the save's agreement round."""
+
+    host: str
+    save_id: str  # process 0's names the temporary directory and the barriers
+    nbytes: int
+    has_record: bool  # wrote a per-process value
+
+    def to_text(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_text(cls, text: str) -> _Writer:
+        return cls(**json.loads(text))
+
+
+def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
+    """Writes a prepared save on every process and commits it; blocks until committed."""
+    loc, leaves, clock = prepared.loc, prepared.staged.leaves, prepared.clock
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
-    fig.bytes = sum(w.nbytes for w in writes)
+    clock.bytes = sum(w.nbytes for w in writes)
     pid, count = multihost.process_index(), multihost.process_count()
-    my_id = uuid.uuid4().hex[:12]
+    me = _Writer(
+        multihost.host_name(), uuid.uuid4().hex[:12], clock.bytes, prepared.record is not None
+    )
     # Process 0's temporary directory exists, locked, before the others learn its name and
     # make their parts in it (steps.committing); removed if anything fails or they disagree.
-    lead = steps.committing(loc, my_id) if pid == 0 else contextlib.nullcontext()
-    with lead:
+    with steps.committing(loc, me.save_id) if pid == 0 else contextlib.nullcontext():
         # One round before any data is written: the same path, tree, shapes and dtypes on
         # every process? Who runs where, and process 0's id for this save (temporary
         # directory and barrier names, so a restarted job never meets a stale one).
@@ -115,33 +166,38 @@ def save(
             _summary(loc, leaves),
             timeout_s,
             what=loc.url,
-            extra=f"{multihost.host_name()} {my_id} {fig.bytes} {int(record is not None)}",
+            extra=me.to_text(),
         )
-        save_id = agreed.first.rsplit(" ", 3)[1]
-        got = [e.rsplit(" ", 3) for e in agreed.all or []]  # process 0 only
-        hosts = [g[0] for g in got]
-        bytes_per_process = [int(g[2]) for g in got]
-        with_records = [p for p, g in enumerate(got) if g[3] == "1"]
+        save_id = _Writer.from_text(agreed.first).save_id
         work = steps.work_dir(loc, save_id)
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
-        with fig.phase("write"):
+        with clock.phase("write"):
             arrays.write(db, writes)
-            if record is not None:
+            if prepared.record is not None:
                 work.join(pp.DIRECTORY).write_bytes(
-                    pp.file_name(pid), json.dumps(record.to_json()).encode()
+                    pp.file_name(pid), json.dumps(prepared.record.to_json()).encode()
                 )
-        with fig.phase("commit"):
+        with clock.phase("commit"):
             multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url)
             if pid == 0:
                 if count > 1:
                     arrays.merge(work, count)
-                manifest = manifest_of(leaves, meshes, hosts, bytes_per_process, metadata, metrics)
+                got = [_Writer.from_text(e) for e in agreed.all or []]
+                manifest = manifest_of(
+                    leaves,
+                    prepared.staged.meshes,
+                    [w.host for w in got],
+                    [w.nbytes for w in got],
+                    prepared.custom_metadata,
+                    prepared.metrics,
+                )
+                with_records = [p for p, w in enumerate(got) if w.has_record]
                 manifest = dataclasses.replace(manifest, per_process=with_records or None)
                 work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
-    with fig.phase("commit"):
+    with clock.phase("commit"):
         multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
-    return fig.done()
+    return clock.done()
 
 
 def check_json(value: Any, what: str, loc: Location) -> None:
@@ -155,7 +211,7 @@ def check_json(value: Any, what: str, loc: Location) -> None:
         ) from e
 
 
-def _summary(loc: Location, leaves: list[StagedLeaf]) -> dict:
+def _summary(loc: Location, leaves: tuple[StagedLeaf, ...]) -> dict:
     """What every process must agree on before a multi-process save writes anything."""
     return {
         "path": loc.url,
@@ -166,7 +222,7 @@ def _summary(loc: Location, leaves: list[StagedLeaf]) -> dict:
     }
 
 
-def _check_unique_names(leaves: list[StagedLeaf], loc: Location) -> None:
+def _check_unique_names(leaves: tuple[StagedLeaf, ...], loc: Location) -> None:
     seen: dict[str, list] = {}
     for leaf in leaves:
         other = seen.setdefault(leaf.record.name, leaf.record.path)
@@ -178,7 +234,7 @@ def _check_unique_names(leaves: list[StagedLeaf], loc: Location) -> None:
 
 
 def manifest_of(
-    leaves: list[StagedLeaf],
+    leaves: Sequence[StagedLeaf],
     meshes: list[dict],
     hosts: list[str],
     bytes_per_process: list[int],
@@ -211,58 +267,6 @@ def _dist_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         return "?"
-
-
-# --- what a committed checkpoint holds, no array data read ---------------------------------
-
-
-def metadata(path: str | os.PathLike) -> Any:
-    """The tree of :class:`ArrayInfo` (shape, dtype, saved mesh and spec, bytes); no data read.
-    Reads Orbax checkpoints too (``jaxckpt._src.orbax``)."""
-    _, manifest = any_manifest(location(path))
-    items = [(leaf.path, array_info(leaf, manifest.meshes)) for leaf in manifest.leaves]
-    return tree_lib.unflatten_paths(items)
-
-
-def custom_metadata(path: str | os.PathLike) -> Any:
-    """The ``custom_metadata=`` value given to :func:`save` (None if none was)."""
-    return read_manifest(path).metadata
-
-
-def per_process(
-    path: str | os.PathLike,
-    *,
-    process: int | None = None,
-    all: bool = False,  # noqa: A002 - the keyword users write
-) -> Any:
-    """The ``per_process=`` value this process gave :func:`save` (None if it gave none).
-
-    Matched by process index, so only while the process count is unchanged; otherwise
-    :class:`~jaxckpt.errors.ProcessCountChangedError`. ``process=i``: process i's value;
-    ``all=True``: every process's, as a list, to redistribute after a count change.
-
-    >>> it.set_state(jaxckpt.per_process("/ckpt/step_100"))  # a grain iterator
-    """
-    loc = location(path)
-    manifest = read_manifest(loc)
-    saved = set(manifest.per_process or ())
-
-    def record(i: int) -> pp.Record | None:  # read only the records asked for
-        return pp.read_record(loc, i) if i in saved else None
-
-    return pp.choose(
-        record, saved_count=manifest.process_count, where=loc.url, process=process, all=all
-    )
-
-
-def user_metadata(path: str | os.PathLike) -> Any:
-    """Deprecated name of :func:`custom_metadata`."""
-    warnings.warn(
-        "jaxckpt.user_metadata is deprecated; use jaxckpt.custom_metadata",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return custom_metadata(path)
 
 
 def renamed_metadata(custom: Any, old: Any) -> Any:
