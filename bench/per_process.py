@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=10, help="saves with and without, each")
     ap.add_argument("--processes", type=int, default=2)
     args = ap.parse_args()
-    with harness.scratch() as root:
+    with harness.scratch(parent=None) as root:
         results = harness.run_job(
             __file__, args.processes, devices=8 // args.processes, timeout_s=600,
             root=root, mib=args.mib * args.processes, saves=args.saves,

@@ -60,14 +60,7 @@ def worker(directory: str, kib: int, repeats: int) -> dict:
         jax.block_until_ready(out)
         restores.append(time.perf_counter() - t)
     calls = int(st["barriers"] + st["kv_calls"])
-    return {
-        "n": n,
-        "save": saves,
-        "coord": coords,
-        "protocol": protocols,
-        "restore": restores,
-        "calls": calls,
-    }
+    return dict(n=n, save=saves, coord=coords, protocol=protocols, restore=restores, calls=calls)
 
 
 def run_table(kib: int, procs: list[int], repeats: int) -> list[dict]:
