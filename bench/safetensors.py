@@ -96,7 +96,7 @@ def main() -> None:
         for rep in range(a.repeats):
             libs = harness.alternate(("jaxckpt", "reference"), rep)
             for op in ("save", "load"):
-                for lib in libs:  # both load the file jaxckpt wrote (the same bytes either way)
+                for lib in libs:  # loads both read the file jaxckpt wrote (the same bytes)
                     path = os.path.join(root, f"{'jaxckpt' if op == 'load' else lib}-{rep}")
                     got = harness.run_worker(
                         __file__, op=f"{op}-{lib}", path=path, size_gb=a.size_gb
