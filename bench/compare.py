@@ -34,35 +34,22 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import harness
+from harness import GB
+
+harness.cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-)
-from iostats import drop_page_cache  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-GB = 1e9
 AXES = ("data", "model")
 LAYERS = 6
 RAW_THREADS = (2, 4, 8)
@@ -72,7 +59,6 @@ RESTORES = {  # operation -> (mesh shape, device count)
     "restore 4 dev (2,2)": ((2, 2), 4),
 }
 SAME_MESH = "restore same mesh (4,2)"
-RESULT_TAG = "RESULT "
 
 # --- the state -----------------------------------------------------------------------------
 
@@ -175,60 +161,6 @@ def leaf_crcs(tree: dict) -> dict[str, int]:
     }
 
 
-# --- measuring -----------------------------------------------------------------------------
-
-
-def _reset_peak_rss() -> bool:
-    """Resets the kernel's peak-RSS mark (VmHWM) of this process; False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _kernel_peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRss:
-    """Peak RSS over the RSS at entry: a sampling thread plus the kernel's VmHWM mark."""
-
-    def __init__(self, interval_s: float = 0.002):
-        self.interval_s = interval_s
-        self.proc = psutil.Process()
-
-    def __enter__(self) -> PeakRss:
-        gc.collect()
-        self.baseline = self.proc.memory_info().rss
-        self.hwm = _reset_peak_rss()
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-        if self.hwm:
-            self.peak = max(self.peak, _kernel_peak_rss())
-
-    @property
-    def over(self) -> int:
-        return self.peak - self.baseline
-
-
 def count_files(path: str) -> int:
     return sum(len(files) for _, _, files in os.walk(path))
 
@@ -304,7 +236,7 @@ def worker_save(args) -> dict:
     warm_up(lib, mesh, args.workdir)
     state, crcs = build_state(args.size_gb, mesh)
     jax.block_until_ready(state)
-    with PeakRss() as rss:
+    with harness.PeakRss() as rss:
         t0 = time.perf_counter()
         lib.save(args.path, state)
         seconds = time.perf_counter() - t0
@@ -352,13 +284,12 @@ def worker_async(args) -> dict:
 
 
 def worker_restore(args) -> dict:
-    shape = tuple(int(n) for n in args.mesh.split("x"))
-    mesh = make_mesh(shape, args.devices)
+    mesh = make_mesh(tuple(args.mesh), args.devices)
     lib = make_lib(args)
     warm_up(lib, mesh, args.workdir)
     target = abstract_state(args.size_gb, mesh)
-    drop_page_cache(args.path)
-    with PeakRss() as rss:
+    harness.drop_page_cache(args.path)
+    with harness.PeakRss() as rss:
         t0 = time.perf_counter()
         restored = jax.block_until_ready(lib.restore(args.path, target))
         seconds = time.perf_counter() - t0
@@ -403,11 +334,6 @@ def _filled(n: int, block: np.ndarray) -> np.ndarray:
     return out
 
 
-def _rotated(items: list, by: int) -> list:
-    by %= len(items)
-    return items[by:] + items[:by]
-
-
 def worker_raw(args) -> dict:
     """NumPy write + fsync and read into fresh memory of the state's bytes, several ways.
 
@@ -420,7 +346,7 @@ def worker_raw(args) -> dict:
     os.makedirs(args.path)
     one = os.path.join(args.path, "one.bin")
     per_array = [os.path.join(args.path, f"a{i}.bin") for i in range(len(sizes))]
-    ways = _rotated([1, *RAW_THREADS], args.rotate)
+    ways = harness.rotated([1, *RAW_THREADS], args.rotate)
     name = {n: "1 file" if n == 1 else f"{len(sizes)} files, {n} threads" for n in ways}
     write, read = {}, {}
     for n in ways:
@@ -438,7 +364,7 @@ def worker_raw(args) -> dict:
     del arrays
     for n in ways:
         gc.collect()
-        drop_page_cache(args.path)
+        harness.drop_page_cache(args.path)
         t0 = time.perf_counter()
         if n == 1:
             got = _read_file(one, sizes)
@@ -457,19 +383,13 @@ WORKERS = {"async": worker_async, "save": worker_save, "restore": worker_restore
 # --- the parent: orchestration and report --------------------------------------------------
 
 
+def worker(op: str, **kw) -> dict:
+    return WORKERS[op](argparse.Namespace(**kw))
+
+
 def run_worker(args, op: str, **kw) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", op]
-    cmd += ["--size-gb", str(args.size_gb), "--workdir", args.workdir]
-    if args.chunk_bytes:
-        cmd += ["--chunk-bytes", str(args.chunk_bytes)]
-    for k, v in kw.items():
-        cmd += [f"--{k}", str(v)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise RuntimeError(f"worker {' '.join(cmd[2:])} failed (exit {proc.returncode})")
-    return json.loads(lines[-1][len(RESULT_TAG) :])
+    common = {"size_gb": args.size_gb, "workdir": args.workdir, "chunk_bytes": args.chunk_bytes}
+    return harness.run_worker(__file__, op=op, **common, **kw)
 
 
 def orchestrate(args) -> dict:
@@ -482,31 +402,29 @@ def orchestrate(args) -> dict:
     asyncs: dict = {}
     load = [os.getloadavg()[0]]
     for rep in range(args.repeats):
-        order = libs if rep % 2 == 0 else libs[::-1]
-        _log(f"repeat {rep + 1}/{args.repeats}: raw")
+        harness.log(f"repeat {rep + 1}/{args.repeats}: raw")
         r = run_worker(args, "raw", path=os.path.join(args.workdir, "raw"), rotate=rep)
         for kind in ("write", "read"):
             for cfg, s in r[kind].items():
                 raw[kind].setdefault(cfg, []).append(s)
-        for lib in order:
+        for lib in harness.alternate(libs, rep):
             path = os.path.join(args.workdir, f"{lib}-{rep}")
-            _log(f"repeat {rep + 1}/{args.repeats}: {lib} save")
+            harness.log(f"repeat {rep + 1}/{args.repeats}: {lib} save")
             saved = run_worker(args, "save", lib=lib, path=path)
             res[lib]["save"].append(saved)
             files[lib].append(count_files(path))
             # The first read after a write is often slow on a shared disk: rotate which goes first.
-            for op in _rotated(list(RESTORES), rep):
+            for op in harness.rotated(list(RESTORES), rep):
                 shape, devices = RESTORES[op]
-                _log(f"repeat {rep + 1}/{args.repeats}: {lib} {op}")
-                mesh = "x".join(map(str, shape))
-                got = run_worker(args, "restore", lib=lib, path=path, mesh=mesh, devices=devices)
+                harness.log(f"repeat {rep + 1}/{args.repeats}: {lib} {op}")
+                got = run_worker(args, "restore", lib=lib, path=path, mesh=shape, devices=devices)
                 res[lib][op].append(got)
                 if got["crcs"] != saved["crcs"] or not got["shardings_ok"]:
                     bad.append(f"{lib} {op} repeat {rep + 1}")
             shutil.rmtree(path)
             if lib == CHUNKED:
                 continue
-            _log(f"repeat {rep + 1}/{args.repeats}: {lib} async manager save")
+            harness.log(f"repeat {rep + 1}/{args.repeats}: {lib} async manager save")
             got = run_worker(args, "async", lib=lib, path=path)
             asyncs.setdefault(lib, []).append(got)
             shutil.rmtree(path, ignore_errors=True)
@@ -522,12 +440,8 @@ def orchestrate(args) -> dict:
     }
 
 
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+def _target(ok: bool | None, name: str, figure: str) -> None:
+    print(f"  {harness.verdict(ok):<5}{name:<52}{figure}")
 
 
 def report(args, out: dict) -> None:
@@ -537,7 +451,7 @@ def report(args, out: dict) -> None:
     orbax = "orbax" in libs
 
     def gbps(seconds: list[float]) -> float:
-        return nbytes / GB / statistics.median(seconds)
+        return harness.gbps(nbytes, seconds)
 
     raw = {
         kind: {cfg: gbps(s) for cfg, s in out["raw"][kind].items()} for kind in ("write", "read")
@@ -557,23 +471,20 @@ def report(args, out: dict) -> None:
         f"logical bytes from median times, peak RSS over baseline from the worst repeat; "
         f"load average {' -> '.join(f'{x:.1f}' for x in out['load'])} on {os.cpu_count()} cores\n"
     )
-    head = (
-        f"{'operation':<24}{'jaxckpt GB/s':>13}{'orbax GB/s':>11}{'jx/orbax':>9}{'jx/raw':>8}"
-        f"{'jx RSS+ GB':>11}{'orbax RSS+ GB':>14}{'result GB':>10}"
+    table = harness.Table(
+        (("operation", "<24"), ("jaxckpt GB/s", ">13.3f"), ("orbax GB/s", ">11.3f"))
+        + (("jx/orbax", ">9.2f"), ("jx/raw", ">8.2f"), ("jx RSS+ GB", ">11.3f"))
+        + (("orbax RSS+ GB", ">14.3f"), ("result GB", ">10.3f"))
     )
-    print(head)
-    print("-" * len(head))
+    print(table.head(rule=True))
     for op in ops:
+        jx, ob = speed["jaxckpt"][op], speed["orbax"][op] if orbax else None
         limit = best["write" if op == "save" else "read"][1]
-        jx = speed["jaxckpt"][op]
-        ob = speed["orbax"][op] if orbax else None
-        print(
-            f"{op:<24}{jx:>13.3f}{_fmt(ob, '.3f'):>11}{_fmt(ob and jx / ob, '.2f'):>9}"
-            f"{jx / limit:>8.2f}{peak['jaxckpt'][op]:>11.3f}"
-            f"{_fmt(peak['orbax'][op] if orbax else None, '.3f'):>14}"
-            f"{'-' if op == 'save' else format(on_devices[op], '.3f'):>10}"
-        )
-    print(f"{'files per step':<24}{nfiles['jaxckpt']:>13}{_fmt(nfiles.get('orbax'), 'd'):>11}")
+        ob_peak, result = peak["orbax"][op] if orbax else None, on_devices[op]
+        cells = (op, jx, ob, ob and jx / ob, jx / limit, peak["jaxckpt"][op], ob_peak)
+        print(table.row(*cells, None if op == "save" else result))
+    files = [str(nfiles[lib]) if lib in nfiles else None for lib in ("jaxckpt", "orbax")]
+    print(table.row("files per step", *files))
     if CHUNKED in libs:
         print(f"\nchunk_bytes={args.chunk_bytes} vs the default (chunks follow the shards):")
         for op in ops:
@@ -615,45 +526,39 @@ def report(args, out: dict) -> None:
             rows.append((f"{op} >= 0.8x our same mesh", jx[op] / jx[SAME_MESH], 0.8))
             rows.append((f"{op} >= 1.2x orbax", vs_orbax(op), 1.2))
     for name, ratio, need in rows:
-        verdict = "SKIP" if ratio is None else ("PASS" if ratio >= need else "FAIL")
-        print(f"  {verdict:<5}{name:<52}{'-' if ratio is None else f'{ratio:.2f}x':>9}")
+        ok = None if ratio is None else ratio >= need
+        _target(ok, name, f"{'-' if ratio is None else f'{ratio:.2f}x':>9}")
     limits = [("save peak RSS <= 0.3 GB over the state", peak["jaxckpt"]["save"], 0.3)]
     limits += [
         (f"{op} peak RSS <= result + 0.3 GB", peak["jaxckpt"][op], on_devices[op] + 0.3)
         for op in RESTORES
     ]
     for name, value, cap in limits:
-        verdict = "PASS" if value <= cap else "FAIL"
-        print(f"  {verdict:<5}{name:<52}{value:>8.3f} GB (limit {cap:.3f})")
+        _target(value <= cap, name, f"{value:>8.3f} GB (limit {cap:.3f})")
     _report_async(out, speed["jaxckpt"]["save"], state_bytes(args.size_gb) / GB)
-    cap = 8 + 4 * 1
-    verdict = "PASS" if nfiles["jaxckpt"] <= cap else "FAIL"
-    name = "files per step <= 8 + 4 x processes"
-    print(f"  {verdict:<5}{name:<52}{nfiles['jaxckpt']:>8} (limit {cap})")
+    n, cap = nfiles["jaxckpt"], 8 + 4 * 1
+    _target(n <= cap, "files per step <= 8 + 4 x processes", f"{n:>8} (limit {cap})")
 
 
 def _report_async(out: dict, sync_gbps: float, state_gb: float) -> None:
     """Manager async saves: blocking time (first save, and later ones) and total throughput."""
     rows = {}
     for lib, runs in out["async"].items():
-        first = statistics.median(r["blocking"][0] for r in runs)
-        later = statistics.median(b for r in runs for b in r["blocking"][1:])
-        total = statistics.median(t for r in runs for t in r["total"][1:])
+        first = harness.median(r["blocking"][0] for r in runs)
+        later = harness.median(b for r in runs for b in r["blocking"][1:])
+        total = harness.median(t for r in runs for t in r["total"][1:])
         rows[lib] = (first, later, state_gb / total)
-    print("\nasync manager save      first block s  later block s  total GB/s")
-    for lib, (first, later, gbps) in rows.items():
-        print(f"  {lib:<22}{first:>13.3f}{later:>15.3f}{gbps:>12.3f}")
+    print()
+    harness.Table(
+        (("async manager save", "<24"), ("first block s", ">13.3f"))
+        + (("later block s", ">15.3f"), ("total GB/s", ">12.3f"))
+    ).print(("  " + lib, *row) for lib, row in rows.items())
     jx = rows["jaxckpt"]
-    if "orbax" in rows:
-        ratio = jx[1] / rows["orbax"][1]
-        verdict = "PASS" if ratio <= 0.5 else "FAIL"
-        print(f"  {verdict:<5}{'async blocking <= 0.5x orbax (later saves)':<52}{ratio:>8.2f}x")
-        ratio = jx[0] / rows["orbax"][0]
-        verdict = "PASS" if ratio <= 0.5 else "FAIL"
-        print(f"  {verdict:<5}{'async blocking <= 0.5x orbax (first save)':<52}{ratio:>8.2f}x")
+    for i, save in [(1, "later saves"), (0, "first save")] if "orbax" in rows else []:
+        ratio = jx[i] / rows["orbax"][i]
+        _target(ratio <= 0.5, f"async blocking <= 0.5x orbax ({save})", f"{ratio:>8.2f}x")
     ratio = jx[2] / sync_gbps
-    verdict = "PASS" if ratio >= 1.0 else "FAIL"
-    print(f"  {verdict:<5}{'async total throughput >= sync save':<52}{ratio:>8.2f}x")
+    _target(ratio >= 1.0, "async total throughput >= sync save", f"{ratio:>8.2f}x")
 
 
 def main() -> None:
@@ -668,30 +573,17 @@ def main() -> None:
         help="also run jaxckpt with save(chunk_bytes=N) and print its effect on each restore",
     )
     ap.add_argument("--json", help="also write the raw measurements to this JSON file")
-    ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    ap.add_argument("--workdir", help=argparse.SUPPRESS)
-    ap.add_argument("--lib", choices=sorted(LIBS), help=argparse.SUPPRESS)
-    ap.add_argument("--path", help=argparse.SUPPRESS)
-    ap.add_argument("--mesh", help=argparse.SUPPRESS)
-    ap.add_argument("--devices", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--rotate", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-
-    if args.worker:
-        print(RESULT_TAG + json.dumps(WORKERS[args.worker](args)), flush=True)
-        return
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    args.workdir = tempfile.mkdtemp(prefix="jaxckpt-bench-", dir="/tmp")
-    try:
+    with harness.scratch() as args.workdir:
         out = orchestrate(args)
-    finally:
-        shutil.rmtree(args.workdir, ignore_errors=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"size_gb": args.size_gb, "state_bytes": state_bytes(args.size_gb), **out}, f)
+        harness.write_json(
+            args.json, {"size_gb": args.size_gb, "state_bytes": state_bytes(args.size_gb), **out}
+        )
     report(args, out)
 
 
 if __name__ == "__main__":
-    main()
+    harness.entry(main, worker)

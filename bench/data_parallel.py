@@ -20,16 +20,12 @@ to True off GPU), load-and-broadcast off (it needs ``SingleReplicaArrayHandler``
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+import harness
+from harness import drop_page_cache, io, ts_file_bytes_read
 
-import multiproc  # noqa: E402
-from iostats import drop_page_cache, io, ts_file_bytes_read  # noqa: E402
+RESULTS = os.path.join(harness.RESULTS, "data_parallel.json")
 
 
 def _state(gib: float):
@@ -67,12 +63,10 @@ def _state(gib: float):
     return tree, logical
 
 
-def worker(phase: str, directory: str, gib: float, repeats: int) -> None:
-    """One process of a job that saves (``phase`` "save") or restores every checkpoint;
-    prints ``RESULT <json>`` with its per-repeat figures. Restores run in a new job so that
-    neither library reads from a cache its save filled (Orbax's TensorStore context keeps
-    the chunks it wrote)."""
-    multiproc.init()
+def worker(phase: str, directory: str, gib: float, repeats: int) -> dict:
+    """One process of a job that saves (``phase`` "save") or restores every checkpoint: its
+    per-repeat figures. Restores run in a new job so that neither library reads from a cache
+    its save filled (Orbax's TensorStore context keeps the chunks it wrote)."""
     import time
 
     import jax
@@ -80,7 +74,6 @@ def worker(phase: str, directory: str, gib: float, repeats: int) -> None:
     if os.environ.get("JAXCKPT_BENCH_HOSTS", "separate") == "separate":
         os.environ["JAXCKPT_HOST"] = f"bench-machine{jax.process_index()}"
 
-    import jax
     import orbax.checkpoint as ocp
 
     import jaxckpt
@@ -107,8 +100,7 @@ def worker(phase: str, directory: str, gib: float, repeats: int) -> None:
         lib: {"save": [], "restore": [], "written": [], "read": []} for lib in ("jaxckpt", "orbax")
     }
     for r in range(repeats):
-        order = ("jaxckpt", "orbax") if r % 2 == 0 else ("orbax", "jaxckpt")
-        for lib in order:
+        for lib in harness.alternate(("jaxckpt", "orbax"), r):
             path = os.path.join(directory, f"{lib}-{r}")
             multihost.barrier(f"dp/{phase}/{lib}/{r}", 600)
             if phase == "save":
@@ -123,50 +115,33 @@ def worker(phase: str, directory: str, gib: float, repeats: int) -> None:
             jax.block_until_ready(restore(lib, path))
             out[lib]["restore"].append(time.perf_counter() - t)
             out[lib]["read"].append(ts_file_bytes_read() - ts0)
-    print("RESULT", json.dumps({"logical": logical, **out}), flush=True)
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
+    return {"logical": logical, **out}
 
 
 def table(gib: float, procs: list[int], repeats: int) -> dict[int, dict]:
     """Runs the jobs and prints the table; returns per process count the figures."""
-    here = os.path.abspath(__file__)
     rows: dict[int, dict] = {}
     for n in procs:
-        phases = []
-        with tempfile.TemporaryDirectory(dir=os.environ.get("JAXCKPT_BENCH_DIR")) as d:
-            for phase in ("save", "restore"):
-                res = multiproc.run(
-                    here, n, devices_per_process=2,
-                    args=["--worker", phase, d, str(gib), str(repeats)], timeout_s=1800,
-                ).check()  # fmt: skip
-                phases.append(
-                    [
-                        json.loads(line.split(" ", 1)[1])
-                        for text in res.outputs
-                        for line in text.splitlines()
-                        if line.startswith("RESULT ")
-                    ]
+        with harness.scratch(parent=os.environ.get("JAXCKPT_BENCH_DIR")) as d:
+            phases = [
+                harness.run_job(
+                    __file__, n, timeout_s=1800, phase=phase, directory=d, gib=gib, repeats=repeats
                 )
+                for phase in ("save", "restore")
+            ]
         per = []
         for saved, restored in zip(*phases, strict=True):
             for lib in ("jaxckpt", "orbax"):
-                saved[lib]["restore"], saved[lib]["read"] = (
-                    restored[lib]["restore"],
-                    restored[lib]["read"],
-                )
+                saved[lib].update(restore=restored[lib]["restore"], read=restored[lib]["read"])
             per.append(saved)
         logical = per[0]["logical"]
         row = {"logical": logical}
         for lib in ("jaxckpt", "orbax"):
             # a save or restore ends when the slowest process is done: max over processes
-            save = _median([max(p[lib]["save"][r] for p in per) for r in range(repeats)])
-            rest = _median([max(p[lib]["restore"][r] for p in per) for r in range(repeats)])
-            written = [_median(p[lib]["written"]) for p in per]
-            read = [_median(p[lib]["read"]) for p in per]
+            save = harness.median(max(p[lib]["save"][r] for p in per) for r in range(repeats))
+            rest = harness.median(max(p[lib]["restore"][r] for p in per) for r in range(repeats))
+            written = [harness.median(p[lib]["written"]) for p in per]
+            read = [harness.median(p[lib]["read"]) for p in per]
             row[lib] = {
                 "save_gbs": logical / save / 1e9,
                 "restore_gbs": logical / rest / 1e9,
@@ -174,28 +149,17 @@ def table(gib: float, procs: list[int], repeats: int) -> dict[int, dict]:
                 "read_amplification": sum(read) / logical,
             }
         rows[n] = row
-    print(
-        f"{'procs':>5} {'library':>8} {'save GB/s':>9} {'restore GB/s':>12} "
-        f"{'write max/mean':>14} {'read/logical':>12}"
-    )
-    for n, row in rows.items():
-        for lib in ("jaxckpt", "orbax"):
-            r = row[lib]
-            print(
-                f"{n:>5} {lib:>8} {r['save_gbs']:>9.3f} {r['restore_gbs']:>12.3f} "
-                f"{r['write_balance']:>14.2f} {r['read_amplification']:>12.2f}"
-            )
+    harness.Table(
+        (("procs", ">5"), ("library", ">8"), ("save GB/s", ">9.3f"), ("restore GB/s", ">12.3f"))
+        + (("write max/mean", ">14.2f"), ("read/logical", ">12.2f")),
+        sep=" ",
+    ).print((n, lib, *row[lib].values()) for n, row in rows.items() for lib in ("jaxckpt", "orbax"))
     return rows
 
 
-def write_results(rows: dict[int, dict], path: str) -> None:
+def write_results(rows: dict[int, dict]) -> None:
     """The table as JSON, for bench/scaling_model.py's figure."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({str(n): row for n, row in rows.items()}, f, indent=1)
-
-
-RESULTS = os.path.join(ROOT, "bench", "results", "data_parallel.json")
+    harness.write_json(RESULTS, {str(n): row for n, row in rows.items()})
 
 
 def verdicts(rows: dict[int, dict]) -> None:
@@ -209,7 +173,7 @@ def verdicts(rows: dict[int, dict]) -> None:
     ]
     for what, value, op, target in checks:
         ok = value >= target if op == ">=" else value <= target
-        print(f"{'PASS' if ok else 'FAIL'} {what}: {value:.2f} (target {op} {target})")
+        print(f"{harness.verdict(ok)} {what}: {value:.2f} (target {op} {target})")
 
 
 def main() -> None:
@@ -217,16 +181,12 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--procs", default="1,2,4")
-    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.worker:
-        worker(a.worker[0], a.worker[1], float(a.worker[2]), int(a.worker[3]))
-        return
     print(f"== data-parallel state, {a.gib} GiB logical, medians of {a.repeats}")
     rows = table(a.gib, [int(x) for x in a.procs.split(",")], a.repeats)
-    write_results(rows, RESULTS)
+    write_results(rows)
     verdicts(rows)
 
 
 if __name__ == "__main__":
-    main()
+    harness.entry(main, worker)

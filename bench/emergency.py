@@ -18,24 +18,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-import multiproc  # noqa: E402
+import harness
+from harness import median
 
 
-def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
-    multiproc.init()
+def worker(root: str, mib: int, s3: str | None, repeats: int) -> dict:
+    """One process: its median seconds of every save, restore and training step measured."""
     import time
 
     import jax
-    import numpy as np
 
     import jaxckpt
     from jaxckpt._src import multihost
@@ -43,7 +38,6 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
     pid = jax.process_index()
     # the 1 GB bench state of bench/compare.py: a transformer's params + Adam moments, 170
     # leaves, sharded, partly sharded and replicated over a (4, 2) mesh of every device
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import compare
 
     state, _ = compare.build_state(mib / 1024, compare.make_mesh((4, 2), jax.device_count()))
@@ -64,8 +58,8 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
             mgr.wait_until_finished()
             barrier(f"{key}/{r}/done")
             wall.append(time.perf_counter() - t)
-        out[f"{key} blocking"] = float(np.median(blocking))
-        out[f"{key} wall"] = float(np.median(wall))
+        out[f"{key} blocking"] = median(blocking)
+        out[f"{key} wall"] = median(wall)
 
     def timed_restore(key: str, fn, repeats: int, parts=None) -> None:
         times, split = [], []
@@ -77,10 +71,10 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
             times.append(time.perf_counter() - t)
             if parts is not None:
                 split.append(dict(parts()))
-        out[key] = float(np.median(times))
+        out[key] = median(times)
         if split:  # the emergency restore's phases, median over repeats
             for part in ("plan", "read", "move", "place"):
-                at = float(np.median([d.get(part, 0.0) for d in split]))
+                at = median(d.get(part, 0.0) for d in split)
                 out[f"  {part}{' ' * (6 - len(part))}({key.split(': ')[-1]})"] = at
 
     opts = jaxckpt.EmergencyOptions(
@@ -130,7 +124,7 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
 
     # overhead per step of local_interval_steps=1 on the example model: the Flax MLP with
     # Optax AdamW of examples/train_flax.py (as in examples/resilient_training.py)
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    sys.path.insert(0, os.path.join(harness.ROOT, "examples"))
     from jax.sharding import AxisType
     from train_flax import batches, create_state, global_batch, train_step
 
@@ -158,12 +152,12 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> None:
         if rep >= 2:  # the first pair warms up
             per_step[with_save].append((time.perf_counter() - t) / 20)
     em2.close()
-    out["step without save"] = float(np.median(per_step[False]))
-    out["step with save"] = float(np.median(per_step[True]))
+    out["step without save"] = median(per_step[False])
+    out["step with save"] = median(per_step[True])
     out["overhead per step, local_interval_steps=1"] = (
         out["step with save"] - out["step without save"]
     )
-    print("RESULT", json.dumps(out), flush=True)
+    return out
 
 
 def main() -> None:
@@ -172,14 +166,8 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=2, choices=[2, 4])
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--repeats", type=int, default=5, help="timed saves / restores (median)")
-    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        root, mib, s3, repeats = args.worker
-        worker(root, int(mib), None if s3 == "-" else s3, int(repeats))
-        return
-    env, server = {}, None
-    s3 = "-"
+    env, server, s3 = {}, None, None
     if not args.no_s3:
         import logging
 
@@ -207,35 +195,21 @@ def main() -> None:
             aws_secret_access_key="testing",
         ).create_bucket(Bucket="bench")
         s3 = "s3://bench/emergency"
-    root = tempfile.mkdtemp(prefix="jaxckpt_bench_em_")
     try:
-        res = multiproc.run(
-            os.path.abspath(__file__),
-            args.processes,
-            devices_per_process=8 // args.processes,
-            args=["--worker", root, str(args.mib), s3, str(args.repeats)],
-            timeout_s=1800,
-            env=env,
-        ).check()
+        with harness.scratch("jaxckpt_bench_em_", parent=None) as root:
+            results = harness.run_job(
+                __file__, args.processes, devices=8 // args.processes, timeout_s=1800, env=env,
+                root=root, mib=args.mib, s3=s3, repeats=args.repeats,
+            )  # fmt: skip
     finally:
-        shutil.rmtree(root, ignore_errors=True)
         if server is not None:
             server.stop()
-    results = [
-        json.loads(line.split(" ", 1)[1])
-        for text in res.outputs
-        for line in text.splitlines()
-        if line.startswith("RESULT ")
-    ]
     print(
         f"\n{args.mib} MiB float32 state, {args.processes} processes (CPU devices), seconds; "
         f"median of {args.repeats} (of the slowest process)"
     )
-    print(f"| {'what':<44} | {'s':>9} |")
-    print(f"|{'-' * 46}|{'-' * 11}|")
     worst = {key: max(r[key] for r in results) for key in results[0]}
-    for key, value in worst.items():
-        print(f"| {key:<44} | {value:>9.4f} |")
+    harness.Table((("what", "<44"), ("s", ">9.4f")), markdown=True).print(worst.items())
     print("\ntargets (ratios within this run)")
     targets = [
         (
@@ -259,8 +233,8 @@ def main() -> None:
             print(f"  SKIP {what} (no S3 server: --no-s3)")
             continue
         ok = ours <= base if "<=" in what else ours < base
-        print(f"  {'PASS' if ok else 'FAIL'} {what:<52} {ours / base:6.2f}x")
+        print(f"  {harness.verdict(ok)} {what:<52} {ours / base:6.2f}x")
 
 
 if __name__ == "__main__":
-    main()
+    harness.entry(main, worker)

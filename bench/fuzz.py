@@ -27,7 +27,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
+from harness import ROOT
+
 INTERRUPT_GRACE_S = 60.0  # after SIGINT, time for pytest to print what it has
 ROUND_LIMIT_S = 1800.0  # a round that runs longer is interrupted (a hang, not a slow test)
 FAILED = ("FAILED", "ERROR", "XPASS", "CRASHED")
@@ -236,17 +238,18 @@ def main() -> None:
 def report(tallies: dict[str, Tally], rounds: int, elapsed_s: float) -> None:
     width = max(len(i) for i in tallies)
     print(f"\n{rounds} rounds in {elapsed_s / 60:.1f} min")
-    head = f"{'property':<{width}} {'tried':>7} {'failing':>7} {'invalid':>7}  rounds"
-    print(head)
-    print("-" * len(head))
+    table = harness.Table(
+        (("property", f"<{width}"), ("tried", ">7"), ("failing", ">7"), ("invalid", ">7"))
+        + ((" rounds", ""),),  # after two spaces, as long as it is
+        sep=" ",
+    )
+    print(table.head(rule=True))
     failures = 0
     for nodeid, t in tallies.items():
         outcomes = ", ".join(f"{k.lower()} {v}" for k, v in sorted(t.rounds.items()))
         seeds = f"  failing seeds: {t.failed_seeds[:5]}" if t.failed_seeds else ""
-        figures = [str(v) if t.counted else "-" for v in (t.tried, t.failing, t.invalid)]
-        print(
-            f"{nodeid:<{width}} {figures[0]:>7} {figures[1]:>7} {figures[2]:>7}  {outcomes}{seeds}"
-        )
+        figures = [v if t.counted else None for v in (t.tried, t.failing, t.invalid)]
+        print(table.row(nodeid, *figures, f" {outcomes}{seeds}"))
         failures += len(t.failed_seeds)
     known = sum(t.rounds["XFAIL"] for t in tallies.values())
     tried = sum(t.tried for t in tallies.values())

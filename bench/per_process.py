@@ -12,20 +12,14 @@ Target: the value costs at most 10% of the save's wall time in both managers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-import multiproc  # noqa: E402
+import harness
 
 
-def worker(root: str, mib: int, saves: int) -> None:
-    multiproc.init()
+def worker(root: str, mib: int, saves: int) -> dict:
+    """One process: its medians of blocking and wall seconds, by manager and with_value."""
     import time
 
     import grain
@@ -83,10 +77,8 @@ def worker(root: str, mib: int, saves: int) -> None:
                 times[with_value][0].append(blocking)
                 times[with_value][1].append(wall)
         mgr.close()
-        out[name] = {
-            str(k): [float(np.median(b)), float(np.median(w))] for k, (b, w) in times.items()
-        }
-    print("RESULT", json.dumps(out), flush=True)
+        out[name] = {str(k): [harness.median(b), harness.median(w)] for k, (b, w) in times.items()}
+    return out
 
 
 def main() -> None:
@@ -95,20 +87,16 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=10, help="saves with and without, each")
     ap.add_argument("--processes", type=int, default=2)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as root:
-        res = multiproc.run(
-            os.path.abspath(__file__),
-            args.processes,
-            devices_per_process=8 // args.processes,
-            args=["--worker", root, str(args.mib * args.processes), str(args.saves)],
-            timeout_s=600,
-        ).check()
-    results = [
-        json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT "))[7:])
-        for o in res.outputs
-    ]
+    with harness.scratch(parent=None) as root:
+        results = harness.run_job(
+            __file__, args.processes, devices=8 // args.processes, timeout_s=600,
+            root=root, mib=args.mib * args.processes, saves=args.saves,
+        )  # fmt: skip
     print(f"{args.processes} processes, {args.mib} MiB each, {args.saves} saves of each kind")
-    print(f"{'manager':<28}{'per_process':>12}{'blocking s':>12}{'wall s':>10}")
+    table = harness.Table(
+        (("manager", "<28"), ("per_process", ">12"), ("blocking s", ">12.4f"), ("wall s", ">10.4f"))
+    )
+    print(table.head())
     ok = True
     for name in results[0]:
         walls = {}
@@ -117,16 +105,13 @@ def main() -> None:
             wall = max(r[name][with_value][1] for r in results)
             walls[with_value] = wall
             label = "yes" if with_value == "True" else "no"
-            print(f"{name:<28}{label:>12}{blocking:>12.4f}{wall:>10.4f}")
+            print(table.row(name, label, blocking, wall))
         ratio = walls["True"] / walls["False"]
         passed = ratio <= 1.10
         ok &= passed
-        print(f"  {'PASS' if passed else 'FAIL'} wall with / without: {ratio:.3f} (target <= 1.10)")
+        print(f"  {harness.verdict(passed)} wall with / without: {ratio:.3f} (target <= 1.10)")
     sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-    else:
-        main()
+    harness.entry(main, worker)

@@ -13,22 +13,15 @@ writing, to show the protocol's own cost as the process count grows.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-import multiproc  # noqa: E402
+import harness
 
 os.environ["JAXCKPT_PROTOCOL_TIMING"] = "1"  # inherited by the workers
 
 
-def worker(directory: str, kib: int, repeats: int) -> None:
-    """One process of the job: saves ``repeats`` times, restores, prints timings as JSON."""
-    multiproc.init()
+def worker(directory: str, kib: int, repeats: int) -> dict:
+    """One process of the job: saves ``repeats`` times, restores; its timings."""
     import time
 
     import jax
@@ -67,59 +60,33 @@ def worker(directory: str, kib: int, repeats: int) -> None:
         jax.block_until_ready(out)
         restores.append(time.perf_counter() - t)
     calls = int(st["barriers"] + st["kv_calls"])
-    if True:  # every process reports; the parent compares them
-        print(
-            "RESULT",
-            json.dumps(
-                {
-                    "n": n,
-                    "save": saves,
-                    "coord": coords,
-                    "protocol": protocols,
-                    "restore": restores,
-                    "calls": calls,
-                }
-            ),
-            flush=True,
-        )
+    return dict(n=n, save=saves, coord=coords, protocol=protocols, restore=restores, calls=calls)
 
 
 def run_table(kib: int, procs: list[int], repeats: int) -> list[dict]:
     rows = []
     for n in procs:
-        with tempfile.TemporaryDirectory() as d:
-            res = multiproc.run(
-                os.path.abspath(__file__),
-                n,
-                devices_per_process=2,
-                args=["--worker", d, str(kib), str(repeats)],
-                timeout_s=600,
-            ).check()
-        per = [
-            json.loads(ln.split(" ", 1)[1])
-            for out in res.outputs
-            for ln in out.splitlines()
-            if ln.startswith("RESULT")
-        ]
+        with harness.scratch(parent=None) as d:
+            per = harness.run_job(__file__, n, directory=d, kib=kib, repeats=repeats)
         row = per[0]  # rank 0 is process 0
         # per process: best of repeats, like the save and restore columns (scheduling noise
         # on a shared 2-core machine only adds); then the mean over processes
         best = [min(p["protocol"]) for p in per]
-        medians = [_median(p["protocol"]) for p in per]
+        medians = [harness.median(p["protocol"]) for p in per]
         row["proto"] = sum(best) / len(best)
         row["proto_median"] = sum(medians) / len(medians)
         rows.append(row)
-    print(
-        f"{'procs':>5} {'KiB/proc':>8} {'save s':>8} {'restore s':>9} {'wait ms':>8} "
-        f"{'wait %':>6} {'protocol ms':>11} {'protocol %':>10} {'median ms':>9} {'calls':>5}"
+    table = harness.Table(
+        (("procs", ">5"), ("KiB/proc", ">8"), ("save s", ">8.3f"), ("restore s", ">9.3f"))
+        + (("wait ms", ">8.2f"), ("wait %", ">6.2f"), ("protocol ms", ">11.2f"))
+        + (("protocol %", ">10.2f"), ("median ms", ">9.2f"), ("calls", ">5")),
+        sep=" ",
     )
+    print(table.head())
     for r in rows:
-        save, wait, rest = min(r["save"]), _median(r["coord"]), min(r["restore"])
-        print(
-            f"{r['n']:>5} {kib:>8} {save:>8.3f} {rest:>9.3f} {wait * 1e3:>8.2f} "
-            f"{100 * wait / save:>6.2f} {r['proto'] * 1e3:>11.2f} "
-            f"{100 * r['proto'] / save:>10.2f} {r['proto_median'] * 1e3:>9.2f} {r['calls']:>5}"
-        )
+        save, wait, rest = min(r["save"]), harness.median(r["coord"]), min(r["restore"])
+        proto = (r["proto"] * 1e3, 100 * r["proto"] / save, r["proto_median"] * 1e3)
+        print(table.row(r["n"], kib, save, rest, wait * 1e3, 100 * wait / save, *proto, r["calls"]))
     return rows
 
 
@@ -130,7 +97,7 @@ def growth_line(rows: list[dict], label: str) -> None:
         typical = last["proto_median"] / max(first["proto_median"], 1e-9)
         allowed = last["n"] / first["n"]
         print(
-            f"{'PASS' if growth <= allowed else 'FAIL'} protocol time ({label}) grows "
+            f"{harness.verdict(growth <= allowed)} protocol time ({label}) grows "
             f"{growth:.2f}x from {first['n']} to {last['n']} processes (target: at most "
             f"linear, {allowed:.1f}x; with medians instead of best: {typical:.2f}x)"
         )
@@ -153,11 +120,7 @@ def main() -> None:
         metavar="GIB",
         help="also run the data-parallel table (bench/data_parallel.py) with a state of GIB",
     )
-    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.worker:
-        worker(a.worker[0], int(a.worker[1]), int(a.worker[2]))
-        return
     procs = [int(x) for x in a.procs.split(",")]
     print(f"== {a.mib_per_process} MiB per process")
     rows = run_table(a.mib_per_process << 10, procs, a.repeats)
@@ -177,9 +140,8 @@ def main() -> None:
     print("\ntargets")
     last = rows[-1]
     share = 100 * last["proto"] / min(last["save"])
-    verdict = "PASS" if share < 5 else "FAIL"
     print(
-        f"{verdict} protocol time at {last['n']} processes: {share:.2f}% of the "
+        f"{harness.verdict(share < 5)} protocol time at {last['n']} processes: {share:.2f}% of the "
         f"{a.mib_per_process} MiB/process save (target < 5%)"
     )
     growth_line(rows, f"{a.mib_per_process} MiB/process, I/O-loaded cores")
@@ -189,13 +151,9 @@ def main() -> None:
 
         print(f"\n== data-parallel state, {a.data_parallel} GiB, jaxckpt vs Orbax, medians")
         dp = data_parallel.table(a.data_parallel, procs, max(3, a.repeats))
-        data_parallel.write_results(dp, data_parallel.RESULTS)
+        data_parallel.write_results(dp)
         data_parallel.verdicts(dp)
 
 
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
 if __name__ == "__main__":
-    main()
+    harness.entry(main, worker)

@@ -15,7 +15,7 @@ import json
 import math
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import harness
 
 STATE_BYTES = 140e9 + 560e9
 LEAVES_SHARDED = 1680  # 80 layers x 7 matrices x (params, mu, nu): sharded over every device
@@ -88,23 +88,22 @@ def lost_fraction(hosts: int, host_hours_per_failure: float, interval_s: float) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--measured", default=os.path.join(ROOT, "bench", "results", "data_parallel.json")
-    )
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "scaling.png"))
+    ap.add_argument("--measured", default=os.path.join(harness.RESULTS, "data_parallel.json"))
+    ap.add_argument("--out", default=os.path.join(harness.ROOT, "docs", "scaling.png"))
     a = ap.parse_args()
-    hosts = [8, 64, 512, 4096]
-    print(f"{'hosts':>6} {'storage':>7} {'GB/host':>8} {'blocking s':>10} {'save s':>8} "
-          f"{'restore s':>9} {'manifest MB':>11} {'lost %/1k h':>11}")  # fmt: skip
-    for h in hosts:
+    table = harness.Table(
+        (("hosts", ">6"), ("storage", ">7"), ("GB/host", ">8.2f"), ("blocking s", ">10.2f"))
+        + (("save s", ">8.1f"), ("restore s", ">9.1f"), ("manifest MB", ">11.1f"))
+        + (("lost %/1k h", ">11.2f"),),
+        sep=" ",
+    )
+    print(table.head())
+    for h in (8, 64, 512, 4096):
         for storage in ("nvme", "object"):
             m = model(h, storage)
+            cells = (m["bytes_per_host"] / 1e9, m["blocking_s"], m["save_s"], m["restore_s"])
             lost = 100 * lost_fraction(h, 1000, 600)
-            print(
-                f"{h:>6} {storage:>7} {m['bytes_per_host'] / 1e9:>8.2f} {m['blocking_s']:>10.2f} "
-                f"{m['save_s']:>8.1f} {m['restore_s']:>9.1f} {m['manifest_bytes'] / 1e6:>11.1f} "
-                f"{lost:>11.2f}"
-            )
+            print(table.row(h, storage, *cells, m["manifest_bytes"] / 1e6, lost))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import statistics
-import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare  # noqa: E402  (8 CPU devices, set before jax is imported)
-import jax  # noqa: E402
+import compare  # (8 CPU devices, set before jax is imported)
+import harness
+import jax
 
-import jaxckpt  # noqa: E402
-from jaxckpt._src.cli.verify import verify  # noqa: E402
+import jaxckpt
+from jaxckpt._src.cli.verify import verify
 
 
 def main() -> None:
@@ -32,9 +28,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     mesh = compare.make_mesh((4, 2), 8)
-    root = tempfile.mkdtemp(prefix="jaxckpt-verify-bench-", dir="/tmp")
-    path = os.path.join(root, "c")
-    try:
+    with harness.scratch("jaxckpt-verify-bench-") as root:
+        path = os.path.join(root, "c")
         state, _ = compare.build_state(a.size_gb, mesh)
         jaxckpt.save(path, state)
         del state
@@ -42,8 +37,8 @@ def main() -> None:
         nbytes = compare.state_bytes(a.size_gb)
         times: dict[str, list[float]] = {"restore": [], "verify": []}
         for rep in range(a.repeats):
-            for op in ("restore", "verify") if rep % 2 == 0 else ("verify", "restore"):
-                compare.drop_page_cache(path)
+            for op in harness.alternate(("restore", "verify"), rep):
+                harness.drop_page_cache(path)
                 t = time.perf_counter()
                 if op == "restore":
                     jax.block_until_ready(jaxckpt.restore(path, target=target))
@@ -51,15 +46,13 @@ def main() -> None:
                     report = verify(path)
                     assert report.ok, report.problems
                 times[op].append(time.perf_counter() - t)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    gbs = {op: nbytes / 1e9 / statistics.median(t) for op, t in times.items()}
+    gbs = {op: harness.gbps(nbytes, t) for op, t in times.items()}
     print(f"state {nbytes / 1e9:.3f} GB, {a.repeats} repeats, medians, page cache dropped")
     for op, v in gbs.items():
         print(f"  {op:<8} {v:.3f} GB/s  (runs: {', '.join(f'{t:.2f}s' for t in times[op])})")
     ratio = gbs["verify"] / gbs["restore"]
     print(
-        f"{'PASS' if ratio >= 0.8 else 'FAIL'} verify >= 0.8x the restore's read throughput: {ratio:.2f}x"
+        f"{harness.verdict(ratio >= 0.8)} verify >= 0.8x the restore's read throughput: {ratio:.2f}x"
     )
 
 
