@@ -157,8 +157,8 @@ def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
                 pending.append(
                     store[_slices(index)].write(data, can_reference_source_data_indefinitely=True)
                 )
-        for fut in pending:
-            fut.result()
+        for written in pending:
+            written.result()
         txn.commit_async().result()
     except Exception as e:
         raise StorageError(f"writing arrays into {db.url} failed: {e}") from e
@@ -167,7 +167,7 @@ def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
 
 
 @functools.cache
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
         import ctypes
 
@@ -235,7 +235,7 @@ def _slices(index: Index) -> tuple[slice, ...]:
 class _ReadInto:
     """A read into a buffer we own; ``result()`` waits and returns the buffer."""
 
-    def __init__(self, fut: ts.Future, buf: np.ndarray):
+    def __init__(self, fut: ts.Future | ts.WriteFutures, buf: np.ndarray) -> None:
         self.fut, self.buf = fut, buf
 
     def result(self) -> np.ndarray:

@@ -11,18 +11,19 @@ and bitcasts back; sub-byte types that devices can't carry safely move through h
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 
 _HOST_ONLY = {
     np.dtype(t) for t in (ml_dtypes.int1, ml_dtypes.uint1, ml_dtypes.int2, ml_dtypes.uint2)
 }
 
 
-def carrier(dtype) -> np.dtype | None:
+def carrier(dtype: DTypeLike) -> np.dtype | None:
     """The dtype ``dtype``'s data travels as between devices: unsigned integers of its width
     for floating-point types, the dtype itself for integers, bools, complex and the 4-bit
     types; None for 1- and 2-bit integers, which must move through host memory."""
@@ -70,7 +71,9 @@ def _bitcast(x: jax.Array, dtype: np.dtype | None, donate: bool = True) -> jax.A
 
 
 @functools.lru_cache(maxsize=256)
-def _bitcast_fn(dtype: np.dtype, sharding: jax.sharding.Sharding, donate: bool):
+def _bitcast_fn(
+    dtype: np.dtype, sharding: jax.sharding.Sharding, donate: bool
+) -> Callable[[jax.Array], jax.Array]:
     return jax.jit(
         lambda x: jax.lax.bitcast_convert_type(x, dtype),
         out_shardings=sharding,

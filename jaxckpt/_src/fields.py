@@ -75,7 +75,9 @@ class Fields:
             self.bad(at, f"must have {length} entries", v)
         return [item(x, f"{at}[{i}]") for i, x in enumerate(v)]
 
-    def opt_list(self, doc: dict, key: str, item, length: int | None = None) -> list | None:
+    def opt_list(
+        self, doc: dict, key: str, item: Callable[[Any, str], Any], length: int | None = None
+    ) -> list | None:
         v = doc.get(key)
         return None if v is None else self.items(v, key, item, length)
 

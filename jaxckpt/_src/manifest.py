@@ -9,6 +9,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,8 @@ class LeafRecord:
     sharding: dict | None = None
     chunk_shape: list[int] | None = None
     nbytes: int = 0
-    chunk_writers: list | None = None  # [[chunk grid coords], process index]
+    # [[chunk grid coords], process index] (a save may hand tuples; JSON gives lists)
+    chunk_writers: Sequence[Sequence[Any]] | None = None
     writer_salt: int | None = None  # 1.3: named shardings' writers follow the split rule
     value: Any = None
     python_type: str | None = None

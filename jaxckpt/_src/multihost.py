@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -88,7 +89,7 @@ def process_hosts(timeout_s: float) -> list[str]:
     return _HOSTS
 
 
-def _client():
+def _client() -> Any:  # jaxlib's DistributedRuntimeClient (its _jax module has no stubs)
     from jax._src import distributed
 
     client = distributed.global_state.client

@@ -8,9 +8,12 @@ import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import OptionsError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["EmergencyOptions", "Options", "OptionsError"]
 
@@ -152,7 +155,12 @@ def option_file(path: str | os.PathLike) -> dict:
 
 
 def known_options(
-    cls, doc: dict, *, where: str, extra: tuple[str, ...] = (), exclude: tuple[str, ...] = ()
+    cls: type[DataclassInstance],
+    doc: dict,
+    *,
+    where: str,
+    extra: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
 ) -> None:
     """Refuses keys of ``doc`` that are not fields of the options class ``cls`` (plus
     ``extra``, less ``exclude``: fields a file cannot set)."""

@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -61,6 +62,8 @@ class OrbaxCheckpoint:
         """Opens a leaf by its jaxckpt name (an aggregated leaf: its array in memory)."""
 
         def open_leaf(name: str) -> ts.Future:
+            promise: ts.Promise[ts.TensorStore]
+            future: ts.Future[ts.TensorStore]
             if name in self.inline:
                 promise, future = ts.Promise.new()
                 promise.set_result(ts.array(self.inline[name]))
@@ -153,17 +156,18 @@ def read(item: Location) -> OrbaxCheckpoint:
     stray = [k for k in shardings if k not in named]
     if stray:
         raise where.error(SHARDING, f"lists {stray[:3]}, which {METADATA} does not list")
-    aggregate = files.read_aggregate(where) if any(e.aggregated for e in entries) else None
+    # {} when no leaf is aggregated: then nothing looks into it
+    aggregate = files.read_aggregate(where) if any(e.aggregated for e in entries) else {}
     complete = doc.get("store_array_data_equal_to_fill_value") is True
     ckpt = OrbaxCheckpoint(item, Manifest((), [], 1, []), use_ocdbt, zarr3, {}, {}, complete)
     try:
         kv = ts.KvStore.open(ckpt.kvstore()).result()
-    except Exception as e:  # TensorStore raises ValueError/OSError for a bad database
-        raise where.error("manifest.ocdbt", f"cannot be opened ({e})") from e
+    except Exception as exc:  # TensorStore raises ValueError/OSError for a bad database
+        raise where.error("manifest.ocdbt", f"cannot be opened ({exc})") from exc
     meshes: list[dict] = []
     keys: dict[str, str] = {}
     inline: dict[str, np.ndarray] = {}
-    leaves = []
+    leaves: list[LeafRecord] = []
     for e in entries:
         ours = tree_lib.path_name(e.path)
         if ours in keys:
@@ -223,11 +227,11 @@ def read(item: Location) -> OrbaxCheckpoint:
     return OrbaxCheckpoint(item, manifest, use_ocdbt, zarr3, keys, inline, complete)
 
 
-def _numpy(value) -> bool:
+def _numpy(value: Any) -> bool:
     return isinstance(value, (np.ndarray, np.generic))
 
 
-def _python(path: list, name: str, value) -> LeafRecord:
+def _python(path: list, name: str, value: Any) -> LeafRecord:
     return LeafRecord(path, name, "python", value=value, python_type=type(value).__name__)
 
 
@@ -235,7 +239,9 @@ def _b64(name: str, urlsafe: int) -> str:
     return (base64.urlsafe_b64encode if urlsafe else base64.b64encode)(name.encode()).decode()
 
 
-def _zarr_layout(where: Where, kv: ts.KvStore, name: str, zarr3: bool, use_ocdbt: bool):
+def _zarr_layout(
+    where: Where, kv: ts.KvStore, name: str, zarr3: bool, use_ocdbt: bool
+) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
     key = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
     if not use_ocdbt:
         files.inside(where, key)
@@ -256,7 +262,7 @@ def _zarr_layout(where: Where, kv: ts.KvStore, name: str, zarr3: bool, use_ocdbt
     return files.zarr_layout(where, key, name, meta, zarr3)
 
 
-def _scalar(where: Where, ckpt: OrbaxCheckpoint, name: str, shape: tuple):
+def _scalar(where: Where, ckpt: OrbaxCheckpoint, name: str, shape: tuple[int, ...]) -> Any:
     key = f"{name}/{'zarr.json' if ckpt.zarr3 else '.zarray'}"
     if math.prod(shape) != 1:
         raise where.error(key, f"leaf {name!r} is a scalar in _METADATA but has shape {shape}")
@@ -291,13 +297,18 @@ def _sharding(where: Where, shardings: dict, name: str, meshes: list[dict]) -> d
 def _mesh(where: Where, name: str, s: dict) -> dict:
     """The saved mesh; without ``device_mesh`` (orbax 0.5) its devices in id order."""
     shape, names = s.get("shape"), s.get("axis_names")
-    ok = isinstance(shape, list) and isinstance(names, list) and len(shape) == len(names)
-    ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
-    ok = ok and all(isinstance(n, str) for n in names) and len(set(names)) == len(names)
-    if not ok or math.prod(shape) > MAX_PROCESSES:
+    if not (
+        isinstance(shape, list)
+        and isinstance(names, list)
+        and len(shape) == len(names)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+        and all(isinstance(n, str) for n in names)
+        and len(set(names)) == len(names)
+        and math.prod(shape) <= MAX_PROCESSES
+    ):
         raise where.error(SHARDING, f"leaf {name!r}: its mesh shape/axis_names are invalid")
     count = math.prod(shape)
-    ids = list(range(count))
+    ids: list[Any] = list(range(count))
     if "device_mesh" in s:
         dm = s["device_mesh"]
         flat = _flat(dm.get("mesh") if isinstance(dm, dict) else None)
@@ -328,13 +339,13 @@ def _spec(where: Where, name: str, s: dict, mesh: dict) -> list:
     return out
 
 
-def _flat(grid, depth: int = 0) -> list | None:
+def _flat(grid: Any, depth: int = 0) -> list[Any] | None:
     """The device grid's entries in row-major order, whatever its rank (None if not one)."""
     if isinstance(grid, dict):
         return [grid]
     if not isinstance(grid, list) or depth > MAX_NDIM:
         return None
-    out = []
+    out: list[Any] = []
     for row in grid:
         part = _flat(row, depth + 1)
         if part is None:

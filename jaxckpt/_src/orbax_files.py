@@ -153,13 +153,15 @@ def entries(where: Where, doc: Any, use_ocdbt: bool) -> list[Entry]:
     tree = doc.get("tree_metadata") if isinstance(doc, dict) else None
     if not isinstance(tree, dict) or not tree:
         raise where.error(METADATA, "has no 'tree_metadata' object listing the leaves")
-    out, seen, nodes = [], set(), {}
+    out: list[Entry] = []
+    seen: set[str] = set()
+    nodes: dict[tuple[tuple[str | int, ...], ...], str] = {}  # a node's path -> "i" or "k"
     for label, entry in tree.items():
         keys = entry.get("key_metadata") if isinstance(entry, dict) else None
         value = entry.get("value_metadata") if isinstance(entry, dict) else None
         if not isinstance(keys, list) or not keys or not isinstance(value, dict):
             raise where.error(METADATA, f"leaf {label!r} lacks key_metadata or value_metadata")
-        path = []
+        path: list[list[str | int]] = []
         for k in keys:
             key = k.get("key") if isinstance(k, dict) else None
             if not isinstance(key, (str, int)) or isinstance(key, bool):
@@ -215,7 +217,9 @@ def check_dtype(where: Where, file: str, leaf: str, text: Any) -> np.dtype:
     return dtype
 
 
-def check_shape(where: Where, file: str, leaf: str, shape: Any, itemsize: int = 1) -> tuple:
+def check_shape(
+    where: Where, file: str, leaf: str, shape: Any, itemsize: int = 1
+) -> tuple[int, ...]:
     ok = isinstance(shape, list) and len(shape) <= MAX_NDIM
     ok = ok and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     if not ok or math.prod(shape) * itemsize > MAX_LEAF_BYTES:
@@ -223,7 +227,9 @@ def check_shape(where: Where, file: str, leaf: str, shape: Any, itemsize: int = 
     return tuple(shape)
 
 
-def zarr_layout(where: Where, key: str, leaf: str, meta: Any, zarr3: bool):
+def zarr_layout(
+    where: Where, key: str, leaf: str, meta: Any, zarr3: bool
+) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
     """(shape, dtype, chunk shape) from a leaf's ``.zarray`` / ``zarr.json``."""
     if not isinstance(meta, dict):
         raise where.error(key, f"leaf {leaf!r}: the array metadata is not an object")
@@ -320,10 +326,10 @@ def _unchunk(where: Where, entry: Entry, node: dict) -> np.ndarray:
             for i in range(len(chunks))
             if str(i) in chunks
         ]
-        dims = [shape.get(str(i)) for i in range(len(shape))]
+        listed = [shape.get(str(i)) for i in range(len(shape))]
         if len(parts) == len(chunks) and all(isinstance(p, np.ndarray) for p in parts):
             flat = np.concatenate([p.reshape(-1) for p in parts]) if parts else None
-            dims = check_shape(where, AGGREGATE, entry.name, dims)
+            dims = check_shape(where, AGGREGATE, entry.name, listed)
             if flat is not None and flat.size == math.prod(dims):
                 return flat.reshape(dims)
     raise where.error(AGGREGATE, f"leaf {entry.name!r}: its chunked array is damaged")

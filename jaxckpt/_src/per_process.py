@@ -89,6 +89,7 @@ def encode(value: Any, *, where: str) -> Record | None:
         return value
     pid = multihost.process_index()
     count = multihost.process_count()
+    stored: Any  # JSON: base64 text, a list of arrays or the value itself
     if isinstance(value, (bytes, bytearray, memoryview)):
         kind, stored = "bytes", base64.b64encode(bytes(value)).decode()
     elif _is_numpy_tree(value):
@@ -176,7 +177,11 @@ def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int)
         "dtype": arr.dtype.newbyteorder("<").str,
         "shape": list(arr.shape),
         "scalar": isinstance(leaf, np.generic),
-        "data": base64.b64encode(np.ascontiguousarray(arr, arr.dtype.newbyteorder("<"))).decode(),
+        # .data: the same bytes, as a memoryview (numpy's stubs type ndarray as a buffer only
+        # for Python >= 3.12)
+        "data": base64.b64encode(
+            np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).data
+        ).decode(),
     }
 
 

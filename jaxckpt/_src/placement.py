@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .boxes import Index, from_slices
 
@@ -19,13 +20,17 @@ class Placement:
     (a leaf that lives on other processes' devices).
     """
 
-    def __init__(self, sharding: jax.sharding.Sharding, shape: tuple[int, ...], dtype):
+    def __init__(
+        self, sharding: jax.sharding.Sharding, shape: tuple[int, ...], dtype: DTypeLike
+    ) -> None:
         self.sharding, self.shape, self.dtype = sharding, shape, np.dtype(dtype)
         self.index_map = sharding.addressable_devices_indices_map(shape)
-        self.devices: dict[Index, list] = {}
+        self.devices: dict[Index, list[jax.Device]] = {}
         for device, index in self.index_map.items():
+            if index is None:  # jax's annotation allows it; its shardings give every device one
+                raise TypeError(f"{sharding} gives device {device} no index")
             self.devices.setdefault(from_slices(index, shape), []).append(device)
-        self.placed: dict = {}
+        self.placed: dict[jax.Device, jax.Array] = {}
         kind = sharding.memory_kind  # each device in the memory the sharding asks for
         self.on = {
             d: jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in self.index_map

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
+from numpy.typing import DTypeLike
 
 from . import bits
-from .boxes import from_slices
+from .boxes import Index, from_slices
 from .sharding import entry_axes
 
 
@@ -38,13 +39,16 @@ def shared_across_processes(sharding: jax.sharding.Sharding, shape: tuple[int, .
 
 
 @functools.lru_cache(maxsize=4096)
-def _sharing_processes(sharding, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+def _sharing_processes(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], ...]:
     """The sets of processes (two or more) that need the same slice."""
     if jax.process_count() == 1 or not isinstance(sharding, NamedSharding) or not shape:
         return ()
     if sharding.memory_kind not in (None, jax.local_devices()[0].default_memory().kind):
         return ()  # pinned host memory, say: placed per process, from the host
-    procs: dict = {}
+    procs: dict[Index, set[int]] = {}
+    device: jax.Device  # jax's own Device annotation is unresolved (jaxlib's _jax: no stubs)
     for device, index in sharding.devices_indices_map(shape).items():
         procs.setdefault(from_slices(index, shape), set()).add(device.process_index)
     return tuple(sorted({tuple(sorted(p)) for p in procs.values() if len(p) > 1}))
@@ -62,6 +66,8 @@ def read_sharding(
     added to a dimension only where the slices stay whole ``chunks`` (a slice of a chunk
     costs the whole chunk's read); small shards, one chunk each, are read per process.
     ``hosts``: every process's host."""
+    if not isinstance(sharding, NamedSharding):  # no processes share its slices either
+        return None
     if not any(len({hosts[p] for p in ps}) > 1 for ps in _sharing_processes(sharding, shape)):
         return None
     spec = read_spec(sharding.spec, dict(sharding.mesh.shape), shape, chunks)
@@ -97,13 +103,15 @@ def read_spec(
     return PartitionSpec(*(None if not e else (e[0] if len(e) == 1 else e) for e in entries))
 
 
-def movable(dtype) -> bool:
+def movable(dtype: DTypeLike) -> bool:
     """Whether a leaf of ``dtype`` can be read once and moved (not 1- and 2-bit integers:
     see ``bits``)."""
     return bits.carrier(dtype) is not None
 
 
-def move(arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]) -> list:
+def move(
+    arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]
+) -> list[jax.Array]:
     """``arrays`` moved onto ``shardings`` in one transfer (collectives across processes),
     as bits: every byte arrives as it left (``bits``). ``arrays`` are donated."""
     if not arrays:

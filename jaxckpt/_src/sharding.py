@@ -11,9 +11,9 @@ import copy
 import functools
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -21,6 +21,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDev
 
 from ..errors import ShardingError
 from .boxes import Index, chunks_in, from_slices
+
+if TYPE_CHECKING:
+    from .manifest import LeafRecord
+
+# Devices are annotated ``jax.Device`` below: jax's own annotations name a ``Device`` that
+# mypy cannot resolve (jaxlib's ``_jax`` extension module has no stubs).
 
 # --- JSON forms -------------------------------------------------------------------------
 
@@ -77,6 +83,7 @@ def sharding_to_json(sharding: jax.sharding.Sharding, meshes: list[dict]) -> dic
             "spec": spec_to_json(sharding.spec),
         }
     if isinstance(sharding, SingleDeviceSharding):
+        device: jax.Device
         (device,) = sharding.device_set
         return {"type": "single_device", "device_id": device.id}
     return {"type": "other", "repr": repr(sharding)}
@@ -117,8 +124,9 @@ def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
     held_at: list[tuple[int, Index]] = []
     seen: set[Index] = set()
     position = 0  # among this process's devices
-    for device, index in sharding.devices_indices_map(shape).items():
-        index = from_slices(index, shape)
+    device: jax.Device
+    for device, slices in sharding.devices_indices_map(shape).items():
+        index = from_slices(slices, shape)
         owners.setdefault(index, device)
         if device.process_index == me:
             if index not in seen:
@@ -229,24 +237,27 @@ def write_split(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None
 ) -> WriteSplit:
     """The ``WriteSplit`` of ``shape`` under ``sharding`` (cached, like ``layout``)."""
-    held = [
-        (from_slices(index, shape), device.process_index)
-        for device, index in sharding.devices_indices_map(shape).items()
-    ]
+    devices: Mapping[jax.Device, tuple[slice, ...]] = sharding.devices_indices_map(shape)
+    held = [(from_slices(index, shape), device.process_index) for device, index in devices.items()]
     procs = _holders(held)
     replicas = max((len(p) for p in procs.values()), default=1)
     chunks = chunk_shape(layout(sharding, shape).chunks, itemsize, chunk_bytes, replicas)
     return _split(procs, shape, chunks, itemsize)
 
 
-def _holders(held) -> dict[Index, tuple[int, ...]]:
+def _holders(held: Iterable[tuple[Index, int]]) -> dict[Index, tuple[int, ...]]:
     out: dict[Index, set[int]] = {}
     for index, process in held:
         out.setdefault(index, set()).add(process)
     return {i: tuple(sorted(p)) for i, p in out.items()}
 
 
-def _split(procs, shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int) -> WriteSplit:
+def _split(
+    procs: dict[Index, tuple[int, ...]],
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    itemsize: int,
+) -> WriteSplit:
     sizes = [max((b - a for a, b in (i[d] for i in procs)), default=1) for d in range(len(shape))]
     split = bool(shape) and math.prod(sizes) * itemsize >= SPLIT_MIN_BYTES
     parts = {i: _groups(i, chunks, len(p) if split else 1) for i, p in procs.items()}
@@ -275,7 +286,7 @@ def named_indices(
     return out
 
 
-def saved_writers(record, meshes: list[dict]) -> dict[tuple[int, ...], int]:
+def saved_writers(record: LeafRecord, meshes: list[dict]) -> dict[tuple[int, ...], int]:
     """Chunk grid position -> the process that wrote it, for a leaf saved without a
     ``chunk_writers`` list (format 1.3: named shardings, see ``write_split``)."""
     sharding = record.sharding or {}
@@ -284,6 +295,8 @@ def saved_writers(record, meshes: list[dict]) -> dict[tuple[int, ...], int]:
     shape = tuple(record.shape)
     itemsize = record.nbytes // max(1, math.prod(shape))
     held = named_indices(sharding["spec"], meshes[sharding["mesh"]], shape)
+    if record.chunk_shape is None:  # a checked manifest gives every array leaf one
+        raise TypeError(f"leaf {record.name!r} has a named sharding but no chunk_shape")
     split = _split(_holders(held), shape, tuple(record.chunk_shape), itemsize)
     return dict(split.chunk_writers(record.writer_salt or 0))
 
