@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from ..errors import LeafNotFoundError, ShapeMismatchError, ShardingError
 from . import tree as tree_lib
@@ -32,11 +33,13 @@ class Want:
     sharding: jax.sharding.Sharding | None  # None: a NumPy array
 
 
-def want_saved(rec: LeafRecord, meshes: list[dict], mesh, dtype=None) -> Want:
+def want_saved(
+    rec: LeafRecord, meshes: list[dict], mesh: Mesh | None, dtype: np.dtype | None = None
+) -> Want:
     """``rec`` with its saved spec bound to ``mesh`` (default: the saved mesh, if it fits)."""
     if not rec.has_array:
         return Want(rec, None, None)
-    sharding = None
+    sharding: jax.sharding.Sharding | None = None
     sj = rec.sharding or {}
     if sj.get("type") == "named":
         bound = mesh if mesh is not None else mesh_by_position(meshes[sj["mesh"]])
@@ -78,7 +81,11 @@ def want_target(path: list, t: Any, by_name: dict[str, LeafRecord], loc: Locatio
 
 
 def wants(
-    leaves: Sequence[LeafRecord], meshes: list[dict], target: Any, mesh, loc: Location
+    leaves: Sequence[LeafRecord],
+    meshes: list[dict],
+    target: Any,
+    mesh: Mesh | None,
+    loc: Location,
 ) -> list[Want]:
     """What each leaf should become: the target's leaves (a ``ShapeDtypeStruct`` without a
     sharding takes its saved spec on ``mesh``), or every saved leaf on its saved spec."""
@@ -118,4 +125,5 @@ def place_key(data: np.ndarray, w: Want, rec: LeafRecord) -> jax.Array:
     if isinstance(s, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
         arr = jax.make_array_from_callback(data.shape, s, lambda i: data[i])
         return jax.random.wrap_key_data(arr, impl=rec.prng_impl)
-    return jax.device_put(jax.random.wrap_key_data(data, impl=rec.prng_impl), s)
+    key = jax.random.wrap_key_data(data, impl=rec.prng_impl)  # type: ignore[arg-type]  # jax's stub says Array; NumPy key data works
+    return jax.device_put(key, s)

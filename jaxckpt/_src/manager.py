@@ -175,7 +175,7 @@ class CheckpointManager:
             self.wait_until_finished()
             opts = self.options
             prepared = saving.prepare(
-                self.step_path(step),
+                self.step_path(step).url,
                 state,
                 custom_metadata=metadata,
                 metrics=metrics,

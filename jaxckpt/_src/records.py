@@ -72,25 +72,25 @@ def leaf_record(
         )
         return record, arr
     if isinstance(leaf, (np.ndarray, np.generic)):
-        arr = np.asarray(leaf)
-        check_numpy(arr, name)
-        if not arr.dtype.isnative:
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        stored = arrays.stored_dtype(arr.dtype)
-        nbytes = arr.size * np.dtype(stored).itemsize
+        host = np.asarray(leaf)
+        check_numpy(host, name)
+        if not host.dtype.isnative:
+            host = host.astype(host.dtype.newbyteorder("="))
+        stored = arrays.stored_dtype(host.dtype)
+        nbytes = host.size * np.dtype(stored).itemsize
         record = LeafRecord(
             path,
             name,
             "numpy",
-            shape=list(arr.shape),
-            dtype=arr.dtype.name,
-            stored_dtype=stored if stored != arr.dtype.name else None,
-            chunk_shape=[max(1, d) for d in arr.shape],
+            shape=list(host.shape),
+            dtype=host.dtype.name,
+            stored_dtype=stored if stored != host.dtype.name else None,
+            chunk_shape=[max(1, d) for d in host.shape],
             nbytes=nbytes,
-            chunk_writers=[[[0] * arr.ndim, numpy_writer(salt)]] if nbytes else None,
+            chunk_writers=[[[0] * host.ndim, numpy_writer(salt)]] if nbytes else None,
             scalar=isinstance(leaf, np.generic),
         )
-        return record, arr
+        return record, host
     raise unsupported(leaf, name)
 
 
@@ -129,7 +129,11 @@ def numpy_writer(salt: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _writers(
-    sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None, salt: int
+    sharding: jax.sharding.Sharding,
+    shape: tuple[int, ...],
+    itemsize: int,
+    chunk_bytes: int | None,
+    salt: int,
 ) -> tuple[tuple[tuple[int, ...], int], ...]:
     """(grid position, writing process) of every chunk (``chunk_writers``)."""
     return tuple(write_split(sharding, shape, itemsize, chunk_bytes).chunk_writers(salt))

@@ -101,6 +101,7 @@ def _read_once(
         hosts = tuple(f"process {p}" for p in range(multihost.process_count()))
     for i in shared:
         w, rec = wants[i], wants[i].record
+        assert w.sharding is not None and rec.chunk_shape is not None  # (shared: both are)
         rs = read_once.read_sharding(w.sharding, tuple(rec.shape), tuple(rec.chunk_shape), hosts)
         if rs is not None:
             moves[i], wants[i] = w.sharding, dataclasses.replace(w, sharding=rs)
@@ -124,24 +125,16 @@ def _read_all(
     """Every leaf, each distinct slice a process needs read once, at most ``budget`` bytes
     read but not yet on a device; two threads place them."""
     ctx = arrays.new_context()
+    opener: Callable[[str], Any]
     if source is None:
         db = arrays.database_dir(loc, None)
         opener = functools.partial(arrays.open_leaf, db, ctx=ctx)
     else:  # an Orbax checkpoint: its own layout, the same reads
         db, opener = source.item, source.opener(ctx)
-    stores = {
-        w.record.name: opener(w.record.name)
-        for w in wants
-        if w.record.has_array and math.prod(w.record.shape)
-    }
-    finishers: list[Callable[[], Any]] = []
+    stores = {w.record.name: opener(w.record.name) for w in wants if w.record.nbytes}
     with InFlight[Any](budget, threads=2) as reads:  # closed on errors too: no thread outlives
         reader = _Reader(reads, db, meshes)
-        for w in wants:
-            if w.record.has_array:
-                finishers.append(_plan_leaf(w, stores.get(w.record.name), reader))
-            else:
-                finishers.append(lambda rec=w.record: rec.value)
+        finishers = [_plan_leaf(w, stores.get(w.record.name), reader) for w in wants]
         reads.drain()
         fig.bytes += reads.total
     arrays.release_free_memory()
@@ -151,6 +144,9 @@ def _read_all(
 def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
     """Queues the reads of one leaf; returns what gives its value once they are done."""
     rec = w.record
+    if not rec.has_array:
+        value = rec.value
+        return lambda: value
     shape = tuple(rec.shape)
     saved = rec.data_dtype
     want_dtype = w.dtype or saved
@@ -162,17 +158,21 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
 
     if rec.kind == "prng_key" or w.sharding is None:
         # Whole leaf on the host (NumPy results; PRNG keys are small and re-wrapped).
-        holder: dict = {}
+        holder: dict[str, np.ndarray] = {}
+
+        def keep(data: np.ndarray) -> None:
+            holder["v"] = convert(data)
+
         if store_fut is None:
             holder["v"] = np.zeros(shape, saved)
         else:
-            reader.add(store_fut, rec, None, lambda d: holder.__setitem__("v", convert(d)))
+            reader.add(store_fut, rec, None, keep)
 
         def finish() -> Any:
             data = holder["v"]
             if rec.kind == "prng_key":
                 if w.sharding is None:
-                    return jax.random.wrap_key_data(data, impl=rec.prng_impl)
+                    return jax.random.wrap_key_data(data, impl=rec.prng_impl)  # type: ignore[arg-type]  # jax's stub says Array; NumPy key data works
                 return place_key(data, w, rec)
             if rec.kind == "numpy" and rec.scalar:
                 return data[()]
@@ -181,11 +181,15 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
         return finish
 
     out = Placement(w.sharding, shape, want_dtype)
+
+    def place(index: Index, data: np.ndarray) -> None:
+        out.put(index, convert(data))
+
     for index in out.indices:
         if store_fut is None or not volume(index):
             out.put(index, np.zeros(extent(index), want_dtype))
         else:
-            reader.add(store_fut, rec, index, lambda d, i=index: out.put(i, convert(d)))
+            reader.add(store_fut, rec, index, functools.partial(place, index))
     return out.array
 
 
@@ -206,8 +210,8 @@ class _Reader:
         consume: Callable[[np.ndarray], None],
     ) -> None:
         """Reads ``index`` of ``rec`` (None: all of it) and hands the data to ``consume``."""
-        itemsize = rec.nbytes // max(1, math.prod(rec.shape))
-        nbytes = rec.nbytes if index is None else volume(index) * itemsize
+        size: int = math.prod(rec.shape)
+        nbytes = rec.nbytes if index is None else volume(index) * (rec.nbytes // max(1, size))
 
         def start() -> Any:
             try:

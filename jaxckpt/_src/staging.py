@@ -76,7 +76,7 @@ def _describe(
     else:
         pieces = []
     nbytes = sum(volume(region) for region, _ in pieces) * itemsize
-    meta = arrays.zarr_metadata(shape, stored, record.chunk_shape, compression)
+    meta = arrays.zarr_metadata(shape, stored, record.chunk_shape or (), compression)
     return StagedLeaf(record, arrays.ArrayWrite(name, meta, pieces, pid == 0, nbytes))
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ import tensorstore as ts
 
 from .. import arrays
 from .. import per_process as pp
-from ..boxes import volume
+from ..boxes import volume, whole
 from ..inflight import READ_BUDGET_BYTES, InFlight
 from ..manifest import LeafRecord, Manifest, read_manifest
 from ..sharding import saved_writers
@@ -62,7 +62,7 @@ def chunk_key(rec: LeafRecord, coords: tuple[int, ...]) -> str:
     return _key(rec.name, coords)
 
 
-def _key(leaf: str, coords) -> str:
+def _key(leaf: str, coords: Sequence[int]) -> str:
     return "/".join([leaf, "c", *map(str, coords)])
 
 
@@ -70,7 +70,7 @@ def _chunk_key(p: Problem) -> str:
     return _key(p.leaf, p.chunk or ())
 
 
-def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
+def verify(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None) -> Report:
     """Reads every chunk of the checkpoint at ``path``; ``progress(nbytes)`` after each."""
     loc = location(path)
     manifest = read_manifest(loc)
@@ -85,7 +85,7 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
             Problem("*", None, db.url, f"cannot list the arrays: {_first_line(e)}")
         )
         return report
-    leaves = [r for r in manifest.leaves if r.has_array and math.prod(r.shape)]
+    leaves = [r for r in manifest.leaves if r.has_array and r.nbytes]
     # before 1.3, chunks equal to the fill value (all zeros) were not stored
     every_chunk_stored = tuple(manifest.format_version) >= (1, 3)
     progress = progress or (lambda nbytes: None)
@@ -111,7 +111,7 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
                 Problem(rec.name, None, db.url, f"cannot open its array: {_first_line(e)}")
             )
             continue
-        itemsize = rec.nbytes // math.prod(rec.shape)
+        itemsize = rec.nbytes // volume(whole(rec.shape))
         for coords in chunk_grid(rec):
             box = tuple(
                 (i * c, min((i + 1) * c, s))
@@ -138,7 +138,7 @@ def verify(path, *, progress: Callable[[int], None] | None = None) -> Report:
     return report
 
 
-def _where(rec: LeafRecord, coords, manifest: Manifest, db: Location) -> str:
+def _where(rec: LeafRecord, coords: tuple[int, ...], manifest: Manifest, db: Location) -> str:
     writer = saved_writers(rec, manifest.meshes).get(tuple(coords))
     if writer is None or manifest.process_count == 1:
         return f"{db.url}/d/ (the data files)"
@@ -152,6 +152,7 @@ def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[P
     if not keys:
         return problems
     try:
+        assert kv.base is not None  # an OCDBT kvstore has one
         found = arrays.chunk_bytes(kv.base, db, set(keys))
     except Exception:  # the B-tree can't be walked: keep naming the data directory
         return problems
@@ -161,7 +162,7 @@ def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[P
         if at is not None:  # "(process N's data files)" only where the file is process N's
             whose = re.search(r"/p(\d+)/d/ \(process \d+'s data files\)$", p.where)
             mine = whose is not None and f"/p{whose.group(1)}/" in at.file
-            suffix = f" (process {whose.group(1)}'s data files)" if mine else ""
+            suffix = f" (process {whose.group(1)}'s data files)" if whose and mine else ""
             p = dataclasses.replace(p, where=f"{at}{suffix}", location=at)
         out.append(p)
     return out

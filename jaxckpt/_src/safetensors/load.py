@@ -4,6 +4,7 @@ transforms work); ``save`` is in ``safetensors_save``."""
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,6 +55,8 @@ def _files(path: str | os.PathLike | Sequence) -> tuple[Location, list[str], str
         if any(p.parent() != parent for p in locs):
             raise SafetensorsError(f"{[p.url for p in locs]}: the files must share one directory")
         return parent, [p.name for p in locs], parent.url
+    if not isinstance(path, (str, os.PathLike)):
+        raise SafetensorsError(f"{path!r}: pass a path, or a list or tuple of paths")
     loc = location(path)
     if loc.name == INDEX_FILE:  # the index itself: its directory
         loc = loc.parent()
@@ -95,7 +98,7 @@ class Files(Mapping):
         return len(self.tensors)
 
 
-def _headers(path) -> tuple[Location, ts.KvStore, Files, str]:
+def _headers(path: str | os.PathLike | Sequence) -> tuple[Location, ts.KvStore, Files, str]:
     """The directory of ``path``, its kvstore, the tensors and ``__metadata__`` of all its
     files, and what errors call ``path``."""
     loc, files, where = _files(path)
@@ -160,18 +163,30 @@ def load(
     reads = InFlight[list](read_budget_bytes or READ_BUDGET_BYTES)
     reader = _Reader(kv, loc.url, reads)
     finish = [
-        reader.leaf(w) if w is not None else (lambda t=t: t)
+        reader.leaf(w) if w is not None else functools.partial(_same, t)
         for w, (_, t) in zip(wants, flat, strict=True)
     ]
     reads.drain()
     return tree_lib.unflatten_like(target, [f() for f in finish])
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
 def _is_array(t: Any) -> bool:
     return isinstance(t, (jax.ShapeDtypeStruct, jax.Array, np.ndarray))
 
 
-def _want(path, t, tensors, names, transforms, loc: Location, where: str) -> _Want:
+def _want(
+    path: list,
+    t: Any,
+    tensors: Mapping[str, TensorInfo],
+    names: Names,
+    transforms: Transforms,
+    loc: Location,
+    where: str,
+) -> _Want:
     try:
         m = leaf_map(dotted(path), names, transforms)
     except SafetensorsError as e:
@@ -257,14 +272,14 @@ class _Reader:
         ):
             # the slices this process needs, read together (a few long runs, not one short
             # run per row of every slice) and cut on the host
-            def cut(data, block=block):
+            def cut(data: np.ndarray, block: Index = block) -> None:
                 for i in by_index:
                     out.put(i, _cut(data, i, block))
 
             self._submit(w, block, cut)
         else:
             for index in by_index:
-                self._submit(w, index, lambda data, i=index: out.put(i, data))
+                self._submit(w, index, functools.partial(out.put, index))
         return out.array
 
     def _submit(self, w: _Want, box: Index, consume: Callable[[np.ndarray], None]) -> None:
