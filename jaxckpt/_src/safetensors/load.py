@@ -45,7 +45,7 @@ from .mapping import (
 # --- metadata and load -------------------------------------------------------------------------
 
 
-def _files(path: str | os.PathLike | Sequence) -> tuple[Location, list[str], str]:
+def _files(path: str | os.PathLike | Location | Sequence) -> tuple[Location, list[str], str]:
     """The directory and the ``.safetensors`` files of ``path``, and what errors call it."""
     if isinstance(path, (list, tuple)):
         if not path:
@@ -55,7 +55,7 @@ def _files(path: str | os.PathLike | Sequence) -> tuple[Location, list[str], str
         if any(p.parent() != parent for p in locs):
             raise SafetensorsError(f"{[p.url for p in locs]}: the files must share one directory")
         return parent, [p.name for p in locs], parent.url
-    if not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike, Location)):
         raise SafetensorsError(f"{path!r}: pass a path, or a list or tuple of paths")
     loc = location(path)
     if loc.name == INDEX_FILE:  # the index itself: its directory
@@ -98,7 +98,9 @@ class Files(Mapping):
         return len(self.tensors)
 
 
-def _headers(path: str | os.PathLike | Sequence) -> tuple[Location, ts.KvStore, Files, str]:
+def _headers(
+    path: str | os.PathLike | Location | Sequence,
+) -> tuple[Location, ts.KvStore, Files, str]:
     """The directory of ``path``, its kvstore, the tensors and ``__metadata__`` of all its
     files, and what errors call ``path``."""
     loc, files, where = _files(path)
