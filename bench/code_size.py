@@ -117,6 +117,25 @@ def bench(rev: str | None) -> dict[tuple[str, str], int]:
     return {("bench", Path(p).stem): code_lines(s) for p, s in sources(rev, "bench", False).items()}
 
 
+def annotated(rev: str | None) -> tuple[int, int]:
+    """(fully annotated functions, functions) of the package at ``rev``: every parameter
+    but ``self``/``cls`` and the return annotated (mypy's disallow_untyped_defs rule)."""
+    done = total = 0
+    for source in sources(rev, "jaxckpt", recursive=True).values():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                params = [x for x in params if x is not None][:None]
+                if params and params[0].arg in ("self", "cls") and a.args[:1] == params[:1]:
+                    params = params[1:]
+                total += 1
+                done += all(x.annotation is not None for x in params) and (
+                    node.returns is not None or node.name == "__init__"
+                )
+    return done, total
+
+
 def change(before: int, now: int) -> str:
     pct = f", {100 * (now - before) / before:+.1f}%" if before else ""
     return f"{before} -> {now} ({now - before:+d}{pct})"
@@ -151,6 +170,12 @@ def main() -> None:
         b = sum(v for (g, _), v in before.items() if pick(g))
         n = sum(v for (g, _), v in now.items() if pick(g))
         print(f"{name}: {change(b, n)}")
+    for rev in (args.base, args.head):
+        done, total = annotated(rev)
+        print(
+            f"annotated functions at {rev or 'working tree'}: {done}/{total} "
+            f"({100 * done / total:.0f}%)"
+        )
 
 
 if __name__ == "__main__":

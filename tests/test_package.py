@@ -29,8 +29,8 @@ def test_no_module_uses_another_modules_underscore_names():
                 for alias in node.names:
                     if _private(alias.name):
                         offences.append(f"{path.name}: from {node.module} import {alias.name}")
-                    if node.module in (None, "_src", "."):  # from . import steps
-                        modules.add(alias.asname or alias.name)
+                    if node.module is None or (PACKAGE / "_src" / node.module).is_dir():
+                        modules.add(alias.asname or alias.name)  # from . import steps
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Attribute)
@@ -40,3 +40,45 @@ def test_no_module_uses_another_modules_underscore_names():
             ):
                 offences.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
     assert not offences, offences
+
+
+FEATURES = ("emergency", "safetensors", "export", "cli")  # the folders under _src/
+
+
+def _imported_modules(package: tuple[str, ...], source: str) -> set[str]:
+    """The jaxckpt modules (and names) a module of ``package`` imports, as dotted names."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = package[: len(package) - node.level + 1]
+            mod = (*base, *(node.module.split(".") if node.module else ()))
+            out.add(".".join(mod))
+            out.update(".".join((*mod, a.name)) for a in node.names)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            out.update(n for n in names if n and n.startswith("jaxckpt"))
+    return out
+
+
+def test_no_core_module_imports_a_feature():
+    """The core (jaxckpt/_src/*.py) stands alone: the features (one folder each) build on it,
+    never the other way round, so a feature can be read, changed or removed by itself."""
+    core = sorted((PACKAGE / "_src").glob("*.py"))
+    assert len(core) > 15  # the test looks where the core is
+    offences = [
+        f"{path.name} imports {name}"
+        for path in core
+        for name in sorted(_imported_modules(("jaxckpt", "_src"), path.read_text()))
+        if name.startswith(tuple(f"jaxckpt._src.{f}" for f in FEATURES))
+    ]
+    assert not offences, offences
+    folders = {p.name for p in (PACKAGE / "_src").iterdir() if (p / "__init__.py").exists()}
+    assert folders == set(FEATURES)
+
+
+def test_the_boundary_check_resolves_relative_imports():
+    src = "from .emergency import peers\nfrom . import safetensors\nfrom .. import errors\n"
+    names = _imported_modules(("jaxckpt", "_src"), src)
+    assert {"jaxckpt._src.emergency.peers", "jaxckpt._src.safetensors", "jaxckpt.errors"} <= names
+    inner = _imported_modules(("jaxckpt", "_src", "cli"), "from ..emergency.local import X\n")
+    assert "jaxckpt._src.emergency.local" in inner
