@@ -77,7 +77,7 @@ def _steps(d: Location) -> list[tuple[str, Location, bool]]:
     return sorted(out, key=lambda t: (int(t[0].split(".tmp-")[0]), t[0]))
 
 
-def ls(args) -> int:
+def ls(args: argparse.Namespace) -> int:
     d = location(args.dir)
     rows = _steps(d)
     if not rows:
@@ -152,7 +152,7 @@ def info_json(loc: Location) -> dict:
     }
 
 
-def info(args) -> int:
+def info(args: argparse.Namespace) -> int:
     doc = info_json(location(args.path))
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -181,7 +181,7 @@ def info(args) -> int:
 # --- verify ------------------------------------------------------------------------------------
 
 
-def verify(args) -> int:
+def verify(args: argparse.Namespace) -> int:
     from .verify import verify as verify_one
 
     loc = location(args.path)
@@ -207,7 +207,7 @@ def verify(args) -> int:
     return 1 if bad else 0
 
 
-def _progress(total: int, what: str):
+def _progress(total: int, what: str) -> contextlib.AbstractContextManager[Any]:
     """tqdm's bar on a terminal (if tqdm is installed), else a context of None."""
     if sys.stderr.isatty():
         try:
@@ -222,7 +222,7 @@ def _progress(total: int, what: str):
 # --- convert -----------------------------------------------------------------------------------
 
 
-def convert(args) -> int:
+def convert(args: argparse.Namespace) -> int:
     from . import convert as conv
 
     if args.to == "safetensors":
@@ -236,7 +236,7 @@ def convert(args) -> int:
 # --- diff --------------------------------------------------------------------------------------
 
 
-def diff(args) -> int:
+def diff(args: argparse.Namespace) -> int:
     from .convert import host_leaves
 
     a, b = location(args.a), location(args.b)
