@@ -115,7 +115,7 @@ def _size(n: float) -> str:
 # --- info --------------------------------------------------------------------------------------
 
 
-def leaf_json(rec: LeafRecord, manifest: Manifest) -> dict:
+def leaf_json(rec: LeafRecord, manifest: Manifest) -> dict[str, Any]:
     sharding = rec.sharding or {}
     out: dict[str, Any] = {
         "path": rec.name,
@@ -135,7 +135,7 @@ def leaf_json(rec: LeafRecord, manifest: Manifest) -> dict:
     return out
 
 
-def info_json(loc: Location) -> dict:
+def info_json(loc: Location) -> dict[str, Any]:
     m = read_manifest(loc)
     return {
         "path": loc.url,

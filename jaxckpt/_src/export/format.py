@@ -127,7 +127,9 @@ class _Record:
         return _json(self)
 
 
-def _opt(f: Fields, doc: dict, key: str, check: Callable[[Any, str], T], at: str = "") -> T | None:
+def _opt(
+    f: Fields, doc: dict[str, Any], key: str, check: Callable[[Any, str], T], at: str = ""
+) -> T | None:
     """``doc[key]`` checked, or None where the file lacks it."""
     return check(doc[key], at + key) if key in doc else None
 
@@ -201,7 +203,7 @@ class ParamLeaf(_Record):
     spec: list[Any]
 
     @classmethod
-    def from_json(cls, f: Fields, leaf: dict, at: str, axes: list[str]) -> ParamLeaf:
+    def from_json(cls, f: Fields, leaf: dict[str, Any], at: str, axes: list[str]) -> ParamLeaf:
         path = f.items(f.need(leaf, "path", at), at + "path", lambda p, a: path_entry(f, p, a))
         if f.need(leaf, "name", at) != path_name(path):
             f.bad(at + "name", f"must be the path joined, {path_name(path)!r}", leaf["name"])
@@ -249,7 +251,7 @@ class Variant(_Record):
 
     @classmethod
     def from_json(
-        cls, f: Fields, v: dict, at: str, axes: list[str], inputs: Sequence[Value]
+        cls, f: Fields, v: dict[str, Any], at: str, axes: list[str], inputs: Sequence[Value]
     ) -> Variant:
         count = f.integer(f.need(v, "device_count", at), at + "device_count", lo=1, hi=1 << 24)
         sizes = f.shape(f.need(v, "axis_sizes", at), at + "axis_sizes", lo=1)
@@ -474,7 +476,9 @@ def matches_signature(exported: jax.export.Exported, sig: Signature, where: str)
         )
 
 
-def _same_aval(shape: list, dtype: str, got_shape: list, got_dtype: str) -> bool:
+def _same_aval(
+    shape: list[int | str], dtype: str, got_shape: list[int | str], got_dtype: str
+) -> bool:
     """Sizes equal where the signature gives a number; symbolic where it gives a symbol (the
     artifact may spell it differently: ``4*b_div4`` for ``b`` split 4 ways)."""
     return (
@@ -487,7 +491,7 @@ def _same_aval(shape: list, dtype: str, got_shape: list, got_dtype: str) -> bool
     )
 
 
-def matches_params(params: list, exported: jax.export.Exported, where: str) -> None:
+def matches_params(params: list[jax.Array], exported: jax.export.Exported, where: str) -> None:
     """Refuses parameters whose shapes or dtypes differ from what the artifact takes."""
     for i, (p, a) in enumerate(zip(params, exported.in_avals, strict=False)):
         if tuple(p.shape) != tuple(a.shape) or p.dtype != a.dtype:

@@ -89,7 +89,7 @@ def save(
     out_specs: Any,
     device_counts: Sequence[int] | Mapping[int, Sequence[int]] | None = None,
     platforms: Sequence[str] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Exports ``fn(params, *args)`` for serving; returns the signature written.
 
     ``arg_specs`` are ``jax.ShapeDtypeStruct`` (dimensions may be symbolic, made with

@@ -48,13 +48,13 @@ class Served:
     """
 
     path: str
-    signature: dict = field(repr=False)
+    signature: dict[str, Any] = field(repr=False)
     mesh: Mesh
-    variant: dict = field(repr=False)
+    variant: dict[str, Any] = field(repr=False)
     in_shardings: tuple[NamedSharding, ...] = field(repr=False)
-    params: list = field(repr=False)
+    params: list[jax.Array] = field(repr=False)
     exported: jax.export.Exported = field(repr=False)
-    _call: Callable = field(init=False, repr=False)
+    _call: Callable[..., Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_call", jax.jit(self.exported.call))
@@ -64,7 +64,7 @@ class Served:
         placed = [jax.device_put(a, s) for a, s in zip(args, self.in_shardings, strict=True)]
         return self._call(self.params, *placed)
 
-    def _check(self, args: tuple) -> None:
+    def _check(self, args: tuple[Any, ...]) -> None:
         inputs = self.signature["inputs"]
         if len(args) != len(inputs):
             raise ExportArgumentError(
@@ -103,7 +103,9 @@ class Served:
                 if why is not None:
                     raise self._arg_error(i, shape, dtype, why)
 
-    def _arg_error(self, i: int, shape: tuple, dtype: np.dtype, why: str) -> ExportArgumentError:
+    def _arg_error(
+        self, i: int, shape: tuple[int, ...], dtype: np.dtype, why: str
+    ) -> ExportArgumentError:
         want = self.signature["inputs"][i]
         return ExportArgumentError(
             f"{self.path}: argument {i} ({want['name']!r}) {why}: expected "

@@ -131,7 +131,7 @@ def index_files(raw: bytes, where: str) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
@@ -258,8 +258,9 @@ def _size(kv: ts.KvStore, file: str) -> float:
     return math.inf
 
 
-def checked(result: Callable[[], Any], file: str, offset: int, length: int, url: str) -> memoryview:
-    """The bytes of a ``read``, all ``length`` of them, or an error naming the file."""
+def checked(result: Callable[[], Any], file: str, offset: int, length: int, url: str) -> Any:
+    """The bytes of a ``read`` (a memoryview), all ``length`` of them, or an error naming
+    the file. (Typed Any: load.py reuses the name it binds for NumPy buffers.)"""
     got = result()
     if got.state != "value":
         raise SafetensorsError(f"{url}/{file} disappeared while reading it")

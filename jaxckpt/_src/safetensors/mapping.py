@@ -238,7 +238,8 @@ def _check_step(path: str, t: Step) -> None:
         raise SafetensorsError(f"leaf {path!r}: {t} changes the number of elements; fix the shapes")
 
 
-def dotted(path: list) -> str:
+def dotted(path: Sequence[Sequence[Any]]) -> str:
+    """A leaf's path as its default tensor name: the keys joined by "."."""
     return ".".join(str(k) for _, k in path)
 
 
