@@ -110,21 +110,17 @@ def require_flatbuffers(loc: Location) -> None:
 # --- signature.json as records ----------------------------------------------------------------
 
 
-def _json(x: Any) -> Any:
-    """A record as JSON: its fields in order, those that are None left out (a file may lack
+def _present(fields: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A record's fields as JSON, in order, leaving out those that are None (a file may lack
     them), except ``serialization_version``, which a writer records as null when unknown."""
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        values = ((f.name, getattr(x, f.name)) for f in dataclasses.fields(x))
-        return {k: _json(v) for k, v in values if v is not None or k == "serialization_version"}
-    if isinstance(x, (list, tuple)):
-        return [_json(v) for v in x]
-    return {k: _json(v) for k, v in x.items()} if isinstance(x, dict) else x
+    return {k: v for k, v in fields if v is not None or k == "serialization_version"}
 
 
+@dataclass(frozen=True)
 class _Record:
     def to_json(self) -> dict[str, Any]:
         """The record as in ``signature.json``, key for key."""
-        return _json(self)
+        return dataclasses.asdict(self, dict_factory=_present)
 
 
 def _opt(
@@ -157,18 +153,16 @@ class Value(_Record):
         v = f.obj(v, at)
         at += "."
         name = f.text(f.need(v, "name", at), at + "name")
-        shape = f.items(f.need(v, "shape", at), at + "shape", lambda d, a: _dim(f, d, a))
+        shape = f.items(
+            f.need(v, "shape", at),
+            at + "shape",
+            lambda d, a: d if isinstance(d, str) and d.strip() else f.integer(d, a),
+        )
         if len(shape) > MAX_NDIM:
             f.bad(at + "shape", f"has more than {MAX_NDIM} dimensions", shape)
         f.dtype(f.need(v, "dtype", at), at + "dtype")
         spec = f.spec(f.need(v, "spec", at), at + "spec", axes, len(shape))
         return cls(v.get("index"), name, shape, v["dtype"], spec)
-
-
-def _dim(f: Fields, d: Any, at: str) -> int | str:
-    if isinstance(d, str) and d.strip():
-        return d
-    return f.integer(d, at)
 
 
 @dataclass(frozen=True)
@@ -217,7 +211,7 @@ class Params(_Record):
 
     dir: str
     nbytes: int | None
-    leaves: tuple[ParamLeaf, ...]
+    leaves: list[ParamLeaf]
 
     @classmethod
     def from_json(cls, f: Fields, v: Any, axes: list[str]) -> Params:
@@ -231,7 +225,7 @@ class Params(_Record):
         ]
         if len({leaf.name for leaf in leaves}) != len(leaves):
             f.bad("params.leaves", "names a leaf twice", [leaf.name for leaf in leaves])
-        return cls(PARAMS_DIR, nbytes, tuple(leaves))
+        return cls(PARAMS_DIR, nbytes, leaves)
 
 
 @dataclass(frozen=True)
@@ -306,10 +300,10 @@ class Signature(_Record):
     created: str | None
     versions: dict[str, Any] | None
     mesh: MeshAxes
-    inputs: tuple[Value, ...]
-    outputs: tuple[Value, ...]
+    inputs: list[Value]
+    outputs: list[Value]
     params: Params
-    variants: tuple[Variant, ...]
+    variants: list[Variant]
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> Signature:
@@ -328,18 +322,18 @@ class Signature(_Record):
         def value(v: Any, at: str) -> Value:
             return Value.from_json(f, v, at, mesh.axis_names)
 
-        ins = tuple(f.items(f.need(doc, "inputs"), "inputs", value))
+        ins = f.items(f.need(doc, "inputs"), "inputs", value)
         for i, v in enumerate(ins):
             if v.index != i:
                 f.bad(f"inputs[{i}].index", f"must be {i}", v.index)
         found = f.items(f.need(doc, "outputs"), "outputs", value)
-        outs = tuple(dataclasses.replace(v, index=None) for v in found)
+        outs = [dataclasses.replace(v, index=None) for v in found]
         params = Params.from_json(f, f.need(doc, "params"), mesh.axis_names)
         found = f.items(f.need(doc, "variants"), "variants", f.obj)
-        variants = tuple(
+        variants = [
             Variant.from_json(f, v, f"variants[{i}].", mesh.axis_names, ins)
             for i, v in enumerate(found)
-        )
+        ]
         counts = [v.device_count for v in variants]
         if not counts or len(set(counts)) != len(counts):
             f.bad("variants", "must list each device count once (and at least one)", counts)

@@ -168,16 +168,16 @@ def save(
         mesh=MeshAxes(
             list(names), [t.name for t in mesh.axis_types], [int(s) for s in mesh.devices.shape]
         ),
-        inputs=tuple(
+        inputs=[
             Value.of(i, arg_names[i], s, spec)
             for i, (s, spec) in enumerate(zip(arg_specs, specs, strict=True))
-        ),
-        outputs=tuple(
+        ],
+        outputs=[
             Value.of(None, tree_lib.path_name(tree_lib.path_to_json(p)), s, spec)
             for (p, s), spec in zip(out_flat, jax.tree.leaves(out_full), strict=True)
-        ),
-        params=Params(PARAMS_DIR, sum(x.nbytes for x in leaves), tuple(param_records)),
-        variants=tuple(variants),
+        ],
+        params=Params(PARAMS_DIR, sum(x.nbytes for x in leaves), param_records),
+        variants=variants,
     )
     write(loc, jax.tree_util.tree_unflatten(treedef, leaves), blobs, signature)
     return signature.to_json()
