@@ -413,17 +413,15 @@ def read_artifact(loc: Location, sig: Signature, variant: Variant) -> jax.export
     if not lo <= ccv <= hi:
         raise ExportVersionError(
             f"{where}: written by jax {writer} with calling convention version {ccv} (as "
-            f"{SIGNATURE_FILE} records); the "
-            f"installed jax {jax.__version__} supports versions {lo}..{hi}. Serve with a jax "
-            "that supports it, or re-export with the installed jax"
+            f"{SIGNATURE_FILE} records); the installed jax {jax.__version__} supports versions "
+            f"{lo}..{hi}. Serve with a jax that supports it, or re-export with the installed jax"
         )
     schema, mine = variant.serialization_version, schema_version()
     if schema is not None and mine is not None and schema > mine:
         raise ExportVersionError(
             f"{where}: written by jax {writer} with serialization version {schema} (as "
-            f"{SIGNATURE_FILE} records); the "
-            f"installed jax {jax.__version__} reads up to version {mine}. Upgrade jax to at "
-            f"least {writer}, or re-export with the installed jax"
+            f"{SIGNATURE_FILE} records); the installed jax {jax.__version__} reads up to "
+            f"version {mine}. Upgrade jax to at least {writer}, or re-export with the installed jax"
         )
     require_flatbuffers(loc)
     blob = loc.read_bytes(variant.file)

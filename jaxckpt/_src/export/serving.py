@@ -128,9 +128,8 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None) -> Served:
     if variant is None:
         raise ExportError(
             f"{loc.url} was exported for {sorted(by_count)} device(s), not {count} (the "
-            f"variants in {loc.url}/{SIGNATURE_FILE}); serve on "
-            f"one of those counts (mesh= over that many devices), or re-export with "
-            f"device_counts including {count}"
+            f"variants in {loc.url}/{SIGNATURE_FILE}); serve on one of those counts (mesh= over "
+            f"that many devices), or re-export with device_counts including {count}"
         )
     exported = read_artifact(loc, sig, variant)
     mesh = _serving_mesh(mesh, sig.mesh, variant, loc)
