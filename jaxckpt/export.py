@@ -2,10 +2,9 @@
 
 ``save`` writes one directory: the parameters once as a jaxckpt checkpoint (``params/``), one
 serialized ``jax.export.Exported`` per serving device count (``artifacts/``) and, last,
-``signature.json`` (layout and checks: :mod:`jaxckpt._src.export.save.format`). ``load`` and the
-callable it returns live in :mod:`jaxckpt._src.export.save.serving`; ``signature`` reads ``signature.json``.
-This module holds the writing side: checking the specs, placing the parameters and lowering
-each variant.
+``signature.json`` (its records, layout and checks: :mod:`jaxckpt._src.export.format`).
+``save`` lives in :mod:`jaxckpt._src.export.save`; ``load`` and the callable it returns in
+:mod:`jaxckpt._src.export.serving`; ``signature`` reads ``signature.json`` (as a dict).
 
 Each artifact is lowered over a :class:`jax.sharding.AbstractMesh` with the export mesh's axis
 names, so exporting needs no serving devices. The axis sizes for ``n`` devices, unless given

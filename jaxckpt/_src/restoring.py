@@ -26,7 +26,7 @@ from . import arrays, multihost, orbax, read_once
 from .boxes import Index, extent, volume
 from .inflight import READ_BUDGET_BYTES, InFlight
 from .leaf_plan import Want, place_key, result, wants
-from .manifest import LeafRecord
+from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
 from .placement import Placement
 from .readers import any_manifest
@@ -69,26 +69,29 @@ def restore(
     with fig.phase("plan"):
         source, manifest = any_manifest(loc)
         planned = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
-    budget = read_budget_bytes or READ_BUDGET_BYTES
-    values = _read_once(loc, planned, budget, manifest.meshes, fig, source)
+        reading, moves = _read_shardings(loc, planned)
+    with fig.phase("read"):  # and onto the devices: the two overlap
+        budget = read_budget_bytes or READ_BUDGET_BYTES
+        values = _read_all(loc, reading, budget, manifest, source, fig)
+    with fig.phase("move"):
+        moved = read_once.move([values[i] for i in moves], list(moves.values()))
+    for i, v in zip(moves, moved, strict=True):
+        values[i] = v
     fig.done()
     return result(target, planned, values)
 
 
-def _read_once(
-    loc: Location,
-    wants: list[Want],
-    budget: int,
-    meshes: list[dict],
-    fig: Stopwatch,
-    source: orbax.OrbaxCheckpoint | None,
-) -> list[Any]:
-    """``_read_all``, with leaves that processes share read once and moved (``read_once``)."""
+def _read_shardings(
+    loc: Location, planned: list[Want]
+) -> tuple[list[Want], dict[int, jax.sharding.Sharding]]:
+    """The leaves as read: those that devices on several hosts need (or several processes,
+    from an object store) with a finer sharding (``read_once``); and the sharding each of
+    those is moved to afterwards, by position."""
     moves: dict[int, jax.sharding.Sharding] = {}
-    wants = list(wants)
+    reading = list(planned)
     shared = [
         i
-        for i, w in enumerate(wants)
+        for i, w in enumerate(planned)
         if w.record.kind == "array"
         and w.sharding is not None
         and read_once.movable(w.dtype or w.record.data_dtype)
@@ -100,30 +103,24 @@ def _read_once(
     elif shared:  # an object store: no cache is shared, every process reads for itself
         hosts = tuple(f"process {p}" for p in range(multihost.process_count()))
     for i in shared:
-        w, rec = wants[i], wants[i].record
+        w, rec = planned[i], planned[i].record
         assert w.sharding is not None and rec.chunk_shape is not None  # (shared: both are)
         rs = read_once.read_sharding(w.sharding, tuple(rec.shape), tuple(rec.chunk_shape), hosts)
         if rs is not None:
-            moves[i], wants[i] = w.sharding, dataclasses.replace(w, sharding=rs)
-    with fig.phase("read"):  # and onto the devices: the two overlap
-        values = _read_all(loc, wants, budget, meshes, fig, source)
-    with fig.phase("move"):
-        moved = read_once.move([values[i] for i in moves], list(moves.values()))
-    for i, v in zip(moves, moved, strict=True):
-        values[i] = v
-    return values
+            moves[i], reading[i] = w.sharding, dataclasses.replace(w, sharding=rs)
+    return reading, moves
 
 
 def _read_all(
     loc: Location,
-    wants: list[Want],
+    reading: list[Want],
     budget: int,
-    meshes: list[dict],
-    fig: Stopwatch,
+    manifest: Manifest,
     source: orbax.OrbaxCheckpoint | None,
+    fig: Stopwatch,
 ) -> list[Any]:
-    """Every leaf, each distinct slice a process needs read once, at most ``budget`` bytes
-    read but not yet on a device; two threads place them."""
+    """Every leaf, each distinct slice this process needs read once, at most ``budget``
+    bytes read but not yet on a device; two threads place them."""
     ctx = arrays.new_context()
     opener: Callable[[str], Any]
     if source is None:
@@ -131,10 +128,10 @@ def _read_all(
         opener = functools.partial(arrays.open_leaf, db, ctx=ctx)
     else:  # an Orbax checkpoint: its own layout, the same reads
         db, opener = source.item, source.opener(ctx)
-    stores = {w.record.name: opener(w.record.name) for w in wants if w.record.nbytes}
+    stores = {w.record.name: opener(w.record.name) for w in reading if w.record.nbytes}
     with InFlight[Any](budget, threads=2) as reads:  # closed on errors too: no thread outlives
-        reader = _Reader(reads, db, meshes)
-        finishers = [_plan_leaf(w, stores.get(w.record.name), reader) for w in wants]
+        reader = _Reader(reads, db, manifest.meshes)
+        finishers = [_plan_leaf(w, stores.get(w.record.name), reader) for w in reading]
         reads.drain()
         fig.bytes += reads.total
     arrays.release_free_memory()

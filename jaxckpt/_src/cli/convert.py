@@ -8,6 +8,8 @@ Both stream a few leaves at a time (``BATCH_BYTES``, or the largest leaf, in hos
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -15,18 +17,21 @@ import numpy as np
 from ...errors import CheckpointExistsError, SafetensorsError, UnsupportedLeafError
 from .. import arrays, multihost, orbax, saving, steps
 from .. import tree as tree_lib
-from ..manifest import COMMIT_FILE, MANIFEST_FILE, read_manifest
+from ..manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, read_manifest
 from ..restoring import restore
 from ..safetensors import load as st
 from ..safetensors.format import INDEX_FILE, create_files, index_json, plan
 from ..safetensors.mapping import dotted
-from ..staging import describe
-from ..storage import location
+from ..staging import StagedLeaf, describe
+from ..storage import Location, location
+from ..tree import PathJson
 
 BATCH_BYTES = 256 << 20  # host memory of a conversion: leaves read and written together
+R = TypeVar("R")  # what _batches batches: a LeafRecord or a TensorInfo (each has nbytes)
+Path = str | os.PathLike | Location
 
 
-def to_jaxckpt(src, dst) -> None:
+def to_jaxckpt(src: Path, dst: Path) -> None:
     """An Orbax checkpoint, or safetensors files, as a jaxckpt checkpoint at ``dst``: a few
     leaves at a time (at most ``BATCH_BYTES`` of them in memory), each batch one OCDBT
     transaction, then the manifest and the commit (one process)."""
@@ -34,24 +39,25 @@ def to_jaxckpt(src, dst) -> None:
     item = orbax.item_dir(s)
     if item is not None:
         source = orbax.read(item)
-        leaves = [(r.path, r) for r in source.manifest.leaves]
+        leaves: list[tuple[PathJson, Any]] = [(r.path, r) for r in source.manifest.leaves]
         custom = source.manifest.metadata
 
-        def read(batch):
+        def read(batch: list[tuple[PathJson, Any]]) -> Any:
             return tree_lib.unflatten_paths(
                 [(r.path, v) for r, v in host_leaves(s, [r for _, r in batch])]
             )
     else:
-        info = {k: t for k, t in st.metadata(s).items() if k != "__metadata__"}
+        info = {k: t for k, t in st.metadata(s.url).items() if k != "__metadata__"}
         leaves = [([["k", name]], t) for name, t in info.items()]
         custom = None
 
-        def read(batch):
-            return st.load(s, {p[0][1]: _numpy_spec(t.shape, t.dtype) for p, t in batch})
+        def read(batch: list[tuple[PathJson, Any]]) -> Any:
+            return st.load(s.url, {p[0][1]: _numpy_spec(t.shape, t.dtype) for p, t in batch})
 
     if d.exists(COMMIT_FILE) or os.path.exists(d.url):
         raise CheckpointExistsError(f"{d.url} already exists; choose a new path or delete it")
-    staged, total = [], 0
+    staged: list[StagedLeaf] = []
+    total = 0
     with steps.committing(d) as work:
         db = arrays.database_dir(work, None)
         db.makedirs()
@@ -69,9 +75,10 @@ def to_jaxckpt(src, dst) -> None:
         work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
 
 
-def _batches(leaves):
+def _batches(leaves: Iterable[tuple[PathJson, R]]) -> Iterator[list[tuple[PathJson, R]]]:
     """Consecutive leaves of at most BATCH_BYTES together (a larger one alone)."""
-    batch, size = [], 0
+    batch: list[tuple[PathJson, R]] = []
+    size = 0
     for path, rec in leaves:
         nbytes = getattr(rec, "nbytes", 0)
         if batch and size + nbytes > BATCH_BYTES:
@@ -83,12 +90,12 @@ def _batches(leaves):
         yield batch
 
 
-def _numpy_spec(shape, dtype) -> np.ndarray:
+def _numpy_spec(shape: Sequence[int], dtype: Any) -> np.ndarray:
     """A NumPy target leaf (NumPy result) that takes no memory: a zero-stride view."""
     return np.broadcast_to(np.zeros((), dtype), tuple(shape))
 
 
-def _host_target(records):
+def _host_target(records: Sequence[LeafRecord]) -> Any:
     """A target that restores these leaves on the host (NumPy), whatever the saved mesh."""
     items = []
     for rec in records:
@@ -101,21 +108,21 @@ def _host_target(records):
     return tree_lib.unflatten_paths(items)
 
 
-def host_leaves(src, records):
+def host_leaves(src: Path, records: Sequence[LeafRecord]) -> Iterator[tuple[LeafRecord, Any]]:
     """``(record, value)`` for each of ``records`` (of the checkpoint at ``src``), in order,
     restored on the host a batch (``BATCH_BYTES``) at a time: arrays as NumPy, PRNG keys as
     their key data, Python values as they are."""
     loc = location(src)
     for batch in _batches([(r.path, r) for r in records]):
         recs = [r for _, r in batch]
-        tree = restore(loc, target=_host_target(recs))
+        tree = restore(loc.url, target=_host_target(recs))
         values = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(tree)}
         for r in recs:
             v = values[r.name]
             yield r, np.asarray(jax.random.key_data(v)) if r.kind == "prng_key" else v
 
 
-def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
+def to_safetensors(src: Path, dst: Path, *, max_file_bytes: float = 5e9) -> None:
     """A jaxckpt checkpoint as safetensors files at ``dst`` (HF layout, tensor names: the
     leaf paths joined by "."), a batch of leaves (``BATCH_BYTES``) in memory at a time."""
     s, d = location(src), location(dst)
@@ -139,7 +146,7 @@ def to_safetensors(src, dst, *, max_file_bytes: float = 5e9) -> None:
             t = placed[names[rec.name]]
             with open(os.path.join(work.url, t.file), "r+b") as fh:
                 fh.seek(t.begin)
-                fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+                fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
         for f in files:
             fd = os.open(os.path.join(work.url, f.name), os.O_RDONLY)
             os.fsync(fd)

@@ -76,7 +76,7 @@ def _steps(d: Location) -> list[tuple[str, Location, bool]]:
     return sorted(out, key=lambda t: (int(t[0].split(".tmp-")[0]), t[0]))
 
 
-def ls(args) -> int:
+def ls(args: argparse.Namespace) -> int:
     d = location(args.dir)
     rows = _steps(d)
     if not rows:
@@ -114,7 +114,7 @@ def _size(n: float) -> str:
 # --- info --------------------------------------------------------------------------------------
 
 
-def leaf_json(rec: LeafRecord, manifest: Manifest) -> dict:
+def leaf_json(rec: LeafRecord, manifest: Manifest) -> dict[str, Any]:
     sharding = rec.sharding or {}
     out: dict[str, Any] = {
         "path": rec.name,
@@ -134,7 +134,7 @@ def leaf_json(rec: LeafRecord, manifest: Manifest) -> dict:
     return out
 
 
-def info_json(loc: Location) -> dict:
+def info_json(loc: Location) -> dict[str, Any]:
     m = read_manifest(loc)
     return {
         "path": loc.url,
@@ -151,7 +151,7 @@ def info_json(loc: Location) -> dict:
     }
 
 
-def info(args) -> int:
+def info(args: argparse.Namespace) -> int:
     doc = info_json(location(args.path))
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -180,7 +180,7 @@ def info(args) -> int:
 # --- verify ------------------------------------------------------------------------------------
 
 
-def verify(args) -> int:
+def verify(args: argparse.Namespace) -> int:
     from .verify import verify as verify_one
 
     loc = location(args.path)
@@ -206,7 +206,7 @@ def verify(args) -> int:
     return 1 if bad else 0
 
 
-def _progress(total: int, what: str):
+def _progress(total: int, what: str) -> contextlib.AbstractContextManager[Any]:
     """tqdm's bar on a terminal (if tqdm is installed), else a context of None."""
     if sys.stderr.isatty():
         try:
@@ -221,7 +221,7 @@ def _progress(total: int, what: str):
 # --- convert -----------------------------------------------------------------------------------
 
 
-def convert(args) -> int:
+def convert(args: argparse.Namespace) -> int:
     from . import convert as conv
 
     if args.to == "safetensors":
@@ -235,7 +235,7 @@ def convert(args) -> int:
 # --- diff --------------------------------------------------------------------------------------
 
 
-def diff(args) -> int:
+def diff(args: argparse.Namespace) -> int:
     from .convert import host_leaves
 
     a, b = location(args.a), location(args.b)

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import PyTreeDef
 
 from ...errors import ExportError
 from .. import bits
@@ -24,10 +25,16 @@ from .format import (
     EXPORT_FORMAT_VERSION,
     PARAMS_DIR,
     PLAIN_SYMBOL,
+    MeshAxes,
+    ParamLeaf,
+    Params,
+    Signature,
+    Value,
+    Variant,
     package_version,
     prepare_target,
     require_flatbuffers,
-    shape_json,
+    split_ways,
     variant_record,
     write,
 )
@@ -82,7 +89,7 @@ def save(
     out_specs: Any,
     device_counts: Sequence[int] | Mapping[int, Sequence[int]] | None = None,
     platforms: Sequence[str] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Exports ``fn(params, *args)`` for serving; returns the signature written.
 
     ``arg_specs`` are ``jax.ShapeDtypeStruct`` (dimensions may be symbolic, made with
@@ -97,28 +104,26 @@ def save(
     require_flatbuffers(loc)
     if not isinstance(mesh, Mesh):
         raise ExportError(f"{loc.url}: mesh= must be a jax.sharding.Mesh, got {type(mesh)}")
-    names = tuple(str(n) for n in mesh.axis_names)
+    names = _axis_names(mesh)
     for i, spec in enumerate(arg_specs):
         if not isinstance(spec, jax.ShapeDtypeStruct):
             raise ExportError(
                 f"{loc.url}: argument spec {i} is a {type(spec).__name__}; pass one "
                 "jax.ShapeDtypeStruct per argument"
             )
-    if isinstance(in_specs, PartitionSpec):
-        in_specs = (in_specs,)
-    in_specs = tuple(in_specs)
-    if len(in_specs) != len(arg_specs):
+    given = (in_specs,) if isinstance(in_specs, PartitionSpec) else tuple(in_specs)
+    if len(given) != len(arg_specs):
         raise ExportError(
-            f"{loc.url}: {len(arg_specs)} argument spec(s) but {len(in_specs)} in_specs; give "
+            f"{loc.url}: {len(arg_specs)} argument spec(s) but {len(given)} in_specs; give "
             "one PartitionSpec per argument"
         )
-    in_specs = tuple(_check_spec(s, names, f"in_specs[{i}]", loc) for i, s in enumerate(in_specs))
+    specs = tuple(_check_spec(s, names, f"in_specs[{i}]", loc) for i, s in enumerate(given))
     arg_names = _arg_names(fn, len(arg_specs))
     fn_name = getattr(fn, "__name__", "fn")
 
     treedef, leaves, param_specs, param_records = _place_params(params, mesh, loc)
 
-    def flat_fn(param_leaves, *args):
+    def flat_fn(param_leaves: list[jax.Array], *args: Any) -> Any:
         return fn(jax.tree_util.tree_unflatten(treedef, param_leaves), *args)
 
     flat_fn.__name__ = fn_name
@@ -129,82 +134,60 @@ def save(
         raise ExportError(f"{loc.url}: tracing {fn_name} on the argument specs failed: {e}") from e
     out_full = _broadcast_out_specs(out_specs, out_shape, names, loc)
 
-    variants, blobs = [], {}
-    for count, sizes in _variant_sizes(device_counts, mesh, loc).items():
+    variants: list[Variant] = []
+    blobs: dict[str, bytes] = {}
+    for sizes in _variant_sizes(device_counts, mesh, loc).values():
         exp, divisors = _export_variant(
-            flat_fn,
-            param_sds,
-            param_specs,
-            arg_specs,
-            in_specs,
-            out_full,
-            mesh,
-            sizes,
-            platforms,
-            loc,
+            flat_fn, param_sds, param_specs, arg_specs, specs, out_full, mesh, sizes, platforms, loc
         )
         try:
             blob = bytes(exp.serialize())
         except KeyError as e:  # jax.export's serialization knows no 1- and 2-bit types
-            names = [r["name"] for r in param_records if r["dtype"] == str(e.args[0])]
-            if not names:
+            bad = [r.name for r in param_records if r.dtype == str(e.args[0])]
+            if not bad:
                 raise
             raise ExportError(
-                f"{loc.url}: jax.export cannot serialize {e.args[0]} (parameters {names}); "
+                f"{loc.url}: jax.export cannot serialize {e.args[0]} (parameters {bad}); "
                 "store them as int4/int8 and cast inside the function"
             ) from e
-        record = variant_record(count, sizes, exp, blob, divisors)
-        blobs[record["file"]] = blob
-        variants.append(record)
+        variant = variant_record(sizes, exp, blob, divisors)
+        blobs[variant.file] = blob
+        variants.append(variant)
 
     out_flat = jax.tree_util.tree_flatten_with_path(out_shape)[0]
-    signature = {
-        "format": EXPORT_FORMAT,
-        "format_version": list(EXPORT_FORMAT_VERSION),
-        "function": fn_name,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": {
+    signature = Signature(
+        format=EXPORT_FORMAT,
+        format_version=list(EXPORT_FORMAT_VERSION),
+        function=fn_name,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        versions={
             "jax": jax.__version__,
             "jaxlib": package_version("jaxlib"),
             "jaxckpt": package_version("jaxckpt"),
         },
-        "mesh": {
-            "axis_names": list(names),
-            "axis_types": [t.name for t in mesh.axis_types],
-            "exported_from": [int(s) for s in mesh.devices.shape],
-        },
-        "inputs": [
-            {
-                "index": i,
-                "name": arg_names[i],
-                "shape": shape_json(s.shape),
-                "dtype": str(np.dtype(s.dtype)),
-                "spec": spec_to_json(in_specs[i]),
-            }
-            for i, s in enumerate(arg_specs)
+        mesh=MeshAxes(
+            list(names), [t.name for t in mesh.axis_types], [int(s) for s in mesh.devices.shape]
+        ),
+        inputs=[
+            Value.of(i, arg_names[i], s, spec)
+            for i, (s, spec) in enumerate(zip(arg_specs, specs, strict=True))
         ],
-        "outputs": [
-            {
-                "name": tree_lib.path_name(tree_lib.path_to_json(p)),
-                "shape": shape_json(s.shape),
-                "dtype": str(np.dtype(s.dtype)),
-                "spec": spec_to_json(spec),
-            }
+        outputs=[
+            Value.of(None, tree_lib.path_name(tree_lib.path_to_json(p)), s, spec)
             for (p, s), spec in zip(out_flat, jax.tree.leaves(out_full), strict=True)
         ],
-        "params": {
-            "dir": PARAMS_DIR,
-            "nbytes": sum(x.nbytes for x in leaves),
-            "leaves": param_records,
-        },
-        "variants": variants,
-    }
-
+        params=Params(PARAMS_DIR, sum(x.nbytes for x in leaves), param_records),
+        variants=variants,
+    )
     write(loc, jax.tree_util.tree_unflatten(treedef, leaves), blobs, signature)
-    return signature
+    return signature.to_json()
 
 
-def _arg_names(fn: Callable, n: int) -> list[str]:
+def _axis_names(mesh: Mesh) -> tuple[str, ...]:
+    return tuple(str(n) for n in mesh.axis_names)
+
+
+def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
     """The names of ``fn``'s positional parameters after ``params`` (``arg<i>`` otherwise)."""
     try:
         sig = inspect.signature(fn)
@@ -215,9 +198,11 @@ def _arg_names(fn: Callable, n: int) -> list[str]:
     return [found[i] if i < len(found) else f"arg{i}" for i in range(n)]
 
 
-def _place_params(params: Any, mesh: Mesh, loc: Location):
+def _place_params(
+    params: Any, mesh: Mesh, loc: Location
+) -> tuple[PyTreeDef, list[jax.Array], list[PartitionSpec], list[ParamLeaf]]:
     """The leaves of ``params`` placed on ``mesh`` with their PartitionSpecs, and records."""
-    names = tuple(str(n) for n in mesh.axis_names)
+    names = _axis_names(mesh)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves, specs, records = [], [], []
     for key_path, leaf in flat:
@@ -228,13 +213,7 @@ def _place_params(params: Any, mesh: Mesh, loc: Location):
         leaves.append(placed)
         specs.append(spec)
         records.append(
-            {
-                "name": name,
-                "path": path,
-                "shape": list(placed.shape),
-                "dtype": str(placed.dtype),
-                "spec": spec_to_json(spec),
-            }
+            ParamLeaf(name, path, list(placed.shape), str(placed.dtype), spec_to_json(spec))
         )
     return treedef, leaves, specs, records
 
@@ -260,7 +239,11 @@ def _param_spec(leaf: Any, name: str, names: tuple[str, ...], loc: Location) -> 
     return _check_spec(sharding.spec, names, f"parameter {name!r}'s PartitionSpec", loc)
 
 
-def _broadcast_out_specs(out_specs: Any, out_shape: Any, names: tuple[str, ...], loc: Location):
+def _broadcast_out_specs(
+    out_specs: Any, out_shape: Any, names: tuple[str, ...], loc: Location
+) -> Any:
+    """``out_specs`` as a PartitionSpec per output leaf, each checked against the mesh."""
+
     def is_leaf(x: Any) -> bool:
         return x is None or isinstance(x, PartitionSpec)
 
@@ -271,10 +254,17 @@ def _broadcast_out_specs(out_specs: Any, out_shape: Any, names: tuple[str, ...],
             f"{loc.url}: out_specs {out_specs!r} does not match the outputs' structure "
             f"{jax.tree.structure(out_shape)}; give one PartitionSpec, or a prefix tree of them"
         ) from e
-    return jax.tree.map(lambda s: _check_spec(s, names, "out_specs", loc), full, is_leaf=is_leaf)
+
+    def check(spec: Any) -> PartitionSpec:
+        return _check_spec(spec, names, "out_specs", loc)
+
+    return jax.tree.map(check, full, is_leaf=is_leaf)
 
 
-def _variant_sizes(device_counts, mesh: Mesh, loc: Location) -> dict[int, tuple[int, ...]]:
+def _variant_sizes(
+    device_counts: Sequence[int] | Mapping[int, Sequence[int]] | None, mesh: Mesh, loc: Location
+) -> dict[int, tuple[int, ...]]:
+    """The axis sizes of each variant, by device count (in increasing order), checked."""
     sizes = tuple(int(s) for s in mesh.devices.shape)
     if device_counts is None:
         out = {int(mesh.size): sizes}
@@ -295,18 +285,26 @@ def _variant_sizes(device_counts, mesh: Mesh, loc: Location) -> dict[int, tuple[
 
 
 def _export_variant(
-    flat_fn, param_sds, param_specs, arg_specs, in_specs, out_full, mesh, sizes, platforms, loc
-):
+    flat_fn: Callable[..., Any],
+    param_sds: list[jax.ShapeDtypeStruct],
+    param_specs: list[PartitionSpec],
+    arg_specs: Sequence[jax.ShapeDtypeStruct],
+    in_specs: Sequence[PartitionSpec],
+    out_full: Any,
+    mesh: Mesh,
+    sizes: tuple[int, ...],
+    platforms: Sequence[str] | None,
+    loc: Location,
+) -> tuple[jax.export.Exported, list[list[int]]]:
     """One ``Exported`` over an abstract mesh of ``sizes``, and each input's divisors."""
-    names = tuple(str(n) for n in mesh.axis_names)
+    names = _axis_names(mesh)
     by_name = dict(zip(names, sizes, strict=True))
     amesh = AbstractMesh(tuple(sizes), names, axis_types=tuple(mesh.axis_types))
     count = math.prod(sizes)
     divisors: list[list[int]] = []
     multiples: dict[str, int] = {}  # symbol -> what it must be a multiple of
     for i, (spec, pspec) in enumerate(zip(arg_specs, in_specs, strict=True)):
-        ways = [math.prod(by_name[a] for a in entry_axes(e)) for e in pspec]  # pieces per dim
-        ways = (ways + [1] * len(spec.shape))[: len(spec.shape)]
+        ways = split_ways(pspec, len(spec.shape), by_name)  # pieces per dimension
         divisors.append(ways)
         for d, (dim, k) in enumerate(zip(spec.shape, ways, strict=True)):
             if k == 1 or not jax.export.is_symbolic_dim(dim):
@@ -342,7 +340,9 @@ def _export_variant(
     return exp, divisors
 
 
-def _with_constraints(arg_specs, constraints: list[str], loc: Location) -> list:
+def _with_constraints(
+    arg_specs: Sequence[jax.ShapeDtypeStruct], constraints: list[str], loc: Location
+) -> list[jax.ShapeDtypeStruct]:
     """The argument specs re-made in one symbolic scope that also says which dims divide."""
     user: list[str] = []
     for spec in arg_specs:

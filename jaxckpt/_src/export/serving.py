@@ -26,9 +26,12 @@ from ..storage import Location, location
 from .format import (
     PLAIN_SYMBOL,
     SIGNATURE_FILE,
+    MeshAxes,
+    Params,
+    Variant,
     matches_params,
     read_artifact,
-    signature,
+    read_signature,
 )
 
 
@@ -45,13 +48,13 @@ class Served:
     """
 
     path: str
-    signature: dict = field(repr=False)
+    signature: dict[str, Any] = field(repr=False)
     mesh: Mesh
-    variant: dict = field(repr=False)
+    variant: dict[str, Any] = field(repr=False)
     in_shardings: tuple[NamedSharding, ...] = field(repr=False)
-    params: list = field(repr=False)
+    params: list[jax.Array] = field(repr=False)
     exported: jax.export.Exported = field(repr=False)
-    _call: Callable = field(init=False, repr=False)
+    _call: Callable[..., Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_call", jax.jit(self.exported.call))
@@ -61,7 +64,7 @@ class Served:
         placed = [jax.device_put(a, s) for a, s in zip(args, self.in_shardings, strict=True)]
         return self._call(self.params, *placed)
 
-    def _check(self, args: tuple) -> None:
+    def _check(self, args: tuple[Any, ...]) -> None:
         inputs = self.signature["inputs"]
         if len(args) != len(inputs):
             raise ExportArgumentError(
@@ -100,7 +103,9 @@ class Served:
                 if why is not None:
                     raise self._arg_error(i, shape, dtype, why)
 
-    def _arg_error(self, i: int, shape: tuple, dtype: np.dtype, why: str) -> ExportArgumentError:
+    def _arg_error(
+        self, i: int, shape: tuple[int, ...], dtype: np.dtype, why: str
+    ) -> ExportArgumentError:
         want = self.signature["inputs"][i]
         return ExportArgumentError(
             f"{self.path}: argument {i} ({want['name']!r}) {why}: expected "
@@ -116,35 +121,35 @@ def load(path: str | os.PathLike, mesh: Mesh | None = None) -> Served:
     must have the recorded axis names and the variant's axis sizes, in any device order.
     """
     loc = location(path)
-    sig = signature(loc)
+    sig = read_signature(loc)
     count = int(mesh.size) if mesh is not None else jax.device_count()
-    by_count = {v["device_count"]: v for v in sig["variants"]}
+    by_count = {v.device_count: v for v in sig.variants}
     variant = by_count.get(count)
     if variant is None:
         raise ExportError(
             f"{loc.url} was exported for {sorted(by_count)} device(s), not {count} (the "
-            f"variants in {loc.url}/{SIGNATURE_FILE}); serve on "
-            f"one of those counts (mesh= over that many devices), or re-export with "
-            f"device_counts including {count}"
+            f"variants in {loc.url}/{SIGNATURE_FILE}); serve on one of those counts (mesh= over "
+            f"that many devices), or re-export with device_counts including {count}"
         )
     exported = read_artifact(loc, sig, variant)
-    mesh = _serving_mesh(mesh, sig, variant, loc)
-    params = _restore_params(loc, sig, mesh)
+    mesh = _serving_mesh(mesh, sig.mesh, variant, loc)
+    params = _restore_params(loc, sig.params, mesh)
     matches_params(params, exported, f"{loc.url}/{SIGNATURE_FILE}")
-    in_shardings = tuple(NamedSharding(mesh, spec_from_json(i["spec"])) for i in sig["inputs"])
-    return Served(loc.url, sig, mesh, variant, in_shardings, params, exported)
+    in_shardings = tuple(NamedSharding(mesh, spec_from_json(i.spec)) for i in sig.inputs)
+    return Served(loc.url, sig.to_json(), mesh, variant.to_json(), in_shardings, params, exported)
 
 
-def _serving_mesh(mesh: Mesh | None, sig: dict, variant: dict, loc: Location) -> Mesh:
-    names = tuple(sig["mesh"]["axis_names"])
-    sizes = tuple(variant["axis_sizes"])
-    types = tuple(AxisType[t] for t in sig["mesh"]["axis_types"])
+def _serving_mesh(mesh: Mesh | None, axes: MeshAxes, variant: Variant, loc: Location) -> Mesh:
+    """``mesh`` (default: one over the current devices) with the variant's axis names, sizes
+    and types; a mesh of other names or sizes is refused."""
+    names, sizes = tuple(axes.axis_names), tuple(variant.axis_sizes)
+    types = tuple(AxisType[t] for t in axes.axis_types)
     if mesh is None:
         return jax.make_mesh(sizes, names, axis_types=types)
     got = dict(mesh.shape)
     if tuple(mesh.axis_names) != names or tuple(mesh.devices.shape) != sizes:
         raise ExportError(
-            f"{loc.url}: the serving mesh has axes {got}, but the {variant['device_count']}-"
+            f"{loc.url}: the serving mesh has axes {got}, but the {variant.device_count}-"
             f"device variant was exported for {dict(zip(names, sizes, strict=True))}; build "
             "the mesh with those axis names and sizes (any device order), or pass mesh=None"
         )
@@ -153,13 +158,13 @@ def _serving_mesh(mesh: Mesh | None, sig: dict, variant: dict, loc: Location) ->
     return mesh
 
 
-def _restore_params(loc: Location, sig: dict, mesh: Mesh) -> list:
-    records = sig["params"]["leaves"]
-    if not records:
+def _restore_params(loc: Location, params: Params, mesh: Mesh) -> list[jax.Array]:
+    """The parameters, in the signature's order, on ``mesh`` with their PartitionSpecs."""
+    if not params.leaves:
         return []
     target = tree_lib.unflatten_paths(
-        [(r["path"], NamedSharding(mesh, spec_from_json(r["spec"]))) for r in records]
+        [(r.path, NamedSharding(mesh, spec_from_json(r.spec))) for r in params.leaves]
     )
-    restored = restore(loc.join(sig["params"]["dir"]), target=target)
+    restored = restore(loc.join(params.dir).url, target=target)
     by_name = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(restored)}
-    return [by_name[r["name"]] for r in records]
+    return [by_name[r.name] for r in params.leaves]

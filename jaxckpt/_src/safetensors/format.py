@@ -26,7 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import SafetensorsError
-from ..boxes import Index
+from ..boxes import Index, extent
 from ..storage import Location
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,7 +88,7 @@ def read(kv: ts.KvStore, file: str, start: int, stop: int, url: str) -> Callable
     except ValueError as e:
         raise SafetensorsError(f"{url}/{file} cannot be read ({e})") from None
 
-    def result():
+    def result() -> Any:
         try:
             return future.result()
         except ValueError as e:  # TensorStore: OUT_OF_RANGE for a range past the end
@@ -131,7 +131,7 @@ def index_files(raw: bytes, where: str) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
@@ -258,8 +258,9 @@ def _size(kv: ts.KvStore, file: str) -> float:
     return math.inf
 
 
-def checked(result: Callable[[], Any], file: str, offset: int, length: int, url: str):
-    """The bytes of a ``read``, all ``length`` of them, or an error naming the file."""
+def checked(result: Callable[[], Any], file: str, offset: int, length: int, url: str) -> Any:
+    """The bytes of a ``read`` (a memoryview), all ``length`` of them, or an error naming
+    the file. (Typed Any: load.py reuses the name it binds for NumPy buffers.)"""
     got = result()
     if got.state != "value":
         raise SafetensorsError(f"{url}/{file} disappeared while reading it")
@@ -290,13 +291,15 @@ def runs(shape: Sequence[int], itemsize: int, box: Index) -> list[tuple[int, int
     strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
     length = (box[k][1] - box[k][0]) * inner
     out = []
-    for outer in np.ndindex(*(b - a for a, b in box[:k])):
+    for outer in np.ndindex(*extent(box[:k])):
         offset = sum((box[d][0] + outer[d]) * strides[d] for d in range(k))
         out.append((offset + box[k][0] * strides[k], length))
     return out
 
 
-def coalesce(pieces: Iterable[tuple[int, int]], *, waste: float = 0.5, max_bytes: int = 64 << 20):
+def coalesce(
+    pieces: Iterable[tuple[int, int]], *, waste: float = 0.5, max_bytes: int = 64 << 20
+) -> list[tuple[int, int, list[tuple[int, int]]]]:
     """Groups sorted runs into reads ``(offset, length, [(run offset, run length)...])``,
     merging neighbours while the bytes read stay within ``1 + waste`` times those needed."""
     groups: list[list] = []
@@ -371,7 +374,9 @@ def create_files(directory: Location, files: Iterable[FilePlan]) -> None:
             fh.truncate(f.size)
 
 
-def index_json(placed: dict[str, TensorInfo], metadata) -> bytes:
+def index_json(placed: dict[str, TensorInfo], metadata: dict[str, str] | None) -> bytes:
+    """``model.safetensors.index.json``: the total data size, ``metadata`` and which file
+    holds each tensor."""
     total = sum(t.nbytes for t in placed.values())
     doc = {
         "metadata": {"total_size": total, **(metadata or {})},

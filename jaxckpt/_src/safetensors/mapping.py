@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from ...errors import SafetensorsError, SafetensorsShapeError
-from ..boxes import Index
+from ..boxes import Index, whole
 
 # --- the declarative mapping -----------------------------------------------------------------
 
@@ -68,10 +68,13 @@ class LeafMap:
     steps: tuple[Step, ...]
     cast: np.dtype | None
 
+    def name(self, i: int) -> str:
+        """The name of tensor ``i`` (layer ``i`` with ``stacked``; else the one tensor)."""
+        return self.tensor.replace(PLACEHOLDER, str(i)) if self.stacked else self.tensor
+
     def names(self, count: int) -> list[str]:
-        if not self.stacked:
-            return [self.tensor]
-        return [self.tensor.replace(PLACEHOLDER, str(i)) for i in range(count)]
+        """The names of the leaf's tensors: ``count`` layers with ``stacked``, else one."""
+        return [self.name(i) for i in range(count if self.stacked else 1)]
 
     @property
     def simple(self) -> bool:
@@ -156,12 +159,12 @@ def _simple(steps: tuple[Step, ...]) -> tuple[Reshape | None, tuple[int, ...] | 
         if not (isinstance(s, Transpose) and tuple(s.axes) == tuple(range(len(s.axes))))
         and not (isinstance(s, Reshape) and tuple(s.file_shape) == tuple(s.shape))
     ]
-    kinds = [type(s) for s in merged]
-    if kinds not in ([], [Reshape], [Transpose], [Reshape, Transpose]):
-        return None
-    reshape = merged[0] if kinds and kinds[0] is Reshape else None
-    axes = tuple(merged[-1].axes) if kinds and kinds[-1] is Transpose else None
-    return reshape, axes
+    first, last = (merged[0], merged[-1]) if merged else (None, None)
+    reshape = first if isinstance(first, Reshape) else None
+    transpose = last if isinstance(last, Transpose) else None
+    if len(merged) != (reshape is not None) + (transpose is not None):
+        return None  # not one of [], [Reshape], [Transpose], [Reshape, Transpose]
+    return reshape, None if transpose is None else tuple(transpose.axes)
 
 
 def tensor_name(path: str, names: Names) -> str:
@@ -235,7 +238,8 @@ def _check_step(path: str, t: Step) -> None:
         raise SafetensorsError(f"leaf {path!r}: {t} changes the number of elements; fix the shapes")
 
 
-def dotted(path: list) -> str:
+def dotted(path: Sequence[Sequence[Any]]) -> str:
+    """A leaf's path as its default tensor name: the keys joined by "."."""
     return ".".join(str(k) for _, k in path)
 
 
@@ -247,7 +251,7 @@ def tensor_boxes(m: LeafMap, box: Index, shape: tuple[int, ...]) -> list[tuple[i
     tensors have ``shape`` in the file; a chain that is not ``simple``: the whole tensor."""
     (lo, hi), inner = (box[0], box[1:]) if m.stacked else ((0, 1), box)
     if not m.simple:
-        inner = tuple((0, d) for d in shape)
+        inner = whole(shape)
     elif m.axes is not None:
         inner = tuple(inner[m.axes.index(d)] for d in range(len(inner)))
     return [(i, inner) for i in range(lo, hi)]

@@ -6,6 +6,7 @@ import collections
 import math
 import os
 import uuid
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -17,11 +18,13 @@ from jax.experimental import multihost_utils
 from ...errors import SafetensorsError, SafetensorsLeafError, SafetensorsShapeError
 from .. import bits, multihost, steps
 from .. import tree as tree_lib
-from ..boxes import Index, bounding, volume
+from ..boxes import Index, bounding, extent, volume, whole, within
 from ..sharding import layout, write_split
 from ..storage import Location, location
 from .format import (
     INDEX_FILE,
+    FilePlan,
+    TensorInfo,
     create_files,
     dtype_name,
     index_json,
@@ -40,6 +43,9 @@ from .mapping import (
 )
 
 WRITE_BLOCK_BYTES = 128 << 20  # a leaf's owned parts joined into one host block up to this
+
+Leaf = tuple[LeafMap, jax.Array | np.ndarray]  # a leaf to write, and how it maps to tensors
+Part = tuple[Index, np.ndarray]  # a box of a leaf, and its data on the host
 
 
 def save(
@@ -119,10 +125,10 @@ def save(
     multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/committed", timeout_s, what=loc.url)
 
 
-def _save_leaves(tree, names, transforms, loc: Location):
+def _save_leaves(tree: Any, names: Names, transforms: Transforms, loc: Location) -> list[Leaf]:
     """``(LeafMap, array)`` of every leaf; None leaves are skipped, any other leaf that is
     not an array is refused (before anything is written)."""
-    out = []
+    out: list[Leaf] = []
     for path, v in tree_lib.flatten(tree):
         leaf = dotted(path)
         if v is None:
@@ -151,22 +157,25 @@ def _save_leaves(tree, names, transforms, loc: Location):
     return out
 
 
-def _parts(m: LeafMap, v, salt: int):
+def _parts(m: LeafMap, v: jax.Array | np.ndarray, salt: int) -> Iterator[Part]:
     """``(box, host data)`` of the parts of ``v`` this process writes, one at a time. A
-    chain of transforms that is not ``simple`` needs whole tensors: the leaf is gathered
-    (every process takes part) and one process writes it."""
-    if m.simple:
+    NumPy leaf is written whole by one process (``salt`` spreads them). A chain of
+    transforms that is not ``simple`` needs whole tensors: the leaf is gathered (every
+    process takes part) and one process writes it."""
+    if m.simple and isinstance(v, jax.Array):
         yield from _owned(v, salt)
         return
     writer = salt % multihost.process_count()
     if isinstance(v, jax.Array):
-        holders = sorted({d.process_index for d in v.sharding.device_set})  # the same everywhere
+        # (jaxlib ships no stub for its compiled _jax.Device: mypy cannot see process_index)
+        procs = {d.process_index for d in v.sharding.device_set}  # type: ignore[attr-defined]
+        holders = sorted(procs)  # the same on every process
         if len(holders) == 1:  # on one process's devices: that process writes it whole
             writer = holders[0]
         else:
             v = _gather_bits(v)  # a collective: every process takes part
     if multihost.process_index() == writer:
-        yield tuple((0, d) for d in v.shape), np.asarray(v)
+        yield whole(v.shape), np.asarray(v)
 
 
 def _gather_bits(v: jax.Array) -> np.ndarray:
@@ -179,61 +188,63 @@ def _gather_bits(v: jax.Array) -> np.ndarray:
     return np.asarray(moved).view(dtype)
 
 
-def _owned(v, salt: int):
-    """``(box, host data)`` of the parts of ``v`` this process writes, one at a time."""
+def _owned(v: jax.Array, salt: int) -> Iterator[Part]:
+    """``(box, host data)`` of the parts of ``v`` this process writes (one replica of each
+    slice, spread over the replicas), one at a time."""
     shape, pid = tuple(v.shape), multihost.process_index()
-    if isinstance(v, np.ndarray):
-        if pid == salt % multihost.process_count():
-            yield tuple((0, d) for d in shape), v
-        return
     if not math.prod(shape):
         return
     split = write_split(v.sharding, shape, np.dtype(v.dtype).itemsize, None)
     for position, index in layout(v.sharding, shape).held_at:
         for region, group in split.parts[index]:
             if split.writer(index, group, salt) == pid:
-                part = tuple(
-                    slice(a - s, b - s) for (a, b), (s, _) in zip(region, index, strict=True)
-                )
-                yield region, np.asarray(v.addressable_data(position))[part]
+                yield region, np.asarray(v.addressable_data(position))[within(region, index)]
 
 
-def _blocks(parts, budget: int):
+def _blocks(parts: Iterable[Part], budget: int) -> Iterator[Part]:
     """The owned ``(box, data)`` parts of a leaf, joined into one block when they tile a box
     of at most ``budget`` bytes (one long write per row range, not one per row of each
     part); else as they come."""
-    parts = list(parts)
-    block = bounding([b for b, _ in parts]) if len(parts) > 1 else None
+    got = list(parts)
+    block = bounding([b for b, _ in got]) if len(got) > 1 else None
     if (
         block is None
-        or volume(block) != sum(volume(b) for b, _ in parts)
-        or volume(block) * parts[0][1].itemsize > budget
+        or volume(block) != sum(volume(b) for b, _ in got)
+        or volume(block) * got[0][1].itemsize > budget
     ):
-        yield from parts
+        yield from got
         return
-    out = np.empty(tuple(b - a for a, b in block), parts[0][1].dtype)
-    for box, data in parts:
-        out[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(box, block, strict=True))] = data
+    out = np.empty(extent(block), got[0][1].dtype)
+    for box, data in got:
+        out[within(box, block)] = data
     yield block, out
 
 
-def _placements(m: LeafMap, box: Index, data: np.ndarray, placed):
+def _placements(
+    m: LeafMap, box: Index, data: np.ndarray, placed: dict[str, TensorInfo]
+) -> Iterator[tuple[str, int, memoryview]]:
     """``(file, offset, bytes)`` writes that put ``data`` (the leaf's ``box``) in place."""
-    first = placed[m.names(1)[0]]
+    first = placed[m.name(0)]
     for n, (i, rbox) in enumerate(tensor_boxes(m, box, first.shape)):
-        name = m.tensor.replace("{i}", str(i)) if m.stacked else m.tensor
-        t = placed[name]
+        t = placed[m.name(i)]
         block = data[n] if m.stacked else data
         block = np.ascontiguousarray(to_reshaped(m, block).astype(t.dtype, copy=False))
         rshape = reshaped(m, t.shape)
-        raw = memoryview(block.reshape(-1).view(np.uint8))
+        raw = block.reshape(-1).view(np.uint8).data
         pos = 0
         for off, length in runs(rshape, t.dtype.itemsize, rbox):
             yield t.file, t.begin + off, raw[pos : pos + length]
             pos += length
 
 
-def _save_object_store(loc: Location, leaves, files, placed, metadata) -> None:
+def _save_object_store(
+    loc: Location,
+    leaves: list[Leaf],
+    files: list[FilePlan],
+    placed: dict[str, TensorInfo],
+    metadata: dict[str, str] | None,
+) -> None:
+    """Each file assembled in memory and uploaded whole, then the index (one process)."""
     kv = ts.KvStore.open(loc.kvstore()).result()
     for f in files:
         buf = bytearray(f.size)
