@@ -8,8 +8,8 @@ depth (row 0: modules that import nothing of jaxckpt but ``errors``). ``jaxckpt/
 a facade that every layer imports, so it is drawn under the core, as the floor. A summary
 (modules per group, edges, core->feature edges, which must be 0) is printed too.
 
-    python bench/module_graph.py                   # writes docs/modules.png
-    python bench/module_graph.py --out /tmp/modules.png
+    python docs/module_graph.py                   # writes docs/modules.png
+    python docs/module_graph.py --out /tmp/modules.png
 """
 
 from __future__ import annotations
