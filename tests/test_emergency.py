@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src.emergency import local
+from jaxckpt._src.emergency import wire
 from jaxckpt._src.options import OptionsError
 from jaxckpt.errors import CheckpointNotFoundError, UnsupportedLeafError
 
@@ -232,11 +232,11 @@ def test_pack_unpack_roundtrip():
         ("c", ()): np.array(3, np.int64),
     }
     origins = dict.fromkeys(slices, 2)
-    got, got_origins = local.unpack(local.pack(slices, origins))
+    got, got_origins = wire.unpack(wire.pack(slices, origins))
     assert got_origins == origins
     for k, v in slices.items():
         assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes()
-    assert local.unpack(local.pack({}, {})) == ({}, {})
+    assert wire.unpack(wire.pack({}, {})) == ({}, {})
 
 
 def test_options(tmp_path):

@@ -7,8 +7,6 @@ says which global slices are in there and which process originally wrote each; `
 is written last. A step is written in ``<step>.tmp-<id>``, renamed into place (parent
 fsynced), then marked; TensorStore's file driver fsyncs the data files it writes. Every chunk
 carries a CRC32C (zarr codec), checked on read.
-
-Also here: packing held slices into one byte buffer (and back), for the peer exchange.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import hashlib
 import json
 import logging
 import math
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +42,6 @@ log = logging.getLogger("jaxckpt")
 
 LOCAL_FILE = "local.json"
 LOCAL_FORMAT = "jaxckpt-local"
-_ALIGN = 64
 # Local chunks are at most this big: TensorStore reads and CRC-checks a chunk into a
 # temporary buffer of its size before copying it out, so shard-sized chunks (hundreds of MiB)
 # double the fresh host memory a restore touches and serialize the checks of a shard.
@@ -270,7 +266,7 @@ def read_slices(
 
     Returns (slices read, [(leaf, index key, why)] for copies that failed to read: those
     count as missing, their data is never used). A slice with a buffer in ``into`` (same
-    shape and item size, e.g. a view into a ``pack_layout`` buffer) is read into it.
+    shape and item size, e.g. a view into a ``wire.pack_layout`` buffer) is read into it.
     """
     into = into or {}
     db = step.path.join("arrays")
@@ -320,72 +316,3 @@ class _read_into:
     def result(self) -> np.ndarray:
         self.fut.result()
         return self.dst
-
-
-# --- packing slices into one byte buffer -----------------------------------------------------
-
-
-def pack(
-    slices: Slices, origins: dict[tuple[str, Index], int], reuse: np.ndarray | None = None
-) -> np.ndarray:
-    """One uint8 buffer: header length (8 bytes), JSON header, then each slice 64-aligned.
-
-    ``reuse``: an earlier packed buffer to fill again when it is big enough (writing into
-    fresh memory is far slower than into memory already touched).
-    """
-    specs = {k: (d.dtype, d.shape, origins[k]) for k, d in slices.items()}
-    buf, views = pack_layout(specs, reuse)
-    for key, data in slices.items():
-        if data.nbytes:
-            np.copyto(views[key], data, casting="no")
-    return buf
-
-
-def pack_layout(
-    specs: dict[tuple[str, Index], tuple[np.dtype, tuple[int, ...], int]],
-    reuse: np.ndarray | None = None,
-) -> tuple[np.ndarray, Slices]:
-    """A packed buffer for slices of the given (dtype, shape, original writer), and the
-    views its slices go into (uninitialized: the caller fills them, e.g. reads into them).
-    """
-    entries, offset = [], 0
-    for (name, index), (dtype, shape, origin) in specs.items():
-        entries.append([name, to_text(index), origin, offset, str(dtype), list(shape)])
-        offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    header = json.dumps(entries).encode()
-    start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
-    # aligned, so the peer exchange hands it to the device without another copy; only the
-    # header and the padding are zeroed (the slices overwrite the rest)
-    if reuse is not None and reuse.size >= start + offset:
-        buf = reuse[: start + offset]  # same start address: still aligned
-    else:
-        buf = arrays.aligned_empty((start + offset,), np.dtype(np.uint8))
-    buf[:start] = 0
-    buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
-    buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
-    views: Slices = {}
-    for (_, _, _, off, _, _), (key, (dtype, shape, _)) in zip(entries, specs.items(), strict=True):
-        n = math.prod(shape) * dtype.itemsize
-        views[key] = buf[start + off : start + off + n].view(dtype).reshape(shape)
-        buf[start + off + n : start + off + (-(-n // _ALIGN) * _ALIGN)] = 0
-    return buf, views
-
-
-def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:
-    """The slices (views into ``buf``) and their original writers."""
-    if buf.size < 8:
-        return {}, {}
-    (hlen,) = struct.unpack("<Q", buf[:8].tobytes())
-    if hlen == 0:
-        return {}, {}
-    entries = json.loads(buf[8 : 8 + hlen].tobytes().decode())
-    start = -(-(8 + hlen) // _ALIGN) * _ALIGN
-    slices: Slices = {}
-    origins: dict[tuple[str, Index], int] = {}
-    for name, key, origin, off, dtype, shape in entries:
-        dt = jnp.dtype(dtype)
-        n = math.prod(shape) * dt.itemsize
-        data = buf[start + off : start + off + n].view(dt).reshape(shape)
-        slices[(name, from_text(key))] = data
-        origins[(name, from_text(key))] = origin
-    return slices, origins

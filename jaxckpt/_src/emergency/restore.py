@@ -25,7 +25,7 @@ from .. import per_process as pp
 from ..boxes import Index, from_text, to_text
 from ..monitoring import Figures
 from ..storage import Location
-from . import local
+from . import local, wire
 from .peers import send_rows
 from .planner import (
     BadCopy,
@@ -233,7 +233,7 @@ def _rows_to_read_into(first, my_needs, mine, by_name) -> dict:
         if mine is None or any(times[k] > 1 for k in keys) or my_needs.intersection(parsed):
             continue
         held = mine.held
-        rows[r] = local.pack_layout(
+        rows[r] = wire.pack_layout(
             {
                 (n, i): (
                     by_name[n].storage_dtype,
@@ -269,7 +269,7 @@ def _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s) -> d
             row = rows.pop(dst)[0]  # read into already
         else:
             out = {key: data[key] for key in keys}
-            row = local.pack(out, {key: origins_mine[key] for key in out}) if out else _EMPTY
+            row = wire.pack(out, {key: origins_mine[key] for key in out}) if out else _EMPTY
             del out
         (got,) = send_rows(row, [pairs], name=f"{tag}/move{j}", timeout_s=timeout_s)
         del row
@@ -279,7 +279,7 @@ def _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s) -> d
         if got is None:
             continue
         sender = (pid - j) % count
-        got_slices, got_origins = local.unpack(got)
+        got_slices, got_origins = wire.unpack(got)
         for key, value in got_slices.items():
             if key in my_needs:
                 data[key] = value

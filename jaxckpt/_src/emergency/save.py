@@ -28,7 +28,7 @@ from ..monitoring import Figures
 from ..sharding import layout
 from ..staging import PY_TYPES, HostCopies, check_numpy, unsupported
 from ..storage import Location
-from . import local
+from . import local, wire
 from .peers import PeerCopies, send_rows, send_shards
 
 
@@ -106,13 +106,13 @@ class LocalSaver:
         per process, exchanged and unpacked here (blocking)."""
         pid = multihost.process_index()
         mine = {key: v for key, v in out.slices.items() if key[0] in names}
-        row = local.pack(mine, dict.fromkeys(mine, pid), reuse=self.pack_buffer)
+        row = wire.pack(mine, dict.fromkeys(mine, pid), reuse=self.pack_buffer)
         if self.pack_buffer is None or row.size > self.pack_buffer.size:
             self.pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
         count = multihost.process_count()
         rounds = [tuple((p, (p + j) % count) for p in range(count)) for j in shifts]
         for got in send_rows(row, rounds, name=name, timeout_s=timeout_s):
-            peer_slices, peer_origins = local.unpack(got)
+            peer_slices, peer_origins = wire.unpack(got)
             for key, data in peer_slices.items():
                 if key not in out.slices:
                     out.slices[key], out.origins[key] = data, peer_origins[key]
