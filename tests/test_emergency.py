@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt._src.emergency import wire
+from jaxckpt._src.emergency.planner import SliceKey
 from jaxckpt._src.options import OptionsError
 from jaxckpt.errors import CheckpointNotFoundError, UnsupportedLeafError
 
@@ -227,9 +228,9 @@ def test_numpy_leaves_are_snapshots_in_native_order(tmp_path, mesh42):
 
 def test_pack_unpack_roundtrip():
     slices = {
-        ("a", ((0, 2), (0, 3))): np.arange(6, dtype=np.float32).reshape(2, 3),
-        ("b", ((4, 5),)): np.array([7], jax.numpy.bfloat16),
-        ("c", ()): np.array(3, np.int64),
+        SliceKey("a", ((0, 2), (0, 3))): np.arange(6, dtype=np.float32).reshape(2, 3),
+        SliceKey("b", ((4, 5),)): np.array([7], jax.numpy.bfloat16),
+        SliceKey("c", ()): np.array(3, np.int64),
     }
     origins = dict.fromkeys(slices, 2)
     got, got_origins = wire.unpack(wire.pack(slices, origins))

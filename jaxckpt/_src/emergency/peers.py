@@ -26,9 +26,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import arrays, bits, multihost
-from ..boxes import Index, from_slices
-
-Slices = dict[tuple[str, Index], np.ndarray]
+from ..boxes import Index, extent, from_slices
+from .local import Slices, Writers
+from .planner import SliceKey
 
 
 def peer_shifts(hosts: list[str], k: int) -> tuple[tuple[int, ...], list[int]]:
@@ -76,7 +76,7 @@ def _route(sharding, shape: tuple[int, ...], shifts: tuple[int, ...], me: int, c
     if sorted(by_proc) != list(range(count)) or len({len(v) for v in by_proc.values()}) != 1:
         return None
     index = {d: from_slices(imap[d], shape) for d in devices}
-    if len({tuple(b - a for a, b in i) for i in index.values()}) != 1:
+    if len({extent(i) for i in index.values()}) != 1:
         return None
     pos = {d: i for i, d in enumerate(devices)}
     perms, receives = [], []
@@ -111,21 +111,22 @@ class PeerCopies:
         self._moving: list[tuple[str, np.dtype, _Route, list[jax.Array | None]]] = moving
         self._buffers: dict[tuple, list[jax.Array]] = buffers
 
-    def collect(self) -> tuple[Slices, dict[tuple[str, Index], int]]:
-        """{(leaf, index): host array} of the shards received, and each one's sender."""
+    def collect(self) -> tuple[Slices, Writers]:
+        """The shards received (host arrays), and each one's sender."""
         slices: Slices = {}
-        origins: dict[tuple[str, Index], int] = {}
+        senders: Writers = {}
         for name, dtype, route, outs in self._moving:
             for received, out in zip(route.receives, outs, strict=True):
                 if out is None:
                     continue
                 on = {s.device: s.data for s in out.addressable_shards}
                 for device, index, sender in received:
-                    if (name, index) not in slices:  # a view on CPU, of the bits sent
-                        slices[(name, index)] = np.asarray(on[device]).view(dtype)
-                        origins[(name, index)] = sender
+                    key = SliceKey(name, index)
+                    if key not in slices:  # a view on CPU, of the bits sent
+                        slices[key] = np.asarray(on[device]).view(dtype)
+                        senders[key] = sender
         self._moving = []
-        return slices, origins
+        return slices, senders
 
 
 def send_shards(

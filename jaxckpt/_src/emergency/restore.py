@@ -22,17 +22,21 @@ from jax.sharding import Mesh
 
 from .. import multihost, restoring, steps
 from .. import per_process as pp
-from ..boxes import Index, from_text, to_text
+from ..boxes import extent, from_text, to_text
 from ..monitoring import Figures
 from ..storage import Location
 from . import local, wire
 from .peers import send_rows
 from .planner import (
+    Bad,
     BadCopy,
     Holdings,
     PeerSlice,
+    SliceKey,
     StepHolding,
     StepUnusable,
+    keys_from_json,
+    keys_to_json,
     plan_sends,
     sent_by,
     shift_rounds,
@@ -76,7 +80,7 @@ def publish_holdings(
             s: StepHolding(
                 ls.digest,
                 {n: len(keys) for n, keys in ls.required.items()},
-                {n: frozenset(h) for n, h in ls.held.items()},
+                frozenset(ls.held),
                 tuple(sorted(int(q) for q in ls.per_process)),
             )
             for s, ls in mine.items()
@@ -108,7 +112,6 @@ def restore_step(
     """
     pid = multihost.process_index()
     tag = f"{tag}/{s}"
-    bad_copies: list[BadCopy] = []
     holders = [p for p, v in enumerate(views) if s in v.steps]
     elected = holders[0]
     docs = multihost.all_gather(
@@ -119,43 +122,44 @@ def restore_step(
     )
     by_name = {r.name: r for r in doc.leaves}
     wants = restoring.wants(doc.leaves, doc.meshes, target, mesh, directory)
-    required = {n: [from_text(k) for k in keys] for n, keys in doc.required.items()}
-    needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
-    needs = {n: [to_text(i) for i in idx] for n, idx in needs.items() if idx}
-    all_needs = [
-        json.loads(v) for v in multihost.all_gather(f"{tag}/needs", json.dumps(needs), timeout_s)
+    required = doc.required
+    needs = [
+        SliceKey(w.record.name, i)
+        for w in wants
+        for i in needed_slices(w, required.get(w.record.name, []))
     ]
+    all_needs = [
+        keys_from_json(json.loads(v))
+        for v in multihost.all_gather(f"{tag}/needs", json.dumps(keys_to_json(needs)), timeout_s)
+    ]
+    my_needs = set(needs)
     # Each process reads (and CRC-checks) the held slices it needs and those it sends; the
     # lowest process with a verified copy sends each slice somebody lacks. A copy failing
     # re-plans, and a new sender reads in another round. Every process computes the same
     # plan from the same published facts, so all run the same number of rounds.
-    read_by = [
-        {(n, k) for n, keys in need.items() for k in keys if views[p].holds(s, n, k)}
-        for p, need in enumerate(all_needs)
-    ]
+    read_by = [{k for k in need if views[p].holds(s, k)} for p, need in enumerate(all_needs)]
     # The plan with no failed copies (the usual case) is known now: senders read what
     # they send in the same round as what they need.
-    first = plan_sends(s, views, holders, all_needs, set(), [])
+    first = plan_sends(s, views, holders, all_needs, {})
     for p in range(len(views)):
         read_by[p] |= sent_by(first, p)
     to_read = set(read_by[pid])
-    my_needs = {(n, from_text(k)) for n, keys in needs.items() for k in keys}
     rows = _rows_to_read_into(first, my_needs, mine, by_name)
     into = {key: v for _, views in rows.values() for key, v in views.items()}
     data: local.Slices = {}
-    bad_set: set[tuple[int, str, str]] = set()
+    bad: Bad = {}
     fig.lap("plan")
     for round_ in range(len(views) + 2):
-        got, bad = (
+        got, failed = (
             ({}, []) if mine is None or not to_read else local.read_slices(mine, to_read, into)
         )
         data.update(got)
-        gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(bad), timeout_s)
+        failed_json = [[k.leaf, to_text(k.box), why] for k, why in failed]
+        gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(failed_json), timeout_s)
         for p, text in enumerate(gathered):
             for name, key, why in json.loads(text):
-                bad_set.add((p, name, key))
-                bad_copies.append(BadCopy(p, name, key, why))
-        sends = plan_sends(s, views, holders, all_needs, bad_set, bad_copies)
+                bad[(p, SliceKey(name, from_text(key)))] = BadCopy(p, name, key, why)
+        sends = plan_sends(s, views, holders, all_needs, bad)
         unread = [sent_by(sends, p) - read_by[p] for p in range(len(views))]
         if not any(unread):
             break
@@ -163,24 +167,18 @@ def restore_step(
         for p, more in enumerate(unread):
             read_by[p] |= more
     else:
-        raise StepUnusable("copies kept failing verification", tuple(bad_copies))
+        raise StepUnusable("copies kept failing verification", tuple(bad.values()))
     fig.lap("read")
-    origins_mine = {
-        (name, from_text(k)): w
-        for name, h in (mine.held if mine else {}).items()
-        for k, w in h.items()
-    }
+    origins_mine = mine.held if mine else {}
     del into
-    sending = {(n, from_text(k)) for n, k in sent_by(sends, pid)}
+    sending = sent_by(sends, pid)
     for key in [k for k in data if k not in my_needs and k not in sending]:
         del data[key]  # read for a plan that a failed copy changed
     used_from = _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s)
     own_pid = mine.process_index if mine else None
-    for name, keys in needs.items():
-        for k in keys:
-            key = (name, from_text(k))
-            if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
-                used_from[key] = (pid, origins_mine[key])
+    for key in my_needs:
+        if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
+            used_from[key] = (pid, origins_mine[key])
     fig.lap("move")
     values = [assemble(w, required.get(w.record.name, []), data) for w in wants]
     records, records_from = _gather_records(s, views, mine, doc.process_count, tag, timeout_s)
@@ -189,7 +187,7 @@ def restore_step(
         restoring.result(target, wants, values),
         doc.process_count,
         tuple(sorted(PeerSlice(n, to_text(i), h, w) for (n, i), (h, w) in used_from.items())),
-        tuple(bad_copies),
+        tuple(bad.values()),
         records,
         records_from,
     )
@@ -223,25 +221,16 @@ def _rows_to_read_into(first, my_needs, mine, by_name) -> dict:
     """
     pid = multihost.process_index()
     mine_first = {r: keys for (a, r), keys in first.items() if a == pid}
-    times: dict[tuple[str, str], int] = {}
+    times: dict[SliceKey, int] = {}
     for keys in mine_first.values():
         for key in keys:
             times[key] = times.get(key, 0) + 1
     rows = {}
     for r, keys in sorted(mine_first.items()):
-        parsed = sorted((n, from_text(k)) for n, k in keys)
-        if mine is None or any(times[k] > 1 for k in keys) or my_needs.intersection(parsed):
+        if mine is None or any(times[k] > 1 for k in keys) or my_needs.intersection(keys):
             continue
-        held = mine.held
         rows[r] = wire.pack_layout(
-            {
-                (n, i): (
-                    by_name[n].storage_dtype,
-                    tuple(b - a for a, b in i),
-                    held[n][to_text(i)],
-                )
-                for n, i in parsed
-            }
+            {k: (by_name[k.leaf].storage_dtype, extent(k.box), mine.held[k]) for k in sorted(keys)}
         )
     return rows
 
@@ -257,14 +246,14 @@ def _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s) -> d
     pid, count = multihost.process_index(), multihost.process_count()
     rounds = shift_rounds(sends, count)
     # slices read only to send: dropped after the last round that sends them
-    last: dict[tuple[str, Index], int] = {}
+    last: dict[SliceKey, int] = {}
     for r, (j, _) in enumerate(rounds):
-        for n, k in sends.get((pid, (pid + j) % count), ()):
-            last[(n, from_text(k))] = r
-    used_from: dict[tuple[str, Index], tuple[int, int]] = {}
+        for k in sends.get((pid, (pid + j) % count), ()):
+            last[k] = r
+    used_from: dict[SliceKey, tuple[int, int]] = {}
     for r, (j, pairs) in enumerate(rounds):
         dst = (pid + j) % count
-        keys = sorted((n, from_text(k)) for n, k in sends.get((pid, dst), ()))
+        keys = sorted(sends.get((pid, dst), ()))
         if keys and dst in rows and sends[(pid, dst)] == first.get((pid, dst)):
             row = rows.pop(dst)[0]  # read into already
         else:
