@@ -281,19 +281,12 @@ class EmergencyCheckpointManager:
         mine, views = self._publish_holdings(tag)
         tries, rejected = candidates(views, step)
         bad_copies: list[BadCopy] = []
+        req = local_restore.Request(
+            self.local_directory, views, target, mesh, tag, self.options.timeout_s, fig
+        )
         for s in tries:
             try:
-                got = local_restore.restore_step(
-                    self.local_directory,
-                    s,
-                    views,
-                    mine.get(s),
-                    target,
-                    mesh,
-                    tag=tag,
-                    timeout_s=self.options.timeout_s,
-                    fig=fig,
-                )
+                got = local_restore.restore_step(req, s, mine.get(s))
             except StepUnusable as e:
                 rejected.append(Rejected(s, str(e)))
                 bad_copies.extend(e.bad_copies)
