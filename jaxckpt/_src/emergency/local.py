@@ -87,8 +87,8 @@ class LocalStep:
     format_version: tuple[int, int] = FORMAT_VERSION
     path: Location | None = field(default=None, compare=False)  # where it was read from
 
-    def to_json(self) -> dict:
-        doc = {"format": LOCAL_FORMAT}
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"format": LOCAL_FORMAT}
         doc.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
         held: dict[str, dict[str, int]] = {}
         for key, writer in self.held.items():
@@ -122,7 +122,7 @@ class LocalStep:
         digest = f.text(f.need(doc, "digest"), "digest")
         if digest != tree_digest(leaves):
             f.bad("digest", f"must be the leaves' digest {tree_digest(leaves)!r}", digest)
-        shapes = {r.name: r.shape for r in leaves if r.has_array and math.prod(r.shape)}
+        shapes = {r.name: r.shape for r in leaves if r.has_array and math.prod(r.shape) > 0}
         required = {
             name: f.items(keys, f"slices[{name!r}]", functools.partial(_index, f, shapes[name]))
             for name, keys in _by_leaf(f, f.need(doc, "slices"), "slices", shapes).items()
@@ -232,7 +232,7 @@ def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int 
         if not rec.has_array or not math.prod(rec.shape):
             continue
         stored = rec.storage_dtype.name
-        chunks = local_chunks(rec.chunk_shape, jnp.dtype(stored).itemsize)
+        chunks = local_chunks(rec.chunk_shape or rec.shape, jnp.dtype(stored).itemsize)
         meta = arrays.zarr_metadata(rec.shape, stored, chunks, None)
         pieces = by_leaf.get(rec.name, [])
         nbytes = sum(get().nbytes for _, get in pieces)

@@ -74,27 +74,23 @@ class Holdings:
     @classmethod
     def from_json(cls, text: str) -> Holdings:
         doc = json.loads(text)
-        steps = {
-            int(s): StepHolding(
-                h["digest"],
-                h["need"],
-                frozenset(keys_from_json(h["held"])),
-                tuple(h["per_process"]),
-            )
-            for s, h in doc["steps"].items()
-        }
+        steps: dict[int, StepHolding] = {}
+        for s, h in doc["steps"].items():
+            held = frozenset(keys_from_json(h["held"]))
+            steps[int(s)] = StepHolding(h["digest"], h["need"], held, tuple(h["per_process"]))
         return cls(tuple(doc["remote"]), steps)
 
 
 # PeerSlice and BadCopy are public (``RecoveryReport``) and have a field ``index``, which
 # shadows tuple.index: mypy refuses that in the class form (an incompatible override), not in
 # the functional one.
+
+# A slice this process used that it did not read from a copy it wrote itself: ``index`` its
+# global index ("0:16,0:8"), ``holder`` the process that read it from its local directory,
+# ``writer`` the process that held it at save time.
 PeerSlice = NamedTuple(  # noqa: UP014
     "PeerSlice", [("leaf", str), ("index", str), ("holder", int), ("writer", int)]
 )
-PeerSlice.__doc__ = """A slice this process used that it did not read from a copy it wrote
-itself: ``index`` its global index ("0:16,0:8"), ``holder`` the process that read it from its
-local directory, ``writer`` the process that held it at save time."""
 
 
 class Rejected(NamedTuple):
@@ -104,17 +100,17 @@ class Rejected(NamedTuple):
     why: str
 
 
+# A local copy that failed to read or verify: the ``process`` holding it, the slice (``leaf``,
+# ``index`` as "0:16,0:8") and ``why``.
 BadCopy = NamedTuple(  # noqa: UP014
     "BadCopy", [("process", int), ("leaf", str), ("index", str), ("why", str)]
 )
-BadCopy.__doc__ = """A local copy that failed to read or verify: the ``process`` holding it,
-the slice (``leaf``, ``index`` as "0:16,0:8") and ``why``."""
 
 
 class StepUnusable(Exception):
     """A local step cannot be assembled after verification; try the next one."""
 
-    def __init__(self, why: str, bad_copies: tuple[BadCopy, ...] = ()):
+    def __init__(self, why: str, bad_copies: tuple[BadCopy, ...] = ()) -> None:
         super().__init__(why)
         self.bad_copies = bad_copies
 

@@ -58,9 +58,8 @@ def needed_slices(w: Want, required: list[Index]) -> list[Index]:
     if rec.kind == "prng_key" or w.sharding is None:
         return list(required)
     shape = tuple(rec.shape)
-    targets = {
-        from_slices(i, shape) for i in w.sharding.addressable_devices_indices_map(shape).values()
-    }
+    indices = w.sharding.addressable_devices_indices_map(shape).values()
+    targets = {from_slices(i, shape) for i in indices if i is not None}
     return [s for s in required if any(intersect(s, t) is not None for t in targets)]
 
 
@@ -92,7 +91,8 @@ def assemble(w: Want, required: list[Index], data: Slices) -> Any:
     if rec.kind == "prng_key" or w.sharding is None:
         full = fill(whole(shape), required, data, rec.name, saved).astype(want, copy=False)
         if rec.kind == "prng_key":
-            key = jax.random.wrap_key_data(full, impl=rec.prng_impl)
+            # jax annotates the key data as an Array but takes any array (stub gap)
+            key = jax.random.wrap_key_data(full, impl=rec.prng_impl)  # type: ignore[arg-type]
             return key if w.sharding is None else place_key(full, w, rec)
         return full[()] if rec.kind == "numpy" and rec.scalar else full
     out = Placement(w.sharding, shape, want)

@@ -48,6 +48,7 @@ from .planner import (
 from .recovery import assemble, needed_slices
 
 _EMPTY = np.zeros(0, np.uint8)
+Rows = dict[int, tuple[np.ndarray, Slices]]  # receiver -> a packed row, its slices' views
 
 
 @dataclass(frozen=True)
@@ -187,29 +188,26 @@ def _gather_needs(
     return [keys_from_json(doc) for doc in at.gather("needs", keys_to_json(mine))]
 
 
-def _rows_to_read_into(
-    at: _Step, first: Moves, needed: set[SliceKey], doc: LocalStep
-) -> dict[int, tuple[np.ndarray, Slices]]:
-    """{receiver: packed row, its slices' views} for the receivers that this process,
-    under the first plan, sends only slices it sends to nobody else and does not need:
-    those are read straight into the row, which then moves without another copy.
+def _rows_to_read_into(at: _Step, first: Moves, needed: set[SliceKey], doc: LocalStep) -> Rows:
+    """The packed rows for the receivers that this process, under the first plan, sends
+    only slices it sends to nobody else and does not need: those are read straight into
+    the row, which then moves without another copy.
     """
+    if at.mine is None:
+        return {}
     mine_first = {r: keys for (a, r), keys in first.items() if a == at.pid}
     times = Counter(key for keys in mine_first.values() for key in keys)
     dtypes = {r.name: r.storage_dtype for r in doc.leaves}
-    rows = {}
-    for r, keys in sorted(mine_first.items()):
-        if at.mine is None or any(times[k] > 1 for k in keys) or needed.intersection(keys):
-            continue
-        held = at.mine.held
-        rows[r] = wire.pack_layout(
-            {k: (dtypes[k.leaf], extent(k.box), held[k]) for k in sorted(keys)}
-        )
-    return rows
+    held = at.mine.held
+    return {
+        r: wire.pack_layout({k: (dtypes[k.leaf], extent(k.box), held[k]) for k in sorted(keys)})
+        for r, keys in sorted(mine_first.items())
+        if all(times[k] == 1 for k in keys) and not needed.intersection(keys)
+    }
 
 
 def _read_verified(
-    at: _Step, needs: list[list[SliceKey]], first: Moves, rows: dict[int, tuple[np.ndarray, Slices]]
+    at: _Step, needs: list[list[SliceKey]], first: Moves, rows: Rows
 ) -> tuple[Slices, Moves, Bad]:
     """Reads (and CRC-checks) the held slices this process needs and those it sends.
 
@@ -251,12 +249,7 @@ def _read_verified(
 
 
 def _move(
-    at: _Step,
-    needed: set[SliceKey],
-    sends: Moves,
-    first: Moves,
-    rows: dict[int, tuple[np.ndarray, Slices]],
-    data: Slices,
+    at: _Step, needed: set[SliceKey], sends: Moves, first: Moves, rows: Rows, data: Slices
 ) -> dict[SliceKey, tuple[int, int]]:
     """Sends each receiver only the slices the plan gives it, one ``ppermute`` round per
     shift ``(receiver - sender) % count`` in use (the same rounds on every process), so a
@@ -285,8 +278,6 @@ def _move(
         for key, at_round in last.items():
             if at_round == r and key not in needed:
                 del data[key]
-        if got is None:
-            continue
         got_slices, got_writers = wire.unpack(got)
         for key, value in got_slices.items():
             if key in needed:

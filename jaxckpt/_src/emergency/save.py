@@ -44,7 +44,7 @@ class Pending:
     doc: Callable[..., local.LocalStep]  # local.LocalStep, less what ``finish`` works out
     peers: PeerCopies | None  # peer copies in flight to this process
     records: dict[int, pp.Record]  # per-process records kept with the step
-    records_tag: str | None  # where the senders' records are left for this process
+    records_tag: str  # where the senders' records are left for this process
     senders: list[int]
 
 
@@ -84,7 +84,7 @@ class LocalSaver:
             sends_to=[(pid + j) % count for j in shifts],
             receives_from=senders,
         )
-        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, None, {}, None, [])
+        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, None, {}, "", [])
         if record is not None:
             out.records[pid] = record
         if shifts:
@@ -101,7 +101,9 @@ class LocalSaver:
                     self._exchange_rows(set(as_rows), out, shifts, tag("peers"), timeout_s)
         return out
 
-    def _exchange_rows(self, names: set[str], out: Pending, shifts, name, timeout_s) -> None:
+    def _exchange_rows(
+        self, names: set[str], out: Pending, shifts: tuple[int, ...], name: str, timeout_s: float
+    ) -> None:
         """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
         per process, exchanged and unpacked here (blocking)."""
         pid = multihost.process_index()
@@ -114,7 +116,9 @@ class LocalSaver:
         for got in send_rows(row, rounds, name=name, timeout_s=timeout_s):
             _keep_new(out, *wire.unpack(got))
 
-    def _snapshot(self, flat: list[tuple[Any, Any]]):
+    def _snapshot(
+        self, flat: list[tuple[Any, Any]]
+    ) -> tuple[local.Slices, dict[str, jax.Array], dict[int, jax.Array]]:
         """Host snapshots of every distinct shard this process holds; the device arrays for
         the peer copies; PRNG keys' data. Unsupported leaves raise here, before anything is
         written."""
@@ -126,11 +130,11 @@ class LocalSaver:
                 continue  # kept in the record
             name = tree_lib.path_name(tree_lib.path_to_json(keypath))  # its record's name
             if isinstance(leaf, (np.ndarray, np.generic)):
-                arr = np.asarray(leaf)
-                check_numpy(arr, name)
-                if arr.size:  # copied: NumPy arrays can change after save returns
-                    key = SliceKey(name, whole(arr.shape))
-                    slices[key] = self.host.snapshot(key, arr, arr.dtype.newbyteorder("="))
+                host = np.asarray(leaf)
+                check_numpy(host, name)
+                if host.size:  # copied: NumPy arrays can change after save returns
+                    key = SliceKey(name, whole(host.shape))
+                    slices[key] = self.host.snapshot(key, host, host.dtype.newbyteorder("="))
                 continue
             if not isinstance(leaf, jax.Array):
                 raise unsupported(leaf, name)

@@ -41,14 +41,11 @@ def pack_layout(specs: Layout, reuse: np.ndarray | None = None) -> tuple[np.ndar
     """A packed buffer for slices of the given (dtype, shape, original writer), and the
     views its slices go into (uninitialized: the caller fills them, e.g. reads into them).
     """
-    offsets, end = [], 0
-    for dtype, shape, _ in specs.values():
-        offsets.append(end)
+    entries: list[tuple[str, str, int, int, str, list[int]]] = []
+    end = 0
+    for key, (dtype, shape, writer) in specs.items():
+        entries.append((key.leaf, to_text(key.box), writer, end, str(dtype), list(shape)))
         end += _aligned(math.prod(shape) * dtype.itemsize)
-    entries = [
-        [key.leaf, to_text(key.box), writer, off, str(dtype), list(shape)]
-        for (key, (dtype, shape, writer)), off in zip(specs.items(), offsets, strict=True)
-    ]
     header = json.dumps(entries).encode()
     start = _aligned(8 + len(header))
     # aligned, so the peer exchange hands it to the device without another copy; only the
@@ -61,16 +58,16 @@ def pack_layout(specs: Layout, reuse: np.ndarray | None = None) -> tuple[np.ndar
     buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
     buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
     views: Slices = {}
-    for (key, (dtype, shape, _)), off in zip(specs.items(), offsets, strict=True):
+    for (_, _, _, off, _, _), (key, (dtype, shape, _)) in zip(entries, specs.items(), strict=True):
         n = math.prod(shape) * dtype.itemsize
         views[key] = buf[start + off : start + off + n].view(dtype).reshape(shape)
         buf[start + off + n : start + off + _aligned(n)] = 0
     return buf, views
 
 
-def unpack(buf: np.ndarray) -> tuple[Slices, Writers]:
-    """The slices (views into ``buf``) and their original writers."""
-    if buf.size < 8:
+def unpack(buf: np.ndarray | None) -> tuple[Slices, Writers]:
+    """The slices (views into ``buf``) and their original writers (none in no buffer)."""
+    if buf is None or buf.size < 8:
         return {}, {}
     (hlen,) = struct.unpack("<Q", buf[:8].tobytes())
     if hlen == 0:
