@@ -1,22 +1,22 @@
 """``EmergencyCheckpointManager``: frequent saves to each host's local disk, rare remote ones.
 
 Local tier (every ``local_interval_steps``): each process writes every distinct shard it
-holds to its own ``local_directory`` (see :mod:`jaxckpt._src.emergency.local`); with ``replication=k`` it
-also sends them to k other processes ``p + j`` (mod the process count; shifts ``j`` chosen
-once so that copies leave their host, ``peers.peer_shifts``; written in ``local.json``)
-through a JAX collective (``ppermute``, device to device, see :mod:`jaxckpt._src.emergency.peers`), which
-store them too.
-``save`` only starts the transfer; the writer thread waits for it (both halves in
-:mod:`jaxckpt._src.emergency.save`). No cross-host filesystem traffic, no barrier: each process
-commits its own copy.
+holds to its own ``local_directory`` (see :mod:`jaxckpt._src.emergency.local`); with
+``replication=k`` it also sends them to k other processes ``p + j`` (mod the process count;
+shifts ``j`` chosen once so that copies leave their host, ``peers.peer_shifts``; written in
+``local.json``) through a JAX collective (``ppermute``, device to device, see
+:mod:`jaxckpt._src.emergency.peers`), which store them too. ``save`` only starts the
+transfer; the writer thread waits for it (both halves in :mod:`jaxckpt._src.emergency.save`).
+No cross-host filesystem traffic, no barrier: each process commits its own copy.
 
 Remote tier (every ``remote_interval_steps``): a normal checkpoint through an inner
 :class:`CheckpointManager`.
 
 Restore: processes publish what they hold through the ``jax.distributed`` key-value store and
 take the newest step whose every slice is held by somebody, unless the remote tier has a newer
-one; they assemble it from their local copies (see :mod:`jaxckpt._src.emergency.restore`), or try the
-next older step when it proves unusable, and fall back to the remote tier.
+one; they assemble it from their local copies (see :mod:`jaxckpt._src.emergency.restore`), or
+try the next older step when it proves unusable, and fall back to the remote tier. The
+folder's README.md walks through both protocols.
 """
 
 from __future__ import annotations

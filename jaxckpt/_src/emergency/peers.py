@@ -7,10 +7,10 @@
   waited for by the writer thread. ``save`` therefore does not wait for the transfer.
   Floating-point shards travel as unsigned integers of their width and 1- and 2-bit
   integers as packed rows (``bits``): no bit changes on the way.
-* ``send_rows``: packed byte rows, one device per process, in ``ppermute`` rounds of
-  (partial) permutations: on save, the peer copies of leaves that cannot go device to device (arrays
-  on a subset of the processes, or uneven shards); on restore, missing slices, only to the
-  process that needs them.
+* ``send_rows``: packed byte rows (:mod:`jaxckpt._src.emergency.wire`), one device per
+  process, in ``ppermute`` rounds of (partial) permutations: on save, the peer copies of
+  leaves that cannot go device to device (arrays on a subset of the processes, or uneven
+  shards); on restore, missing slices, only to the process that needs them.
 """
 
 from __future__ import annotations

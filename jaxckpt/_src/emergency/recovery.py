@@ -1,9 +1,9 @@
-"""Restoring from copies held by several processes: who sends what, and assembling leaves.
+"""Building leaves out of the saved slices at hand, and the report of an emergency restore.
 
-Slices are identified by their global index, never by device id: ``plan_sends`` picks, for
-every slice a process needs and lacks, the lowest process holding a verified copy (sent to
-that process alone, in ``shift_rounds`` of ``ppermute``);
-``fill``/``assemble`` cut any needed region out of whatever saved slices cover it.
+Slices are identified by their global index, never by device id: ``needed_slices`` says
+which saved slices a process needs for its part of a leaf, ``fill``/``assemble`` cut any
+needed region out of whatever saved slices cover it and place the leaf. (Who sends which
+slice to whom is planned in :mod:`jaxckpt._src.emergency.planner`.)
 """
 
 from __future__ import annotations

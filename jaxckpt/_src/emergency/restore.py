@@ -7,8 +7,9 @@ to it alone by the lowest verified holder: one ``ppermute`` of packed rows per s
 Slices are placed by global index, never by device id, so renumbered processes or a
 different process count work when the copies cover every slice.
 
-Who sends what is planned in :mod:`jaxckpt._src.emergency.recovery`; which step to restore is chosen by
-:class:`jaxckpt.EmergencyCheckpointManager`.
+Who sends what is planned in :mod:`jaxckpt._src.emergency.planner`, leaves are cut out of
+the slices at hand in :mod:`jaxckpt._src.emergency.recovery`; which step to restore is chosen
+by :class:`jaxckpt.EmergencyCheckpointManager`.
 """
 
 from __future__ import annotations

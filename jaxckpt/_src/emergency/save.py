@@ -4,7 +4,8 @@ On the calling thread only what cannot wait (:meth:`LocalSaver.start`): host sna
 every distinct shard this process holds (views on CPU) and the dispatch of the peer copies,
 device to device, with this process's per-process record beside them. The writer thread
 (:func:`finish`) waits for what the peers send, describes the leaves from their metadata and
-writes the step (:func:`local.write_step`). The restore side is :mod:`local_restore`.
+writes the step (:func:`local.write_step`). The restore side is
+:mod:`jaxckpt._src.emergency.restore`.
 """
 
 from __future__ import annotations
