@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from .. import multihost, restoring, steps
 from .. import per_process as pp
-from ..boxes import Index, extent, from_text, to_text
+from ..boxes import extent, from_text, to_text
 from ..monitoring import Figures
 from ..restoring import Want
 from ..storage import Location
@@ -49,7 +49,9 @@ from .planner import (
 from .recovery import assemble, needed_slices
 
 _EMPTY = np.zeros(0, np.uint8)
+Needs = list[list[SliceKey]]  # per process: the saved slices it must have
 Rows = dict[int, tuple[np.ndarray, Slices]]  # receiver -> a packed row, its slices' views
+Moved = dict[SliceKey, tuple[int, int]]  # slice -> (holder, writer), for slices moved here
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def restore_step(req: Request, s: int, mine: LocalStep | None) -> Restored:
     at = _Step(req, s, mine, [p for p, v in enumerate(req.views) if s in v.steps])
     doc = _agree_on_doc(at)
     wants = restoring.wants(doc.leaves, doc.meshes, req.target, req.mesh, req.directory)
-    needs = _gather_needs(at, wants, doc.required)
+    needs = _gather_needs(at, wants, doc)
     needed = set(needs[at.pid])
     first = at.plan(needs, {})  # the plan if no copy fails, the usual case
     rows = _rows_to_read_into(at, first, needed, doc)
@@ -150,10 +152,7 @@ class _Step:
     s: int
     mine: LocalStep | None  # this process's copy (None: it has none)
     holders: list[int]  # the processes holding a copy, lowest first
-
-    @property
-    def pid(self) -> int:
-        return multihost.process_index()
+    pid: int = field(default_factory=multihost.process_index)  # this process
 
     def name(self, what: str) -> str:
         """The name of one of this step's exchanges (the same on every process)."""
@@ -164,7 +163,7 @@ class _Step:
         texts = multihost.all_gather(self.name(what), json.dumps(value), self.req.timeout_s)
         return [json.loads(text) for text in texts]
 
-    def plan(self, needs: list[list[SliceKey]], bad: Bad) -> Moves:
+    def plan(self, needs: Needs, bad: Bad) -> Moves:
         """Who sends which slice to whom (``planner.plan_sends``), without the ``bad`` copies."""
         return plan_sends(self.s, self.req.views, self.holders, needs, bad)
 
@@ -177,14 +176,12 @@ def _agree_on_doc(at: _Step) -> LocalStep:
     return LocalStep.from_json(doc, where=f"process {elected}'s step {at.s}")
 
 
-def _gather_needs(
-    at: _Step, wants: list[Want], required: dict[str, list[Index]]
-) -> list[list[SliceKey]]:
+def _gather_needs(at: _Step, wants: list[Want], doc: LocalStep) -> Needs:
     """The saved slices each process must have to build its part of ``wants``."""
     mine = [
         SliceKey(w.record.name, box)
         for w in wants
-        for box in needed_slices(w, required.get(w.record.name, []))
+        for box in needed_slices(w, doc.required.get(w.record.name, []))
     ]
     return [keys_from_json(doc) for doc in at.gather("needs", keys_to_json(mine))]
 
@@ -207,9 +204,7 @@ def _rows_to_read_into(at: _Step, first: Moves, needed: set[SliceKey], doc: Loca
     }
 
 
-def _read_verified(
-    at: _Step, needs: list[list[SliceKey]], first: Moves, rows: Rows
-) -> tuple[Slices, Moves, Bad]:
+def _read_verified(at: _Step, needs: Needs, first: Moves, rows: Rows) -> tuple[Slices, Moves, Bad]:
     """Reads (and CRC-checks) the held slices this process needs and those it sends.
 
     A copy failing re-plans without it, and a new sender reads in another round. Every
@@ -251,7 +246,7 @@ def _read_verified(
 
 def _move(
     at: _Step, needed: set[SliceKey], sends: Moves, first: Moves, rows: Rows, data: Slices
-) -> dict[SliceKey, tuple[int, int]]:
+) -> Moved:
     """Sends each receiver only the slices the plan gives it, one ``ppermute`` round per
     shift ``(receiver - sender) % count`` in use (the same rounds on every process), so a
     process holds at most the row it sends and the row it receives of one round (and the
@@ -266,7 +261,7 @@ def _move(
     last = {
         k: r for r, (j, _) in enumerate(rounds) for k in sends.get((pid, (pid + j) % count), ())
     }
-    moved: dict[SliceKey, tuple[int, int]] = {}
+    moved: Moved = {}
     for r, (j, pairs) in enumerate(rounds):
         dst = (pid + j) % count
         keys = sorted(sends.get((pid, dst), ()))
@@ -288,15 +283,13 @@ def _move(
     return moved
 
 
-def _from_peers(
-    at: _Step, needed: set[SliceKey], moved: dict[SliceKey, tuple[int, int]]
-) -> tuple[PeerSlice, ...]:
+def _from_peers(at: _Step, needed: set[SliceKey], moved: Moved) -> tuple[PeerSlice, ...]:
     """The slices this process used that it did not write itself: those ``moved`` to it,
     and the peer copies on its own disk."""
     writers = at.mine.held if at.mine else {}
     own = at.mine.process_index if at.mine else None
     on_disk = {k: (at.pid, writers[k]) for k in needed if writers.get(k, own) != own}
-    used = {**on_disk, **moved}
+    used = {**on_disk, **moved}  # moved here wins over read here
     return tuple(sorted(PeerSlice(k.leaf, to_text(k.box), *hw) for k, hw in used.items()))
 
 

@@ -205,10 +205,9 @@ def _required(
     for i, (rec, (_, leaf)) in enumerate(zip(records, flat, strict=True)):
         if not rec.has_array or not math.prod(rec.shape):
             continue
-        arr = key_data.get(i, leaf)
-        out[rec.name] = (
-            [whole(rec.shape)]
-            if rec.kind == "numpy"
-            else list(layout(arr.sharding, arr.shape).indices)
-        )
+        if rec.kind == "numpy":
+            out[rec.name] = [whole(rec.shape)]
+        else:
+            arr = key_data.get(i, leaf)
+            out[rec.name] = list(layout(arr.sharding, arr.shape).indices)
     return out

@@ -79,10 +79,8 @@ def unpack(buf: np.ndarray | None) -> tuple[Slices, Writers]:
         dt = jnp.dtype(dtype)
         key = SliceKey(leaf, from_text(text))
         n = math.prod(shape) * dt.itemsize
-        slices[key], writers[key] = (
-            buf[start + off : start + off + n].view(dt).reshape(shape),
-            writer,
-        )
+        slices[key] = buf[start + off : start + off + n].view(dt).reshape(shape)
+        writers[key] = writer
     return slices, writers
 
 
