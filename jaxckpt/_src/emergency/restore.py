@@ -115,7 +115,9 @@ def restore_step(req: Request, s: int, mine: LocalStep | None) -> Restored:
     """Restores step ``s`` from the processes' local copies; every process calls it, with
     ``mine`` its own copy of ``s`` (None: it has none).
 
-    Returns the state with where its slices came from and the copies that failed to verify.
+    The phases: agree on the step's ``local.json``; gather what each process needs; plan who
+    sends what; read and verify (re-planning around failed copies); move what each process
+    lacks; assemble the leaves; gather the per-process records. Returns the state with where its slices came from and the copies that failed to verify.
     Raises :class:`StepUnusable` (with the bad copies) when the step cannot be assembled
     after all.
     """
@@ -183,7 +185,7 @@ def _gather_needs(at: _Step, wants: list[Want], doc: LocalStep) -> Needs:
         for w in wants
         for box in needed_slices(w, doc.required.get(w.record.name, []))
     ]
-    return [keys_from_json(doc) for doc in at.gather("needs", keys_to_json(mine))]
+    return [keys_from_json(theirs) for theirs in at.gather("needs", keys_to_json(mine))]
 
 
 def _rows_to_read_into(at: _Step, first: Moves, needed: set[SliceKey], doc: LocalStep) -> Rows:
