@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src.emergency import local
+from jaxckpt._src.emergency import wire
+from jaxckpt._src.emergency.planner import SliceKey
 from jaxckpt._src.options import OptionsError
 from jaxckpt.errors import CheckpointNotFoundError, UnsupportedLeafError
 
@@ -227,16 +228,16 @@ def test_numpy_leaves_are_snapshots_in_native_order(tmp_path, mesh42):
 
 def test_pack_unpack_roundtrip():
     slices = {
-        ("a", ((0, 2), (0, 3))): np.arange(6, dtype=np.float32).reshape(2, 3),
-        ("b", ((4, 5),)): np.array([7], jax.numpy.bfloat16),
-        ("c", ()): np.array(3, np.int64),
+        SliceKey("a", ((0, 2), (0, 3))): np.arange(6, dtype=np.float32).reshape(2, 3),
+        SliceKey("b", ((4, 5),)): np.array([7], jax.numpy.bfloat16),
+        SliceKey("c", ()): np.array(3, np.int64),
     }
     origins = dict.fromkeys(slices, 2)
-    got, got_origins = local.unpack(local.pack(slices, origins))
+    got, got_origins = wire.unpack(wire.pack(slices, origins))
     assert got_origins == origins
     for k, v in slices.items():
         assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes()
-    assert local.unpack(local.pack({}, {})) == ({}, {})
+    assert wire.unpack(wire.pack({}, {})) == ({}, {})
 
 
 def test_options(tmp_path):

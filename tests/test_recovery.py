@@ -5,9 +5,11 @@ saved ones. (The multi-process runs are in tests/test_emergency.py.)"""
 import numpy as np
 import pytest
 
-from jaxckpt._src.boxes import intersect
+from jaxckpt._src.boxes import from_text, intersect
 from jaxckpt._src.emergency.planner import (
+    BadCopy,
     Holdings,
+    SliceKey,
     StepHolding,
     StepUnusable,
     candidates,
@@ -20,9 +22,20 @@ from jaxckpt._src.emergency.recovery import fill
 S = 7  # the step
 
 
+def key(text: str, leaf: str = "w") -> SliceKey:
+    """Slice ``text`` ("0:2") of ``leaf``."""
+    return SliceKey(leaf, from_text(text))
+
+
+def keys(texts: list[str]) -> frozenset[SliceKey]:
+    return frozenset(map(key, texts))
+
+
 def view(held: dict[str, list[str]], need=None, digest="d") -> Holdings:
-    """What a process publishes it holds of step S (as local_restore.publish_holdings)."""
-    holding = StepHolding(digest, need or {"w": 4}, {n: frozenset(k) for n, k in held.items()})
+    """What a process publishes it holds of step S (as restore.publish_holdings)."""
+    holding = StepHolding(
+        digest, need or {"w": 4}, frozenset(key(k, n) for n, ks in held.items() for k in ks)
+    )
     return Holdings((), {S: holding})
 
 
@@ -47,24 +60,26 @@ def test_uncovered(views, why):
     "held, needs, bad, sends",
     [
         # process 1 lost its disk: process 0 (its peer copy) sends it everything it needs
-        ([ALL, []], [{"w": ALL[:2]}, {"w": ALL[2:]}], set(), {(0, 1): {("w", k) for k in ALL[2:]}}),
+        ([ALL, []], [ALL[:2], ALL[2:]], set(), {(0, 1): keys(ALL[2:])}),
         # both hold copies: the lowest holder sends, nobody sends what the receiver has
-        ([ALL, ALL[:2], ALL], [{}, {"w": ALL}, {}], set(), {(0, 1): {("w", k) for k in ALL[2:]}}),
+        ([ALL, ALL[:2], ALL], [[], ALL, []], set(), {(0, 1): keys(ALL[2:])}),
         # process 0's copy of 4:6 is bad: the next holder (2) sends that one
         (
             [ALL, [], ALL],
-            [{}, {"w": ["2:4", "4:6"]}, {}],
-            {(0, "w", "4:6")},
-            {(0, 1): {("w", "2:4")}, (2, 1): {("w", "4:6")}},
+            [[], ["2:4", "4:6"], []],
+            {(0, "4:6")},
+            {(0, 1): keys(["2:4"]), (2, 1): keys(["4:6"])},
         ),
         # permuted process ids: only what is held counts, not who saved it
-        ([[], ALL], [{"w": ALL[:1]}, {}], set(), {(1, 0): {("w", "0:2")}}),
+        ([[], ALL], [ALL[:1], []], set(), {(1, 0): keys(["0:2"])}),
     ],
 )
 def test_plan_sends(held, needs, bad, sends):
+    """``needs`` and ``bad`` name slices of leaf w by their text."""
     views = [view({"w": h}) for h in held]
     holders = [p for p, h in enumerate(held) if h]
-    assert plan_sends(S, views, holders, needs, bad, sorted(bad)) == sends
+    bad = {(p, key(k)): BadCopy(p, "w", k, "crc") for p, k in bad}
+    assert plan_sends(S, views, holders, [[key(k) for k in n] for n in needs], bad) == sends
 
 
 def test_candidates_newest_coverable_first_and_why_the_others_are_not():
@@ -72,7 +87,7 @@ def test_candidates_newest_coverable_first_and_why_the_others_are_not():
         out = [Holdings(tuple(remote), {}), Holdings(tuple(remote), {})]
         for name, (held0, held1) in steps.items():
             for v, held in zip(out, (held0, held1), strict=True):
-                v.steps[int(name[1:])] = StepHolding("d", {"w": 4}, {"w": frozenset(held)})
+                v.steps[int(name[1:])] = StepHolding("d", {"w": 4}, keys(held))
         return out
 
     both = (ALL[:2], ALL[2:])
@@ -87,14 +102,15 @@ def test_candidates_newest_coverable_first_and_why_the_others_are_not():
 
 def test_a_slice_nobody_holds_verified_makes_the_step_unusable():
     views = [view({"w": ALL}), view({"w": []})]
+    bad = {(0, key("6:8")): BadCopy(0, "w", "6:8", "crc")}
     with pytest.raises(StepUnusable, match=r"no verified copy of w\[6:8\]"):
-        plan_sends(S, views, [0], [{}, {"w": ["6:8"]}], {(0, "w", "6:8")}, [(0, "w", "6:8", "crc")])
+        plan_sends(S, views, [0], [[], [key("6:8")]], bad)
 
 
 def test_holdings_travel_as_json_unchanged():
-    h = Holdings((3, 5), {S: StepHolding("d", {"w": 4}, {"w": frozenset(ALL[:2])}, (0, 1))})
+    h = Holdings((3, 5), {S: StepHolding("d", {"w": 4}, keys(ALL[:2]), (0, 1))})
     assert Holdings.from_json(h.to_json()) == h
-    assert h.holds(S, "w", "0:2") and not h.holds(S, "w", "4:6") and not h.holds(8, "w", "0:2")
+    assert h.holds(S, key("0:2")) and not h.holds(S, key("4:6")) and not h.holds(8, key("0:2"))
 
 
 def test_shift_rounds_are_partial_permutations_in_order():

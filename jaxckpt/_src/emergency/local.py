@@ -7,19 +7,17 @@ says which global slices are in there and which process originally wrote each; `
 is written last. A step is written in ``<step>.tmp-<id>``, renamed into place (parent
 fsynced), then marked; TensorStore's file driver fsyncs the data files it writes. Every chunk
 carries a CRC32C (zarr codec), checked on read.
-
-Also here: packing held slices into one byte buffer (and back), for the peer exchange.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import math
-import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +27,7 @@ import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
 from .. import arrays, steps
-from ..boxes import Index, from_text, to_text
+from ..boxes import Index, extent, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
 from ..manifest import (
     COMMIT_FILE,
@@ -40,19 +38,19 @@ from ..manifest import (
     meshes_from_json,
 )
 from ..storage import Location
+from .planner import SliceKey
 
 log = logging.getLogger("jaxckpt")
 
 LOCAL_FILE = "local.json"
 LOCAL_FORMAT = "jaxckpt-local"
-_ALIGN = 64
 # Local chunks are at most this big: TensorStore reads and CRC-checks a chunk into a
 # temporary buffer of its size before copying it out, so shard-sized chunks (hundreds of MiB)
 # double the fresh host memory a restore touches and serialize the checks of a shard.
 LOCAL_CHUNK_BYTES = 16 << 20
 
-# A held slice: (leaf name, global index) -> host data in the stored dtype.
-Slices = dict[tuple[str, Index], np.ndarray]
+Slices = dict[SliceKey, np.ndarray]  # held slices' host data, in the stored dtype
+Writers = dict[SliceKey, int]  # the process that held each slice when the step was saved
 
 
 def tree_digest(records: Iterable[LeafRecord]) -> str:
@@ -66,8 +64,9 @@ def tree_digest(records: Iterable[LeafRecord]) -> str:
 class LocalStep:
     """One process's copy of a step, as its ``local.json`` describes it (docs/FORMAT.md).
 
-    held: {leaf: {index key: original writer process}}, the slices in ``arrays/``;
-    required: {leaf: [index key]}, every slice the step needs, from any process;
+    held: the slices in ``arrays/`` and the process that held each at save time;
+    required: {leaf: [global index]}, every slice the step needs, from any process
+    (``slices`` in the file);
     per_process: {process index: its ``per_process.Record`` as JSON}, this process's own
     and those its peers sent with their copies (1.4).
     """
@@ -78,8 +77,8 @@ class LocalStep:
     digest: str
     meshes: list[dict]
     leaves: tuple[LeafRecord, ...]
-    held: dict[str, dict[str, int]]
-    required: dict[str, list[str]]
+    held: Writers
+    required: dict[str, list[Index]]
     replication: int = 0
     hosts: list[str] = field(default_factory=list)
     sends_to: list[int] = field(default_factory=list)
@@ -88,14 +87,19 @@ class LocalStep:
     format_version: tuple[int, int] = FORMAT_VERSION
     path: Location | None = field(default=None, compare=False)  # where it was read from
 
-    def to_json(self) -> dict:
-        doc = {"format": LOCAL_FORMAT}
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"format": LOCAL_FORMAT}
         doc.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        held: dict[str, dict[str, int]] = {}
+        for key, writer in self.held.items():
+            held.setdefault(key.leaf, {})[to_text(key.box)] = writer
         doc.update(
             format_version=list(self.format_version),
             leaves=[r.to_dict() for r in self.leaves],
-            slices=doc.pop("required"),  # the field's name in local.json
+            held=held,
+            slices={n: [to_text(i) for i in idx] for n, idx in self.required.items()},
         )
+        del doc["required"]  # ``slices`` in local.json
         del doc["path"]
         return doc
 
@@ -118,24 +122,21 @@ class LocalStep:
         digest = f.text(f.need(doc, "digest"), "digest")
         if digest != tree_digest(leaves):
             f.bad("digest", f"must be the leaves' digest {tree_digest(leaves)!r}", digest)
-        shapes = {r.name: r.shape for r in leaves if r.has_array and math.prod(r.shape)}
+        shapes = {r.name: r.shape for r in leaves if r.has_array and math.prod(r.shape) > 0}
         required = {
-            name: f.items(
-                keys, f"slices[{name!r}]", lambda k, at, n=name: _index(f, k, at, shapes[n])
-            )
+            name: f.items(keys, f"slices[{name!r}]", functools.partial(_index, f, shapes[name]))
             for name, keys in _by_leaf(f, f.need(doc, "slices"), "slices", shapes).items()
         }
+        held_doc = _by_leaf(f, f.need(doc, "held"), "held", shapes)
         held = {
-            name: {
-                _index(f, k, f"held[{name!r}]", shapes[name]): f.integer(
-                    w, f"held[{name!r}][{k!r}]", hi=count - 1
-                )
-                for k, w in f.obj(by, f"held[{name!r}]").items()
-            }
-            for name, by in _by_leaf(f, f.need(doc, "held"), "held", shapes).items()
+            SliceKey(name, _index(f, shapes[name], k, f"held[{name!r}]")): f.integer(
+                w, f"held[{name!r}][{k!r}]", hi=count - 1
+            )
+            for name, by in held_doc.items()
+            for k, w in f.obj(by, f"held[{name!r}]").items()
         }
-        for name, by in held.items():
-            if not set(by) <= set(required.get(name, ())):
+        for name, by in held_doc.items():
+            if not {from_text(k) for k in by} <= set(required.get(name, ())):
                 f.bad(f"held[{name!r}]", "holds a slice its 'slices' does not list", sorted(by))
         peers = [
             f.items(doc.get(k, []), k, lambda v, at: f.integer(v, at, hi=count - 1))
@@ -166,7 +167,7 @@ class LocalStep:
         )
 
 
-def _by_leaf(f: Fields, v: Any, at: str, shapes: dict[str, list[int]]) -> dict:
+def _by_leaf(f: Fields, v: Any, at: str, shapes: dict[str, list[int]]) -> dict[str, Any]:
     """``v``, an object keyed by names of leaves with array data."""
     for name in f.obj(v, at):
         if name not in shapes:
@@ -174,17 +175,20 @@ def _by_leaf(f: Fields, v: Any, at: str, shapes: dict[str, list[int]]) -> dict:
     return v
 
 
-def _index(f: Fields, key: Any, at: str, shape: list[int]) -> str:
-    """An index key (``0:16,0:8``, ``-`` for 0-d) inside ``shape``."""
+def _index(f: Fields, shape: list[int], key: Any, at: str) -> Index:
+    """The global index that an index key (``0:16,0:8``, ``-`` for 0-d) inside ``shape``
+    names; only the form ``to_text`` writes is one."""
     try:
         index = from_text(f.text(key, at))
     except ValueError:
+        index = None
+    if index is None or to_text(index) != key:
         f.bad(at, "has an index that is not 'a:b,c:d'", key)
     if len(index) != len(shape) or any(
         not 0 <= a < b <= n for (a, b), n in zip(index, shape, strict=False)
     ):
         f.bad(at, f"has an index outside the leaf's shape {shape}", key)
-    return key
+    return index
 
 
 def parse_step(text: bytes, *, where: str, path: Location | None = None) -> LocalStep:
@@ -220,15 +224,15 @@ def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int 
     """Writes one committed local step (tmp dir, rename, marker last) holding ``slices``
     (``doc.held`` lists them); returns its path."""
     final = steps.step_dir(directory, doc.step, digits)
-    by_leaf: dict[str, list] = {}
-    for (name, index), data in slices.items():
-        by_leaf.setdefault(name, []).append((index, lambda d=data: d))
+    by_leaf: dict[str, list[tuple[Index, Callable[[], np.ndarray]]]] = {}
+    for key, data in slices.items():
+        by_leaf.setdefault(key.leaf, []).append((key.box, data.view))  # the data, uncopied
     writes = []
     for rec in doc.leaves:
         if not rec.has_array or not math.prod(rec.shape):
             continue
         stored = rec.storage_dtype.name
-        chunks = local_chunks(rec.chunk_shape, jnp.dtype(stored).itemsize)
+        chunks = local_chunks(rec.chunk_shape or rec.shape, jnp.dtype(stored).itemsize)
         meta = arrays.zarr_metadata(rec.shape, stored, chunks, None)
         pieces = by_leaf.get(rec.name, [])
         nbytes = sum(get().nbytes for _, get in pieces)
@@ -239,14 +243,6 @@ def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int 
         arrays.write(db, writes)
         work.write_bytes(LOCAL_FILE, json.dumps(doc.to_json()).encode())
     return final
-
-
-def held_keys(slices: Slices, origins: dict[tuple[str, Index], int]) -> dict[str, dict[str, int]]:
-    """``LocalStep.held`` for these slices and their original writers."""
-    held: dict[str, dict[str, int]] = {}
-    for name, index in slices:
-        held.setdefault(name, {})[to_text(index)] = origins[(name, index)]
-    return held
 
 
 def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
@@ -264,128 +260,58 @@ def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
 
 
 def read_slices(
-    step: LocalStep, wanted: Iterable[tuple[str, str]], into: Slices | None = None
-) -> tuple[Slices, list[tuple[str, str, str]]]:
-    """Reads the held slices in ``wanted`` ((leaf, index key) pairs), verifying checksums.
+    step: LocalStep, wanted: Iterable[SliceKey], into: Slices | None = None
+) -> tuple[Slices, list[tuple[SliceKey, str]]]:
+    """Reads the slices in ``wanted`` that ``step`` holds, verifying checksums.
 
-    Returns (slices read, [(leaf, index key, why)] for copies that failed to read: those
-    count as missing, their data is never used). A slice with a buffer in ``into`` (same
-    shape and item size, e.g. a view into a ``pack_layout`` buffer) is read into it.
+    Returns (slices read, [(slice, why)] for copies that failed to read: those count as
+    missing, their data is never used). A slice with a buffer in ``into`` (same shape and
+    item size, e.g. a view into a ``wire.pack_layout`` buffer) is read into it.
     """
     into = into or {}
+    assert step.path is not None  # a step read from a directory
     db = step.path.join("arrays")
     ctx = arrays.new_context()
-    by_leaf: dict[str, list[str]] = {}
-    for name, k in sorted(wanted):
-        if k in step.held.get(name, {}):
-            by_leaf.setdefault(name, []).append(k)
-    futures = []
-    bad: list[tuple[str, str, str]] = []
+    by_leaf: dict[str, list[SliceKey]] = {}
+    for key in sorted(wanted):
+        if key in step.held:
+            by_leaf.setdefault(key.leaf, []).append(key)
+    futures: list[tuple[SliceKey, Callable[[], np.ndarray]]] = []
+    bad: list[tuple[SliceKey, str]] = []
     for name, keys in by_leaf.items():
         try:
             store = arrays.open_leaf(db, name, ctx).result()
         except Exception as e:
-            bad.extend((name, k, f"cannot open: {e}") for k in keys)
+            bad.extend((key, f"cannot open: {e}") for key in keys)
             continue
-        for k in keys:
-            index = from_text(k)
-            dst = into.get((name, index))
-            dtype = store.dtype.numpy_dtype
+        dtype = store.dtype.numpy_dtype
+        for key in keys:
+            dst = into.get(key)
             if (
                 dst is not None
-                and dst.shape == tuple(b - a for a, b in index)
+                and dst.shape == extent(key.box)
                 and dst.dtype.itemsize == dtype.itemsize
             ):
-                futures.append((name, k, _read_into(store, index, dst.view(dtype))))
+                futures.append((key, _read_into(store, key.box, dst.view(dtype))))
             else:
-                futures.append((name, k, arrays.read_slice(store, index)))
+                futures.append((key, arrays.read_slice(store, key.box).result))
     out: Slices = {}
-    for name, k, fut in futures:
+    for key, result in futures:
         try:
-            out[(name, from_text(k))] = fut.result()
+            out[key] = result()
         except Exception as e:
-            err = arrays.read_error(e, leaf=name, db=db, writers=lambda _k: db.url)
-            bad.append((name, k, f"{type(err).__name__}: {err}"))
+            err = arrays.read_error(e, leaf=key.leaf, db=db, writers=lambda _k: db.url)
+            bad.append((key, f"{type(err).__name__}: {err}"))
     arrays.release_free_memory()
     return out, bad
 
 
-class _read_into:
-    """Reads ``store[index]`` into ``dst``; ``result()`` waits and returns ``dst``."""
+def _read_into(store: ts.TensorStore, box: Index, dst: np.ndarray) -> Callable[[], np.ndarray]:
+    """Starts reading ``store[box]`` into ``dst``; the function returned waits, returns ``dst``."""
+    written = ts.array(dst, copy=False, write=True).write(store[tuple(slice(a, b) for a, b in box)])
 
-    def __init__(self, store: ts.TensorStore, index: Index, dst: np.ndarray):
-        target = ts.array(dst, copy=False, write=True)
-        self.fut, self.dst = target.write(store[tuple(slice(a, b) for a, b in index)]), dst
+    def result() -> np.ndarray:
+        written.result()
+        return dst
 
-    def result(self) -> np.ndarray:
-        self.fut.result()
-        return self.dst
-
-
-# --- packing slices into one byte buffer -----------------------------------------------------
-
-
-def pack(
-    slices: Slices, origins: dict[tuple[str, Index], int], reuse: np.ndarray | None = None
-) -> np.ndarray:
-    """One uint8 buffer: header length (8 bytes), JSON header, then each slice 64-aligned.
-
-    ``reuse``: an earlier packed buffer to fill again when it is big enough (writing into
-    fresh memory is far slower than into memory already touched).
-    """
-    specs = {k: (d.dtype, d.shape, origins[k]) for k, d in slices.items()}
-    buf, views = pack_layout(specs, reuse)
-    for key, data in slices.items():
-        if data.nbytes:
-            np.copyto(views[key], data, casting="no")
-    return buf
-
-
-def pack_layout(
-    specs: dict[tuple[str, Index], tuple[np.dtype, tuple[int, ...], int]],
-    reuse: np.ndarray | None = None,
-) -> tuple[np.ndarray, Slices]:
-    """A packed buffer for slices of the given (dtype, shape, original writer), and the
-    views its slices go into (uninitialized: the caller fills them, e.g. reads into them).
-    """
-    entries, offset = [], 0
-    for (name, index), (dtype, shape, origin) in specs.items():
-        entries.append([name, to_text(index), origin, offset, str(dtype), list(shape)])
-        offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    header = json.dumps(entries).encode()
-    start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
-    # aligned, so the peer exchange hands it to the device without another copy; only the
-    # header and the padding are zeroed (the slices overwrite the rest)
-    if reuse is not None and reuse.size >= start + offset:
-        buf = reuse[: start + offset]  # same start address: still aligned
-    else:
-        buf = arrays.aligned_empty((start + offset,), np.dtype(np.uint8))
-    buf[:start] = 0
-    buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
-    buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
-    views: Slices = {}
-    for (_, _, _, off, _, _), (key, (dtype, shape, _)) in zip(entries, specs.items(), strict=True):
-        n = math.prod(shape) * dtype.itemsize
-        views[key] = buf[start + off : start + off + n].view(dtype).reshape(shape)
-        buf[start + off + n : start + off + (-(-n // _ALIGN) * _ALIGN)] = 0
-    return buf, views
-
-
-def unpack(buf: np.ndarray) -> tuple[Slices, dict[tuple[str, Index], int]]:
-    """The slices (views into ``buf``) and their original writers."""
-    if buf.size < 8:
-        return {}, {}
-    (hlen,) = struct.unpack("<Q", buf[:8].tobytes())
-    if hlen == 0:
-        return {}, {}
-    entries = json.loads(buf[8 : 8 + hlen].tobytes().decode())
-    start = -(-(8 + hlen) // _ALIGN) * _ALIGN
-    slices: Slices = {}
-    origins: dict[tuple[str, Index], int] = {}
-    for name, key, origin, off, dtype, shape in entries:
-        dt = jnp.dtype(dtype)
-        n = math.prod(shape) * dt.itemsize
-        data = buf[start + off : start + off + n].view(dt).reshape(shape)
-        slices[(name, from_text(key))] = data
-        origins[(name, from_text(key))] = origin
-    return slices, origins
+    return result

@@ -1,22 +1,22 @@
 """``EmergencyCheckpointManager``: frequent saves to each host's local disk, rare remote ones.
 
 Local tier (every ``local_interval_steps``): each process writes every distinct shard it
-holds to its own ``local_directory`` (see :mod:`jaxckpt._src.emergency.local`); with ``replication=k`` it
-also sends them to k other processes ``p + j`` (mod the process count; shifts ``j`` chosen
-once so that copies leave their host, ``peers.peer_shifts``; written in ``local.json``)
-through a JAX collective (``ppermute``, device to device, see :mod:`jaxckpt._src.emergency.peers`), which
-store them too.
-``save`` only starts the transfer; the writer thread waits for it (both halves in
-:mod:`jaxckpt._src.emergency.save`). No cross-host filesystem traffic, no barrier: each process
-commits its own copy.
+holds to its own ``local_directory`` (see :mod:`jaxckpt._src.emergency.local`); with
+``replication=k`` it also sends them to k other processes ``p + j`` (mod the process count;
+shifts ``j`` chosen once so that copies leave their host, ``peers.peer_shifts``; written in
+``local.json``) through a JAX collective (``ppermute``, device to device, see
+:mod:`jaxckpt._src.emergency.peers`), which store them too. ``save`` only starts the
+transfer; the writer thread waits for it (both halves in :mod:`jaxckpt._src.emergency.save`).
+No cross-host filesystem traffic, no barrier: each process commits its own copy.
 
 Remote tier (every ``remote_interval_steps``): a normal checkpoint through an inner
 :class:`CheckpointManager`.
 
 Restore: processes publish what they hold through the ``jax.distributed`` key-value store and
 take the newest step whose every slice is held by somebody, unless the remote tier has a newer
-one; they assemble it from their local copies (see :mod:`jaxckpt._src.emergency.restore`), or try the
-next older step when it proves unusable, and fall back to the remote tier.
+one; they assemble it from their local copies (see :mod:`jaxckpt._src.emergency.restore`), or
+try the next older step when it proves unusable, and fall back to the remote tier. The
+folder's README.md walks through both protocols.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class EmergencyCheckpointManager:
         local_directory: str | os.PathLike,
         remote_directory: str | os.PathLike,
         options: EmergencyOptions | None = None,
-    ):
+    ) -> None:
         self.options = opts = options or EmergencyOptions()
         self.local_directory = location(local_directory)
         if not self.local_directory.is_local:
@@ -100,7 +100,8 @@ class EmergencyCheckpointManager:
         self.last_save_figures: Figures | None = None  # the calling thread's part
         self.last_write_figures: Figures | None = None  # the local step's writer
         self.last_restore_figures: Figures | None = None
-        self._restored: tuple[int, tuple | None, int | None] | None = None  # step, records
+        # the step last restored, and its per-process records and saved process count (local)
+        self._restored: tuple[int, tuple[pp.Record | None, ...] | None, int | None] | None = None
 
     @property
     def remote(self) -> CheckpointManager:
@@ -162,7 +163,7 @@ class EmergencyCheckpointManager:
         per_process: Any = None,
         force: bool = False,
         metrics: dict | None = None,
-    ):
+    ) -> bool:
         """Saves ``state`` to the tiers whose interval ``step`` hits; False when none.
 
         Every process must call it with the same steps (the peer exchange is a collective).
@@ -190,7 +191,7 @@ class EmergencyCheckpointManager:
         # the same on every process: every process makes the same save/restore calls, in order
         return f"jaxckpt/emergency/{what}/{next(_seq)}"
 
-    def _save_local(self, step: int, state: Any, fig: Stopwatch, record) -> None:
+    def _save_local(self, step: int, state: Any, fig: Stopwatch, record: pp.Record | None) -> None:
         """On the calling thread only snapshots and the peer copies' dispatch; the rest on
         the writer thread (see :mod:`jaxckpt._src.emergency.save`)."""
         self._wait_local()  # host buffers are reused
@@ -281,19 +282,12 @@ class EmergencyCheckpointManager:
         mine, views = self._publish_holdings(tag)
         tries, rejected = candidates(views, step)
         bad_copies: list[BadCopy] = []
+        req = local_restore.Request(
+            self.local_directory, views, target, mesh, tag, self.options.timeout_s, fig
+        )
         for s in tries:
             try:
-                got = local_restore.restore_step(
-                    self.local_directory,
-                    s,
-                    views,
-                    mine.get(s),
-                    target,
-                    mesh,
-                    tag=tag,
-                    timeout_s=self.options.timeout_s,
-                    fig=fig,
-                )
+                got = local_restore.restore_step(req, s, mine.get(s))
             except StepUnusable as e:
                 rejected.append(Rejected(s, str(e)))
                 bad_copies.extend(e.bad_copies)
@@ -345,15 +339,13 @@ class EmergencyCheckpointManager:
         the remote tier), matched by process index; ``process=i`` / ``all=True`` after a
         process-count change (see :func:`jaxckpt.per_process`). A replaced host gets its
         predecessor's value from a peer's copy (``last_report.per_process_from``)."""
-        restored = self._restored
-        if restored is not None and step in (None, restored[0]) and restored[1] is not None:
-            s, records, saved_count = restored
+        s, records, saved_count = self._restored or (step, None, None)
+        if step in (None, s) and records is not None and saved_count is not None:
             where = f"{self.local_directory.url} step {s} (local copies)"
             return pp.choose(
                 records.__getitem__, saved_count=saved_count, where=where, process=process, all=all
             )
-        if step is None and restored is not None:
-            step = restored[0]
+        step = s if step is None else step
         if step is None or step not in self._remote.all_steps():
             raise CheckpointNotFoundError(
                 f"{self.local_directory.url}: the per-process values of "

@@ -7,28 +7,28 @@
   waited for by the writer thread. ``save`` therefore does not wait for the transfer.
   Floating-point shards travel as unsigned integers of their width and 1- and 2-bit
   integers as packed rows (``bits``): no bit changes on the way.
-* ``send_rows``: packed byte rows, one device per process, in ``ppermute`` rounds of
-  (partial) permutations: on save, the peer copies of leaves that cannot go device to device (arrays
-  on a subset of the processes, or uneven shards); on restore, missing slices, only to the
-  process that needs them.
+* ``send_rows``: packed byte rows (:mod:`jaxckpt._src.emergency.wire`), one device per
+  process, in ``ppermute`` rounds of (partial) permutations: on save, the peer copies of
+  leaves that cannot go device to device (arrays on a subset of the processes, or uneven
+  shards); on restore, missing slices, only to the process that needs them.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from .. import arrays, bits, multihost
-from ..boxes import Index, from_slices
-
-Slices = dict[tuple[str, Index], np.ndarray]
+from ..boxes import Index, extent, from_slices
+from .local import Slices, Writers
+from .planner import SliceKey
 
 
 def peer_shifts(hosts: list[str], k: int) -> tuple[tuple[int, ...], list[int]]:
@@ -59,8 +59,14 @@ class _Route:
     # sending process)
 
 
+_Moving = tuple[str, np.dtype, _Route, list[jax.Array | None]]  # an array's transfers, by shift
+_Buffers = dict[tuple[Any, ...], list[jax.Array]]  # received buffers, by program
+
+
 @functools.lru_cache(maxsize=1024)
-def _route(sharding, shape: tuple[int, ...], shifts: tuple[int, ...], me: int, count: int):
+def _route(
+    sharding: Sharding, shape: tuple[int, ...], shifts: tuple[int, ...], me: int, count: int
+) -> _Route | None:
     """The ``_Route`` of an array, or None when it cannot go device to device: its devices
     leave out a process or differ in number between processes, or its shards differ in shape.
 
@@ -69,14 +75,14 @@ def _route(sharding, shape: tuple[int, ...], shifts: tuple[int, ...], me: int, c
     already holds the index. Every process computes the same routes from the same sharding.
     """
     imap = sharding.devices_indices_map(shape)
-    devices = tuple(imap)
+    devices: tuple[Any, ...] = tuple(imap)  # (jaxlib has no stubs for its Device)
     by_proc: dict[int, list[Any]] = {}
     for d in devices:
         by_proc.setdefault(d.process_index, []).append(d)
     if sorted(by_proc) != list(range(count)) or len({len(v) for v in by_proc.values()}) != 1:
         return None
     index = {d: from_slices(imap[d], shape) for d in devices}
-    if len({tuple(b - a for a, b in i) for i in index.values()}) != 1:
+    if len({extent(i) for i in index.values()}) != 1:
         return None
     pos = {d: i for i, d in enumerate(devices)}
     perms, receives = [], []
@@ -107,25 +113,26 @@ class PeerCopies:
     with replication=1 over 2 processes from 3.1 s to 1.5 s wall here).
     """
 
-    def __init__(self, moving, buffers):
-        self._moving: list[tuple[str, np.dtype, _Route, list[jax.Array | None]]] = moving
-        self._buffers: dict[tuple, list[jax.Array]] = buffers
+    def __init__(self, moving: list[_Moving], buffers: _Buffers) -> None:
+        self._moving = moving
+        self._buffers = buffers
 
-    def collect(self) -> tuple[Slices, dict[tuple[str, Index], int]]:
-        """{(leaf, index): host array} of the shards received, and each one's sender."""
+    def collect(self) -> tuple[Slices, Writers]:
+        """The shards received (host arrays), and each one's sender."""
         slices: Slices = {}
-        origins: dict[tuple[str, Index], int] = {}
+        senders: Writers = {}
         for name, dtype, route, outs in self._moving:
             for received, out in zip(route.receives, outs, strict=True):
                 if out is None:
                     continue
                 on = {s.device: s.data for s in out.addressable_shards}
                 for device, index, sender in received:
-                    if (name, index) not in slices:  # a view on CPU, of the bits sent
-                        slices[(name, index)] = np.asarray(on[device]).view(dtype)
-                        origins[(name, index)] = sender
+                    key = SliceKey(name, index)
+                    if key not in slices:  # a view on CPU, of the bits sent
+                        slices[key] = np.asarray(on[device]).view(dtype)
+                        senders[key] = sender
         self._moving = []
-        return slices, origins
+        return slices, senders
 
 
 def send_shards(
@@ -142,7 +149,7 @@ def send_shards(
     """
     me, count = jax.process_index(), jax.process_count()
     by_devices: dict[tuple[Any, ...], list[tuple[str, jax.Array, _Route]]] = {}
-    rows_instead = []
+    rows_instead: list[str] = []
     for name, arr in arrays_by_name.items():
         route = _route(arr.sharding, tuple(arr.shape), shifts, me, count)
         if route is None or bits.carrier(arr.dtype) is None:
@@ -150,15 +157,17 @@ def send_shards(
         elif any(route.perms):
             by_devices.setdefault(route.devices, []).append((name, arr, route))
     old = reuse._buffers if reuse is not None else {}
-    moving, buffers = [], {}
+    moving: list[_Moving] = []
+    buffers: _Buffers = {}
     for devices, members in by_devices.items():
         # Arrays laid out by a mesh over exactly these devices go in as they are (their own
         # spec); others are first restacked, uncopied, over a flat mesh of the devices.
-        mesh = _named_mesh(members[0][1], devices)
-        same = mesh is not None and all(_named_mesh(a, devices) == mesh for _, a, _ in members)
-        if same:
+        named = [s for _, a, _ in members if isinstance(s := a.sharding, NamedSharding)]
+        meshes = {s.mesh for s in named}
+        mesh = meshes.pop() if len(named) == len(members) and len(meshes) == 1 else None
+        if isinstance(mesh, Mesh) and tuple(mesh.devices.flat) == devices:
             args = [arr for _, arr, _ in members]
-            specs = tuple(arr.sharding.spec for arr in args)
+            specs = tuple(s.spec for s in named)
         else:
             mesh = _flat_mesh(devices)
             args = [_flat(arr, mesh) for _, arr, _ in members]
@@ -172,20 +181,12 @@ def send_shards(
         del args, into  # the program holds its inputs; a donating train step may take them
         if all(d.platform == "cpu" for d in devices):
             buffers[key] = list(outs)
-        outs = iter(outs)
+        each = iter(outs)
         for name, arr, route in members:
-            outs_i = [next(outs) if p else None for p in route.perms]
+            outs_i = [next(each) if p else None for p in route.perms]
             moving.append((name, np.dtype(arr.dtype), route, outs_i))
     old.clear()
     return PeerCopies(moving, buffers), rows_instead
-
-
-def _named_mesh(arr: jax.Array, devices: tuple[Any, ...]) -> Mesh | None:
-    """``arr``'s mesh when it is laid out by one over ``devices``, in that order."""
-    sh = arr.sharding
-    if isinstance(sh, NamedSharding) and tuple(sh.mesh.devices.flat) == devices:
-        return sh.mesh
-    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -209,7 +210,7 @@ def _shift_fn(
     specs: tuple[P, ...],
     perms: tuple[tuple[tuple[tuple[int, int], ...], ...], ...],
     into: bool,
-):
+) -> Callable[..., tuple[jax.Array, ...]]:
     """One program moving every array (laid out by ``specs`` over ``mesh``): ``perms[i][j]``
     for array ``i`` and shift ``j``, device positions in ``mesh`` order. Each output holds,
     stacked along axis 0 in that order, what each device received.
@@ -221,11 +222,14 @@ def _shift_fn(
     axes = tuple(mesh.axis_names)
     stacked = P(axes if len(axes) > 1 else axes[0])
 
-    def body(*xs):  # moves bits, not values (see ``bits``)
-        xs = [jax.lax.bitcast_convert_type(x, bits.carrier(x.dtype)) for x in xs[:n_in]]
+    def body(*xs: jax.Array) -> tuple[jax.Array, ...]:  # moves bits, not values (``bits``)
+        # (no carrier is None here: ``send_shards`` sends those arrays as rows)
+        as_bits = [
+            jax.lax.bitcast_convert_type(x, bits.carrier(x.dtype) or x.dtype) for x in xs[:n_in]
+        ]
         return tuple(
             jax.lax.ppermute(x, axes, list(p))
-            for x, ps in zip(xs, perms, strict=True)
+            for x, ps in zip(as_bits, perms, strict=True)
             for p in ps
             if p
         )
@@ -310,7 +314,7 @@ def _global_row(mesh: Mesh, row: np.ndarray, width: int, zero: bool = True) -> j
 
 
 @functools.lru_cache(maxsize=32)
-def _permute_fn(mesh: Mesh, perm: tuple[tuple[int, int], ...]):
+def _permute_fn(mesh: Mesh, perm: tuple[tuple[int, int], ...]) -> Callable[[jax.Array], jax.Array]:
     return jax.jit(
         jax.shard_map(
             lambda b: jax.lax.ppermute(b, "p", list(perm)),

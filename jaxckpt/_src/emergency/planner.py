@@ -1,12 +1,40 @@
 """The emergency restore's plan, as pure functions of what the processes published (no jax):
 which step every slice of which some process holds, who sends which slice to whom, and in
-which ``ppermute`` rounds. Every process computes the same plan from the same facts."""
+which ``ppermute`` rounds. Every process computes the same plan from the same facts.
+
+Also the one key of a slice in memory, :class:`SliceKey`, and its JSON form for the
+key-value exchanges (``keys_to_json`` / ``keys_from_json``)."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from ..boxes import Index, from_text, to_text
+
+
+class SliceKey(NamedTuple):
+    """A slice of a leaf: the leaf's name and the slice's global index. The one key of a
+    slice in memory; as text (``0:16,0:8``) only in JSON and in reports."""
+
+    leaf: str
+    box: Index
+
+
+def keys_to_json(keys: Iterable[SliceKey]) -> dict[str, list[str]]:
+    """Slices as they travel in the key-value exchanges: {leaf: [index key, ...]}."""
+    out: dict[str, list[str]] = {}
+    for key in keys:
+        out.setdefault(key.leaf, []).append(to_text(key.box))
+    return out
+
+
+def keys_from_json(doc: dict[str, list[str]]) -> list[SliceKey]:
+    """The slices ``keys_to_json`` wrote, in its order."""
+    return [SliceKey(leaf, from_text(text)) for leaf, texts in doc.items() for text in texts]
 
 
 @dataclass(frozen=True)
@@ -15,7 +43,7 @@ class StepHolding:
 
     digest: str  # of the step's tree: copies of different trees are never combined
     need: dict[str, int]  # leaf -> how many slices the step has
-    held: dict[str, frozenset[str]]  # leaf -> index keys of the slices in this copy
+    held: frozenset[SliceKey]  # the slices in this copy
     per_process: tuple[int, ...] = ()  # processes whose per-process records the copy has
 
 
@@ -26,17 +54,17 @@ class Holdings:
     remote: tuple[int, ...]
     steps: dict[int, StepHolding]
 
-    def holds(self, s: int, leaf: str, key: str) -> bool:
-        """Whether this process's copy of step ``s`` has slice ``key`` of ``leaf``."""
+    def holds(self, s: int, key: SliceKey) -> bool:
+        """Whether this process's copy of step ``s`` has the slice ``key``."""
         entry = self.steps.get(s)
-        return entry is not None and key in entry.held.get(leaf, ())
+        return entry is not None and key in entry.held
 
     def to_json(self) -> str:
         steps = {
             s: {
                 "digest": h.digest,
                 "need": h.need,
-                "held": {n: sorted(keys) for n, keys in h.held.items()},
+                "held": keys_to_json(sorted(h.held)),
                 "per_process": h.per_process,
             }
             for s, h in self.steps.items()
@@ -46,20 +74,23 @@ class Holdings:
     @classmethod
     def from_json(cls, text: str) -> Holdings:
         doc = json.loads(text)
-        steps = {}
+        steps: dict[int, StepHolding] = {}
         for s, h in doc["steps"].items():
-            held = {n: frozenset(keys) for n, keys in h["held"].items()}
+            held = frozenset(keys_from_json(h["held"]))
             steps[int(s)] = StepHolding(h["digest"], h["need"], held, tuple(h["per_process"]))
         return cls(tuple(doc["remote"]), steps)
 
 
-class PeerSlice(NamedTuple):
-    """A slice this process used that it did not read from a copy it wrote itself."""
+# PeerSlice and BadCopy are public (``RecoveryReport``) and have a field ``index``, which
+# shadows tuple.index: mypy refuses that in the class form (an incompatible override), not in
+# the functional one.
 
-    leaf: str
-    index: str  # the global index, "0:16,0:8"
-    holder: int  # the process that read it from its local directory
-    writer: int  # the process that held it at save time
+# A slice this process used that it did not read from a copy it wrote itself: ``index`` its
+# global index ("0:16,0:8"), ``holder`` the process that read it from its local directory,
+# ``writer`` the process that held it at save time.
+PeerSlice = NamedTuple(  # noqa: UP014
+    "PeerSlice", [("leaf", str), ("index", str), ("holder", int), ("writer", int)]
+)
 
 
 class Rejected(NamedTuple):
@@ -69,61 +100,55 @@ class Rejected(NamedTuple):
     why: str
 
 
-class BadCopy(NamedTuple):
-    """A local copy that failed to read or verify."""
-
-    process: int
-    leaf: str
-    index: str
-    why: str
+# A local copy that failed to read or verify: the ``process`` holding it, the slice (``leaf``,
+# ``index`` as "0:16,0:8") and ``why``.
+BadCopy = NamedTuple(  # noqa: UP014
+    "BadCopy", [("process", int), ("leaf", str), ("index", str), ("why", str)]
+)
 
 
 class StepUnusable(Exception):
     """A local step cannot be assembled after verification; try the next one."""
 
-    def __init__(self, why: str, bad_copies: tuple[BadCopy, ...] = ()):
+    def __init__(self, why: str, bad_copies: tuple[BadCopy, ...] = ()) -> None:
         super().__init__(why)
         self.bad_copies = bad_copies
 
 
-Moves = dict[tuple[int, int], set[tuple[str, str]]]
+Moves = dict[tuple[int, int], set[SliceKey]]  # (sender, receiver) -> the slices sent
+Bad = dict[tuple[int, SliceKey], BadCopy]  # (process, slice) -> why that copy failed
 
 
 def plan_sends(
     s: int,
-    views: list[Holdings],
-    holders: list[int],
-    all_needs: list[dict[str, list[str]]],
-    bad_set: set[tuple[int, str, str]],
-    bad_all: list[BadCopy],
+    views: Sequence[Holdings],
+    holders: Sequence[int],
+    needs: Sequence[Iterable[SliceKey]],
+    bad: Bad,
 ) -> Moves:
-    """Who sends what to whom: {(sender, receiver): {(leaf, index key)}}.
+    """Who sends what to whom: {(sender, receiver): {slice}}, for the slices each process
+    ``needs``, without the copies in ``bad``.
 
     For every slice a process needs and has no verified copy of, the lowest process holding
     a verified copy sends it. Every process computes the same plan from the same facts.
     """
     sends: Moves = {}
-    for q, need in enumerate(all_needs):
-        for name, keys in need.items():
-            for key in keys:
-                if views[q].holds(s, name, key) and (q, name, key) not in bad_set:
-                    continue
-                ok = [
-                    p
-                    for p in holders
-                    if views[p].holds(s, name, key) and (p, name, key) not in bad_set
-                ]
-                if not ok:
-                    raise StepUnusable(
-                        f"no verified copy of {name}[{key}] is left (bad copies: "
-                        f"{sorted(b[:3] for b in bad_all)})",
-                        tuple(bad_all),
-                    )
-                sends.setdefault((ok[0], q), set()).add((name, key))
+    for q, need in enumerate(needs):
+        for key in need:
+            if views[q].holds(s, key) and (q, key) not in bad:
+                continue
+            ok = [p for p in holders if views[p].holds(s, key) and (p, key) not in bad]
+            if not ok:
+                raise StepUnusable(
+                    f"no verified copy of {key.leaf}[{to_text(key.box)}] is left (bad copies: "
+                    f"{sorted(b[:3] for b in bad.values())})",
+                    tuple(bad.values()),
+                )
+            sends.setdefault((ok[0], q), set()).add(key)
     return sends
 
 
-def sent_by(sends: Moves, p: int) -> set[tuple[str, str]]:
+def sent_by(sends: Moves, p: int) -> set[SliceKey]:
     """Every slice process ``p`` sends, to anybody."""
     return set().union(*(keys for (a, _), keys in sends.items() if a == p))
 
@@ -145,11 +170,11 @@ def uncovered(s: int, views: list[Holdings]) -> str | None:
     entries = [v.steps[s] for v in views if s in v.steps]
     if len({e.digest for e in entries}) > 1:
         return "processes hold different trees under this step"
+    held = Counter(key.leaf for key in set().union(*(e.held for e in entries)))
     for name, count in entries[0].need.items():
-        held = set().union(*(e.held.get(name, ()) for e in entries))
-        if len(held) < count:
+        if held[name] < count:
             return (
-                f"{count - len(held)} of {count} slices of leaf {name!r} are held by none of "
+                f"{count - held[name]} of {count} slices of leaf {name!r} are held by none of "
                 f"the {len(views)} processes"
             )
     return None

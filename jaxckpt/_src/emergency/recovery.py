@@ -1,9 +1,9 @@
-"""Restoring from copies held by several processes: who sends what, and assembling leaves.
+"""Building leaves out of the saved slices at hand, and the report of an emergency restore.
 
-Slices are identified by their global index, never by device id: ``plan_sends`` picks, for
-every slice a process needs and lacks, the lowest process holding a verified copy (sent to
-that process alone, in ``shift_rounds`` of ``ppermute``);
-``fill``/``assemble`` cut any needed region out of whatever saved slices cover it.
+Slices are identified by their global index, never by device id: ``needed_slices`` says
+which saved slices a process needs for its part of a leaf, ``fill``/``assemble`` cut any
+needed region out of whatever saved slices cover it and place the leaf. (Who sends which
+slice to whom is planned in :mod:`jaxckpt._src.emergency.planner`.)
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import arrays
-from ..boxes import Index, from_slices, intersect
+from ..boxes import Index, extent, from_slices, intersect, whole, within
 from ..leaf_plan import Want, place_key
 from ..placement import Placement
-from .planner import BadCopy, PeerSlice, Rejected
+from .local import Slices
+from .planner import BadCopy, PeerSlice, Rejected, SliceKey
 
 
 @dataclass(frozen=True)
@@ -56,44 +58,41 @@ def needed_slices(w: Want, required: list[Index]) -> list[Index]:
     if rec.kind == "prng_key" or w.sharding is None:
         return list(required)
     shape = tuple(rec.shape)
-    targets = {
-        from_slices(i, shape) for i in w.sharding.addressable_devices_indices_map(shape).values()
-    }
+    indices = w.sharding.addressable_devices_indices_map(shape).values()
+    targets = {from_slices(i, shape) for i in indices if i is not None}
     return [s for s in required if any(intersect(s, t) is not None for t in targets)]
 
 
-def fill(index: Index, required: list[Index], data: dict, name: str, dtype) -> np.ndarray:
-    exact = data.get((name, index))
+def fill(
+    box: Index, required: list[Index], data: Slices, name: str, dtype: DTypeLike
+) -> np.ndarray:
+    """The region ``box`` of leaf ``name``, cut out of the saved slices in ``data`` that
+    cover it (the held buffer itself when one is exactly ``box``), viewed as ``dtype``."""
+    exact = data.get(SliceKey(name, box))
     if exact is not None:  # the held buffer itself, no copy
         return exact if exact.dtype == dtype else exact.view(dtype)
-    out = arrays.aligned_empty(tuple(b - a for a, b in index), np.dtype(dtype))
+    out = arrays.aligned_empty(extent(box), np.dtype(dtype))
     for s in required:
-        part = intersect(s, index)
-        if part is None:
-            continue
-        src = data[(name, s)]
-        if src.dtype != dtype:
-            src = src.view(dtype)
-        dst_sl = tuple(
-            slice(lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(part, index, strict=True)
-        )
-        src_sl = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(part, s, strict=True))
-        out[dst_sl] = src[src_sl]
+        part = intersect(s, box)
+        if part is not None:
+            out[within(part, box)] = data[SliceKey(name, s)].view(dtype)[within(part, s)]
     return out
 
 
-def assemble(w: Want, required: list[Index], data: dict) -> Any:
+def assemble(w: Want, required: list[Index], data: Slices) -> Any:
+    """The value of ``w``'s leaf, built from the saved slices in ``data`` and placed as
+    ``w`` asks."""
     rec = w.record
     if not rec.has_array:
         return rec.value
     shape = tuple(rec.shape)
     saved = rec.data_dtype
     want = w.dtype or saved
-    whole = tuple((0, d) for d in shape)
     if rec.kind == "prng_key" or w.sharding is None:
-        full = fill(whole, required, data, rec.name, saved).astype(want, copy=False)
+        full = fill(whole(shape), required, data, rec.name, saved).astype(want, copy=False)
         if rec.kind == "prng_key":
-            key = jax.random.wrap_key_data(full, impl=rec.prng_impl)
+            # jax annotates the key data as an Array but takes any array (stub gap)
+            key = jax.random.wrap_key_data(full, impl=rec.prng_impl)  # type: ignore[arg-type]
             return key if w.sharding is None else place_key(full, w, rec)
         return full[()] if rec.kind == "numpy" and rec.scalar else full
     out = Placement(w.sharding, shape, want)

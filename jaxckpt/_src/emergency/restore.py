@@ -7,14 +7,16 @@ to it alone by the lowest verified holder: one ``ppermute`` of packed rows per s
 Slices are placed by global index, never by device id, so renumbered processes or a
 different process count work when the copies cover every slice.
 
-Who sends what is planned in :mod:`jaxckpt._src.emergency.recovery`; which step to restore is chosen by
-:class:`jaxckpt.EmergencyCheckpointManager`.
+Who sends what is planned in :mod:`jaxckpt._src.emergency.planner`, leaves are cut out of
+the slices at hand in :mod:`jaxckpt._src.emergency.recovery`; which step to restore is chosen
+by :class:`jaxckpt.EmergencyCheckpointManager`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,17 +24,24 @@ from jax.sharding import Mesh
 
 from .. import leaf_plan, multihost, steps
 from .. import per_process as pp
-from ..boxes import Index, from_text, to_text
+from ..boxes import extent, from_text, to_text
+from ..leaf_plan import Want
 from ..monitoring import Stopwatch
 from ..storage import Location
-from . import local
+from . import local, wire
+from .local import LocalStep, Slices
 from .peers import send_rows
 from .planner import (
+    Bad,
     BadCopy,
     Holdings,
+    Moves,
     PeerSlice,
+    SliceKey,
     StepHolding,
     StepUnusable,
+    keys_from_json,
+    keys_to_json,
     plan_sends,
     sent_by,
     shift_rounds,
@@ -40,6 +49,22 @@ from .planner import (
 from .recovery import assemble, needed_slices
 
 _EMPTY = np.zeros(0, np.uint8)
+Needs = list[list[SliceKey]]  # per process: the saved slices it must have
+Rows = dict[int, tuple[np.ndarray, Slices]]  # receiver -> a packed row, its slices' views
+Moved = dict[SliceKey, tuple[int, int]]  # slice -> (holder, writer), for slices moved here
+
+
+@dataclass(frozen=True)
+class Request:
+    """One emergency restore: what every step it tries is restored with."""
+
+    directory: Location  # this process's local directory
+    views: list[Holdings]  # what each process published it holds (``publish_holdings``)
+    target: Any  # as in :func:`jaxckpt.restore`
+    mesh: Mesh | None
+    tag: str  # names the key-value exchanges (the same on every process)
+    timeout_s: float
+    fig: Stopwatch  # gets the phases' times: plan, read, move, place
 
 
 @dataclass(frozen=True)
@@ -76,7 +101,7 @@ def publish_holdings(
             s: StepHolding(
                 ls.digest,
                 {n: len(keys) for n, keys in ls.required.items()},
-                {n: frozenset(h) for n, h in ls.held.items()},
+                frozenset(ls.held),
                 tuple(sorted(int(q) for q in ls.per_process)),
             )
             for s, ls in mine.items()
@@ -86,76 +111,127 @@ def publish_holdings(
     return mine, [Holdings.from_json(text) for text in gathered]
 
 
-def restore_step(
-    directory: Location,
-    s: int,
-    views: list[Holdings],
-    mine: local.LocalStep | None,
-    target: Any,
-    mesh: Mesh | None,
-    *,
-    tag: str,
-    timeout_s: float,
-    fig: Stopwatch,
-) -> Restored:
-    """Restores step ``s`` from the processes' local copies; every process calls it.
+def restore_step(req: Request, s: int, mine: LocalStep | None) -> Restored:
+    """Restores step ``s`` from the processes' local copies; every process calls it, with
+    ``mine`` its own copy of ``s`` (None: it has none).
 
-    ``views``: what each process published it holds; ``mine``: this process's copy of ``s``
-    in ``directory`` (None: it has none). ``tag`` names the key-value exchanges (the same on
-    every process); ``fig`` gets the phases' times (plan, read, move, place). Returns the
-    state with where its slices came from and the copies that failed to verify. Raises
-    :class:`StepUnusable` (with the bad copies) when the step cannot be assembled after all.
+    The phases: agree on the step's ``local.json``; gather what each process needs; plan who
+    sends what; read and verify (re-planning around failed copies); move what each process
+    lacks; assemble the leaves; gather the per-process records. Returns the state with where
+    its slices came from and the copies that failed to verify. Raises :class:`StepUnusable`
+    (with the bad copies) when the step cannot be assembled after all.
     """
-    pid = multihost.process_index()
-    tag = f"{tag}/{s}"
-    bad_copies: list[BadCopy] = []
-    holders = [p for p, v in enumerate(views) if s in v.steps]
-    elected = holders[0]
-    docs = multihost.all_gather(
-        f"{tag}/doc", json.dumps(mine.to_json()) if pid == elected else "", timeout_s
+    at = _Step(req, s, mine, [p for p, v in enumerate(req.views) if s in v.steps])
+    doc = _agree_on_doc(at)
+    wants = leaf_plan.wants(doc.leaves, doc.meshes, req.target, req.mesh, req.directory)
+    needs = _gather_needs(at, wants, doc)
+    needed = set(needs[at.pid])
+    first = at.plan(needs, {})  # the plan if no copy fails, the usual case
+    rows = _rows_to_read_into(at, first, needed, doc)
+    req.fig.lap("plan")
+    data, sends, bad = _read_verified(at, needs, first, rows)
+    req.fig.lap("read")
+    moved = _move(at, needed, sends, first, rows, data)
+    req.fig.lap("move")
+    values = [assemble(w, doc.required.get(w.record.name, []), data) for w in wants]
+    records, records_from = _gather_records(at, doc.process_count)
+    req.fig.lap("place")
+    return Restored(
+        leaf_plan.result(req.target, wants, values),
+        doc.process_count,
+        _from_peers(at, needed, moved),
+        tuple(bad.values()),
+        records,
+        records_from,
     )
-    doc = local.LocalStep.from_json(
-        json.loads(docs[elected]), where=f"process {elected}'s step {s}"
-    )
-    by_name = {r.name: r for r in doc.leaves}
-    wants = leaf_plan.wants(doc.leaves, doc.meshes, target, mesh, directory)
-    required = {n: [from_text(k) for k in keys] for n, keys in doc.required.items()}
-    needs = {w.record.name: needed_slices(w, required.get(w.record.name, [])) for w in wants}
-    needs = {n: [to_text(i) for i in idx] for n, idx in needs.items() if idx}
-    all_needs = [
-        json.loads(v) for v in multihost.all_gather(f"{tag}/needs", json.dumps(needs), timeout_s)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The step being restored, as each phase of ``restore_step`` sees it."""
+
+    req: Request
+    s: int
+    mine: LocalStep | None  # this process's copy (None: it has none)
+    holders: list[int]  # the processes holding a copy, lowest first
+    pid: int = field(default_factory=multihost.process_index)  # this process
+
+    def name(self, what: str) -> str:
+        """The name of one of this step's exchanges (the same on every process)."""
+        return f"{self.req.tag}/{self.s}/{what}"
+
+    def gather(self, what: str, value: Any) -> list[Any]:
+        """Every process's ``value`` (JSON), in process order: one key-value round."""
+        texts = multihost.all_gather(self.name(what), json.dumps(value), self.req.timeout_s)
+        return [json.loads(text) for text in texts]
+
+    def plan(self, needs: Needs, bad: Bad) -> Moves:
+        """Who sends which slice to whom (``planner.plan_sends``), without the ``bad`` copies."""
+        return plan_sends(self.s, self.req.views, self.holders, needs, bad)
+
+
+def _agree_on_doc(at: _Step) -> LocalStep:
+    """The step's ``local.json`` as its lowest holder has it, sent to every process."""
+    elected = at.holders[0]
+    mine = at.mine.to_json() if at.mine is not None and at.pid == elected else None
+    doc = at.gather("doc", mine)[elected]
+    return LocalStep.from_json(doc, where=f"process {elected}'s step {at.s}")
+
+
+def _gather_needs(at: _Step, wants: list[Want], doc: LocalStep) -> Needs:
+    """The saved slices each process must have to build its part of ``wants``."""
+    mine = [
+        SliceKey(w.record.name, box)
+        for w in wants
+        for box in needed_slices(w, doc.required.get(w.record.name, []))
     ]
-    # Each process reads (and CRC-checks) the held slices it needs and those it sends; the
-    # lowest process with a verified copy sends each slice somebody lacks. A copy failing
-    # re-plans, and a new sender reads in another round. Every process computes the same
-    # plan from the same published facts, so all run the same number of rounds.
+    return [keys_from_json(theirs) for theirs in at.gather("needs", keys_to_json(mine))]
+
+
+def _rows_to_read_into(at: _Step, first: Moves, needed: set[SliceKey], doc: LocalStep) -> Rows:
+    """The packed rows for the receivers that this process, under the first plan, sends
+    only slices it sends to nobody else and does not need: those are read straight into
+    the row, which then moves without another copy.
+    """
+    if at.mine is None:
+        return {}
+    mine_first = {r: keys for (a, r), keys in first.items() if a == at.pid}
+    times = Counter(key for keys in mine_first.values() for key in keys)
+    dtypes = {r.name: r.storage_dtype for r in doc.leaves}
+    held = at.mine.held
+    return {
+        r: wire.pack_layout({k: (dtypes[k.leaf], extent(k.box), held[k]) for k in sorted(keys)})
+        for r, keys in sorted(mine_first.items())
+        if all(times[k] == 1 for k in keys) and not needed.intersection(keys)
+    }
+
+
+def _read_verified(at: _Step, needs: Needs, first: Moves, rows: Rows) -> tuple[Slices, Moves, Bad]:
+    """Reads (and CRC-checks) the held slices this process needs and those it sends.
+
+    A copy failing re-plans without it, and a new sender reads in another round. Every
+    process computes the same plan from the same published facts, so all run the same
+    number of rounds. Senders under the ``first`` plan read what they send in the first
+    round, into ``rows`` where there is one. Returns (the slices read that the final plan
+    uses, the final plan, the failed copies of every process).
+    """
+    views, pid = at.req.views, at.pid
     read_by = [
-        {(n, k) for n, keys in need.items() for k in keys if views[p].holds(s, n, k)}
-        for p, need in enumerate(all_needs)
+        {k for k in need if views[p].holds(at.s, k)} | sent_by(first, p)
+        for p, need in enumerate(needs)
     ]
-    # The plan with no failed copies (the usual case) is known now: senders read what
-    # they send in the same round as what they need.
-    first = plan_sends(s, views, holders, all_needs, set(), [])
-    for p in range(len(views)):
-        read_by[p] |= sent_by(first, p)
     to_read = set(read_by[pid])
-    my_needs = {(n, from_text(k)) for n, keys in needs.items() for k in keys}
-    rows = _rows_to_read_into(first, my_needs, mine, by_name)
-    into = {key: v for _, views in rows.values() for key, v in views.items()}
-    data: local.Slices = {}
-    bad_set: set[tuple[int, str, str]] = set()
-    fig.lap("plan")
+    into = {key: v for _, row_views in rows.values() for key, v in row_views.items()}
+    data: Slices = {}
+    bad: Bad = {}
     for round_ in range(len(views) + 2):
-        got, bad = (
-            ({}, []) if mine is None or not to_read else local.read_slices(mine, to_read, into)
-        )
+        got, failed = local.read_slices(at.mine, to_read, into) if at.mine and to_read else ({}, [])
         data.update(got)
-        gathered = multihost.all_gather(f"{tag}/bad{round_}", json.dumps(bad), timeout_s)
-        for p, text in enumerate(gathered):
-            for name, key, why in json.loads(text):
-                bad_set.add((p, name, key))
-                bad_copies.append(BadCopy(p, name, key, why))
-        sends = plan_sends(s, views, holders, all_needs, bad_set, bad_copies)
+        failed_json = [[key.leaf, to_text(key.box), why] for key, why in failed]
+        for p, theirs in enumerate(at.gather(f"bad{round_}", failed_json)):
+            for leaf, index, why in theirs:
+                bad[(p, SliceKey(leaf, from_text(index)))] = BadCopy(p, leaf, index, why)
+        sends = at.plan(needs, bad)
         unread = [sent_by(sends, p) - read_by[p] for p in range(len(views))]
         if not any(unread):
             break
@@ -163,90 +239,16 @@ def restore_step(
         for p, more in enumerate(unread):
             read_by[p] |= more
     else:
-        raise StepUnusable("copies kept failing verification", tuple(bad_copies))
-    fig.lap("read")
-    origins_mine = {
-        (name, from_text(k)): w
-        for name, h in (mine.held if mine else {}).items()
-        for k, w in h.items()
-    }
-    del into
-    sending = {(n, from_text(k)) for n, k in sent_by(sends, pid)}
-    for key in [k for k in data if k not in my_needs and k not in sending]:
+        raise StepUnusable("copies kept failing verification", tuple(bad.values()))
+    used = set(needs[pid]) | sent_by(sends, pid)
+    for key in [k for k in data if k not in used]:
         del data[key]  # read for a plan that a failed copy changed
-    used_from = _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s)
-    own_pid = mine.process_index if mine else None
-    for name, keys in needs.items():
-        for k in keys:
-            key = (name, from_text(k))
-            if key not in used_from and origins_mine.get(key, own_pid) != own_pid:
-                used_from[key] = (pid, origins_mine[key])
-    fig.lap("move")
-    values = [assemble(w, required.get(w.record.name, []), data) for w in wants]
-    records, records_from = _gather_records(s, views, mine, doc.process_count, tag, timeout_s)
-    fig.lap("place")
-    return Restored(
-        leaf_plan.result(target, wants, values),
-        doc.process_count,
-        tuple(sorted(PeerSlice(n, to_text(i), h, w) for (n, i), (h, w) in used_from.items())),
-        tuple(bad_copies),
-        records,
-        records_from,
-    )
+    return data, sends, bad
 
 
-def _gather_records(s, views, mine, saved_count, tag, timeout_s):
-    """Every saved process's per-process record of step ``s``, each sent by the lowest
-    process holding a copy of it (its own, or one a peer sent it), and which process sent
-    this process's own record. No round when nobody holds one."""
-    holder: dict[int, int] = {}
-    for p, view in enumerate(views):
-        entry = view.steps.get(s)
-        for q in entry.per_process if entry else ():
-            holder.setdefault(q, p)
-    records: list[pp.Record | None] = [None] * saved_count
-    pid = multihost.process_index()
-    if holder:
-        mine_to_send = {q: mine.per_process[str(q)] for q, p in holder.items() if p == pid}
-        gathered = multihost.all_gather(f"{tag}/per_process", json.dumps(mine_to_send), timeout_s)
-        for p, text in enumerate(gathered):
-            for q, doc in json.loads(text).items():
-                if int(q) < saved_count:
-                    records[int(q)] = pp.Record.from_json(doc, where=f"process {p}'s copy")
-    return tuple(records), holder.get(pid)
-
-
-def _rows_to_read_into(first, my_needs, mine, by_name) -> dict:
-    """{receiver: packed row, its slices' views} for the receivers that this process,
-    under the first plan, sends only slices it sends to nobody else and does not need:
-    those are read straight into the row, which then moves without another copy.
-    """
-    pid = multihost.process_index()
-    mine_first = {r: keys for (a, r), keys in first.items() if a == pid}
-    times: dict[tuple[str, str], int] = {}
-    for keys in mine_first.values():
-        for key in keys:
-            times[key] = times.get(key, 0) + 1
-    rows = {}
-    for r, keys in sorted(mine_first.items()):
-        parsed = sorted((n, from_text(k)) for n, k in keys)
-        if mine is None or any(times[k] > 1 for k in keys) or my_needs.intersection(parsed):
-            continue
-        held = mine.held
-        rows[r] = local.pack_layout(
-            {
-                (n, i): (
-                    by_name[n].storage_dtype,
-                    tuple(b - a for a, b in i),
-                    held[n][to_text(i)],
-                )
-                for n, i in parsed
-            }
-        )
-    return rows
-
-
-def _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s) -> dict:
+def _move(
+    at: _Step, needed: set[SliceKey], sends: Moves, first: Moves, rows: Rows, data: Slices
+) -> Moved:
     """Sends each receiver only the slices the plan gives it, one ``ppermute`` round per
     shift ``(receiver - sender) % count`` in use (the same rounds on every process), so a
     process holds at most the row it sends and the row it receives of one round (and the
@@ -254,35 +256,60 @@ def _move(tag, sends, data, origins_mine, my_needs, first, rows, timeout_s) -> d
     their receiver is still the first one. Received slices go into ``data``; returns
     {slice: (holder, writer)} for them.
     """
-    pid, count = multihost.process_index(), multihost.process_count()
+    pid, count = at.pid, multihost.process_count()
+    writers = at.mine.held if at.mine else {}
     rounds = shift_rounds(sends, count)
     # slices read only to send: dropped after the last round that sends them
-    last: dict[tuple[str, Index], int] = {}
-    for r, (j, _) in enumerate(rounds):
-        for n, k in sends.get((pid, (pid + j) % count), ()):
-            last[(n, from_text(k))] = r
-    used_from: dict[tuple[str, Index], tuple[int, int]] = {}
+    last = {
+        k: r for r, (j, _) in enumerate(rounds) for k in sends.get((pid, (pid + j) % count), ())
+    }
+    moved: Moved = {}
     for r, (j, pairs) in enumerate(rounds):
         dst = (pid + j) % count
-        keys = sorted((n, from_text(k)) for n, k in sends.get((pid, dst), ()))
+        keys = sorted(sends.get((pid, dst), ()))
         if keys and dst in rows and sends[(pid, dst)] == first.get((pid, dst)):
             row = rows.pop(dst)[0]  # read into already
         else:
-            out = {key: data[key] for key in keys}
-            row = local.pack(out, {key: origins_mine[key] for key in out}) if out else _EMPTY
-            del out
-        (got,) = send_rows(row, [pairs], name=f"{tag}/move{j}", timeout_s=timeout_s)
+            row = wire.pack({k: data[k] for k in keys}, writers) if keys else _EMPTY
+        (got,) = send_rows(row, [pairs], name=at.name(f"move{j}"), timeout_s=at.req.timeout_s)
         del row
-        for key, at in last.items():
-            if at == r and key not in my_needs:
+        for key, at_round in last.items():
+            if at_round == r and key not in needed:
                 del data[key]
-        if got is None:
-            continue
-        sender = (pid - j) % count
-        got_slices, got_origins = local.unpack(got)
+        got_slices, got_writers = wire.unpack(got)
         for key, value in got_slices.items():
-            if key in my_needs:
+            if key in needed:
                 data[key] = value
-                used_from[key] = (sender, got_origins[key])
+                moved[key] = ((pid - j) % count, got_writers[key])
     rows.clear()  # rows of a plan that a failed copy changed
-    return used_from
+    return moved
+
+
+def _from_peers(at: _Step, needed: set[SliceKey], moved: Moved) -> tuple[PeerSlice, ...]:
+    """The slices this process used that it did not write itself: those ``moved`` to it,
+    and the peer copies on its own disk."""
+    writers = at.mine.held if at.mine else {}
+    own = at.mine.process_index if at.mine else None
+    on_disk = {k: (at.pid, writers[k]) for k in needed if writers.get(k, own) != own}
+    used = {**on_disk, **moved}  # moved here wins over read here
+    return tuple(sorted(PeerSlice(k.leaf, to_text(k.box), *hw) for k, hw in used.items()))
+
+
+def _gather_records(at: _Step, saved_count: int) -> tuple[tuple[pp.Record | None, ...], int | None]:
+    """Every saved process's per-process record of the step, each sent by the lowest
+    process holding a copy of it (its own, or one a peer sent it), and which process sent
+    this process's own record. No round when nobody holds one."""
+    holder: dict[int, int] = {}
+    for p, view in enumerate(at.req.views):
+        entry = view.steps.get(at.s)
+        for q in entry.per_process if entry else ():
+            holder.setdefault(q, p)
+    records: list[pp.Record | None] = [None] * saved_count
+    if holder:
+        per_process = at.mine.per_process if at.mine else {}
+        mine = {q: per_process[str(q)] for q, p in holder.items() if p == at.pid}
+        for p, theirs in enumerate(at.gather("per_process", mine)):
+            for q, doc in theirs.items():
+                if int(q) < saved_count:
+                    records[int(q)] = pp.Record.from_json(doc, where=f"process {p}'s copy")
+    return tuple(records), holder.get(at.pid)

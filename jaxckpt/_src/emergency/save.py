@@ -4,7 +4,8 @@ On the calling thread only what cannot wait (:meth:`LocalSaver.start`): host sna
 every distinct shard this process holds (views on CPU) and the dispatch of the peer copies,
 device to device, with this process's per-process record beside them. The writer thread
 (:func:`finish`) waits for what the peers send, describes the leaves from their metadata and
-writes the step (:func:`local.write_step`). The restore side is :mod:`local_restore`.
+writes the step (:func:`local.write_step`). The restore side is
+:mod:`jaxckpt._src.emergency.restore`.
 """
 
 from __future__ import annotations
@@ -22,30 +23,30 @@ import numpy as np
 from .. import multihost
 from .. import per_process as pp
 from .. import tree as tree_lib
-from ..boxes import Index, to_text
+from ..boxes import Index, whole
 from ..manifest import LeafRecord
 from ..monitoring import Stopwatch
 from ..records import PY_TYPES, check_numpy, leaf_records, unsupported
 from ..sharding import layout
 from ..staging import HostCopies
 from ..storage import Location
-from . import local
+from . import local, wire
 from .peers import PeerCopies, send_rows, send_shards
+from .planner import SliceKey
 
 
 @dataclass
 class Pending:
-    """A local step between :meth:`LocalSaver.start` and :func:`finish`. Slices are keyed
-    by (leaf position as text, global index) until the leaves' names are known."""
+    """A local step between :meth:`LocalSaver.start` and :func:`finish`."""
 
     flat: list[tuple[Any, Any]]
     key_data: dict[int, jax.Array]  # PRNG keys' data, by leaf position
     slices: local.Slices
-    origins: dict[tuple[str, Index], int]  # the process that held each slice when saved
+    writers: local.Writers  # the process that held each slice when saved
     doc: Callable[..., local.LocalStep]  # local.LocalStep, less what ``finish`` works out
     peers: PeerCopies | None  # peer copies in flight to this process
     records: dict[int, pp.Record]  # per-process records kept with the step
-    records_tag: str | None  # where the senders' records are left for this process
+    records_tag: str  # where the senders' records are left for this process
     senders: list[int]
 
 
@@ -85,7 +86,7 @@ class LocalSaver:
             sends_to=[(pid + j) % count for j in shifts],
             receives_from=senders,
         )
-        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, None, {}, None, [])
+        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, None, {}, "", [])
         if record is not None:
             out.records[pid] = record
         if shifts:
@@ -102,23 +103,24 @@ class LocalSaver:
                     self._exchange_rows(set(as_rows), out, shifts, tag("peers"), timeout_s)
         return out
 
-    def _exchange_rows(self, names: set[str], out: Pending, shifts, name, timeout_s) -> None:
+    def _exchange_rows(
+        self, names: set[str], out: Pending, shifts: tuple[int, ...], name: str, timeout_s: float
+    ) -> None:
         """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
         per process, exchanged and unpacked here (blocking)."""
         pid = multihost.process_index()
-        mine = {key: v for key, v in out.slices.items() if key[0] in names}
-        row = local.pack(mine, dict.fromkeys(mine, pid), reuse=self.pack_buffer)
+        mine = {key: v for key, v in out.slices.items() if key.leaf in names}
+        row = wire.pack(mine, dict.fromkeys(mine, pid), reuse=self.pack_buffer)
         if self.pack_buffer is None or row.size > self.pack_buffer.size:
             self.pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
         count = multihost.process_count()
         rounds = [tuple((p, (p + j) % count) for p in range(count)) for j in shifts]
         for got in send_rows(row, rounds, name=name, timeout_s=timeout_s):
-            peer_slices, peer_origins = local.unpack(got)
-            for key, data in peer_slices.items():
-                if key not in out.slices:
-                    out.slices[key], out.origins[key] = data, peer_origins[key]
+            _keep_new(out, *wire.unpack(got))
 
-    def _snapshot(self, flat: list[tuple[Any, Any]]):
+    def _snapshot(
+        self, flat: list[tuple[Any, Any]]
+    ) -> tuple[local.Slices, dict[str, jax.Array], dict[int, jax.Array]]:
         """Host snapshots of every distinct shard this process holds; the device arrays for
         the peer copies; PRNG keys' data. Unsupported leaves raise here, before anything is
         written."""
@@ -128,24 +130,25 @@ class LocalSaver:
         for i, (keypath, leaf) in enumerate(flat):
             if type(leaf) in PY_TYPES:
                 continue  # kept in the record
+            name = tree_lib.path_name(tree_lib.path_to_json(keypath))  # its record's name
             if isinstance(leaf, (np.ndarray, np.generic)):
-                arr = np.asarray(leaf)
-                check_numpy(arr, tree_lib.path_name(tree_lib.path_to_json(keypath)))
-                if arr.size:  # copied: NumPy arrays can change after save returns
-                    key = (str(i), tuple((0, d) for d in arr.shape))
-                    slices[key] = self.host.snapshot(key, arr, arr.dtype.newbyteorder("="))
+                host = np.asarray(leaf)
+                check_numpy(host, name)
+                if host.size:  # copied: NumPy arrays can change after save returns
+                    key = SliceKey(name, whole(host.shape))
+                    slices[key] = self.host.snapshot(key, host, host.dtype.newbyteorder("="))
                 continue
             if not isinstance(leaf, jax.Array):
-                raise unsupported(leaf, tree_lib.path_name(tree_lib.path_to_json(keypath)))
+                raise unsupported(leaf, name)
             arr = leaf
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 arr = key_data[i] = jax.random.key_data(leaf)
             shape = tuple(arr.shape)
             if not math.prod(shape):
                 continue
-            on_devices[str(i)] = arr
+            on_devices[name] = arr
             for k, index in layout(arr.sharding, shape).held_at:  # one device per index
-                key = (str(i), index)
+                key = SliceKey(name, index)
                 slices[key] = self.host.snapshot(key, arr.addressable_data(k))
         self.host.run_copies()  # all D2H copies were started above
         return slices, on_devices, key_data
@@ -170,45 +173,42 @@ def finish(
             p.records[sender] = pp.Record.from_json(json.loads(text), where=f"process {sender}")
     if p.peers is not None:
         with fig.phase("peer_wait"):
-            got, got_origins = p.peers.collect()  # waits for the transfers
-        for key, data in got.items():
-            if key not in p.slices:
-                p.slices[key], p.origins[key] = data, got_origins[key]
+            _keep_new(p, *p.peers.collect())  # waits for the transfers
     if not write:
         return
     with fig.phase("write"):
         paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in p.flat]
         records, meshes = leaf_records(paths, p.key_data)
-        name = {str(i): r.name for i, r in enumerate(records)}
-        slices = {(name[i], index): v for (i, index), v in p.slices.items()}
-        origins = {(name[i], index): o for (i, index), o in p.origins.items()}
         doc = p.doc(
             digest=local.tree_digest(records),
             meshes=meshes,
             leaves=tuple(records),
-            held=local.held_keys(slices, origins),
+            held=p.writers,
             required=_required(records, p.flat, p.key_data),
             per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
         )
-        local.write_step(directory, doc, slices, digits)
-        fig.bytes = sum(v.nbytes for v in slices.values())
+        local.write_step(directory, doc, p.slices, digits)
+        fig.bytes = sum(v.nbytes for v in p.slices.values())
 
 
-def _required(records: list[LeafRecord], flat, key_data) -> dict[str, list[str]]:
+def _keep_new(p: Pending, slices: local.Slices, writers: local.Writers) -> None:
+    """Adds the peer copies in ``slices`` that ``p`` lacks (with their writers)."""
+    for key, data in slices.items():
+        if key not in p.slices:
+            p.slices[key], p.writers[key] = data, writers[key]
+
+
+def _required(
+    records: list[LeafRecord], flat: list[tuple[Any, Any]], key_data: dict[int, jax.Array]
+) -> dict[str, list[Index]]:
     """Every slice of every array leaf (``local.json``'s ``slices``)."""
-    out: dict[str, list[str]] = {}
+    out: dict[str, list[Index]] = {}
     for i, (rec, (_, leaf)) in enumerate(zip(records, flat, strict=True)):
         if not rec.has_array or not math.prod(rec.shape):
             continue
         if rec.kind == "numpy":
-            out[rec.name] = [to_text(tuple((0, d) for d in rec.shape))]
+            out[rec.name] = [whole(rec.shape)]
         else:
             arr = key_data.get(i, leaf)
-            out[rec.name] = list(_index_keys(arr.sharding, tuple(arr.shape)))
+            out[rec.name] = list(layout(arr.sharding, arr.shape).indices)
     return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _index_keys(sharding, shape: tuple[int, ...]) -> tuple[str, ...]:
-    """Every slice of an array (``to_text``), sorted: recorded at each local save."""
-    return tuple(to_text(i) for i in layout(sharding, shape).indices)
