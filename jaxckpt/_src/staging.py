@@ -31,7 +31,8 @@ from .sharding import layout, write_split
 
 @dataclass(frozen=True)
 class Staged:
-    """A pytree described for writing; with ``host=True`` its owned shards are on the host.
+    """A pytree described for writing (``describe``); from ``stage``, with the shards this
+    process writes already on the host.
 
     Pass it to ``CheckpointManager.save`` (or ``jaxckpt.save``) in place of the tree.
     """
