@@ -194,7 +194,7 @@ def verify(args: argparse.Namespace) -> int:
     for path in paths:
         total = sum(r.nbytes for r in read_manifest(path).leaves if r.has_array)
         with _progress(total, path.name) as bar:
-            report = verify_one(path, progress=None if bar is None else bar.update)
+            report = verify_one(path.url, progress=None if bar is None else bar.update)
         for p in report.problems:
             chunk = "whole leaf" if p.chunk is None else f"chunk {list(p.chunk)}"
             print(f"DAMAGED {path.url}: leaf {p.leaf!r} {chunk} in {p.where}: {p.why}")
