@@ -20,7 +20,7 @@ from .. import tree as tree_lib
 from ..manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, read_manifest
 from ..restoring import restore
 from ..safetensors import load as st
-from ..safetensors.format import INDEX_FILE, create_files, index_json, plan
+from ..safetensors.format import INDEX_FILE, create_files, index_json, plan, write_in_place
 from ..safetensors.mapping import dotted
 from ..staging import StagedLeaf, describe
 from ..storage import Location, location
@@ -137,19 +137,15 @@ def to_safetensors(src: Path, dst: Path, *, max_file_bytes: float = 5e9) -> None
             f"{s.url}: leaf {keys[0]!r} is a PRNG key, which safetensors cannot hold"
         )
     leaves = [r for r in manifest.leaves if r.kind in ("array", "numpy")]
-    names = {r.name: dotted(r.path) for r in leaves}
-    specs = [(names[r.name], np.dtype(r.dtype), tuple(r.shape)) for r in leaves]
+    specs = [(dotted(r.path), np.dtype(r.dtype), tuple(r.shape)) for r in leaves]
     files, placed = plan(specs, max_file_bytes, {"format": "jaxckpt"})
+    tensors = [placed[name] for name, _, _ in specs]
+    writes = (  # each leaf read as it is written
+        (t.file, t.begin, np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+        for t, (_, data) in zip(tensors, host_leaves(s, leaves), strict=True)
+    )
     with steps.committing(d, marker=False) as work:
         create_files(work, files)
-        for rec, data in host_leaves(s, leaves):
-            t = placed[names[rec.name]]
-            with open(os.path.join(work.url, t.file), "r+b") as fh:
-                fh.seek(t.begin)
-                fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
-        for f in files:
-            fd = os.open(os.path.join(work.url, f.name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+        write_in_place(work, files, writes)
         if len(files) > 1:
             work.write_bytes(INDEX_FILE, index_json(placed, {"format": "jaxckpt"}))
