@@ -8,8 +8,8 @@ Both stream a few leaves at a time (``BATCH_BYTES``, or the largest leaf, in hos
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,14 +20,13 @@ from .. import tree as tree_lib
 from ..manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, read_manifest
 from ..restoring import restore
 from ..safetensors import load as st
-from ..safetensors.format import INDEX_FILE, create_files, index_json, plan, write_in_place
+from ..safetensors.format import INDEX_FILE, batches, create_files, index_json, plan, write_in_place
 from ..safetensors.mapping import dotted
 from ..staging import StagedLeaf, describe
 from ..storage import Location, location
 from ..tree import PathJson
 
 BATCH_BYTES = 256 << 20  # host memory of a conversion: leaves read and written together
-R = TypeVar("R")  # what _batches batches: a LeafRecord or a TensorInfo (each has nbytes)
 Path = str | os.PathLike | Location
 
 
@@ -61,7 +60,7 @@ def to_jaxckpt(src: Path, dst: Path) -> None:
     with steps.committing(d) as work:
         db = arrays.database_dir(work, None)
         db.makedirs()
-        for batch in _batches(leaves):
+        for batch in batches(leaves, lambda leaf: leaf[1].nbytes, BATCH_BYTES):
             tree = read(batch)
             described = describe(tree).leaves
             writes = [leaf.write for leaf in described if leaf.write is not None]
@@ -73,21 +72,6 @@ def to_jaxckpt(src: Path, dst: Path) -> None:
         staged.sort(key=lambda leaf: order[leaf.record.name])
         manifest = saving.manifest_of(staged, [], [multihost.host_name()], [total], custom, None)
         work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
-
-
-def _batches(leaves: Iterable[tuple[PathJson, R]]) -> Iterator[list[tuple[PathJson, R]]]:
-    """Consecutive leaves of at most BATCH_BYTES together (a larger one alone)."""
-    batch: list[tuple[PathJson, R]] = []
-    size = 0
-    for path, rec in leaves:
-        nbytes = getattr(rec, "nbytes", 0)
-        if batch and size + nbytes > BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append((path, rec))
-        size += nbytes
-    if batch:
-        yield batch
 
 
 def _numpy_spec(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -113,8 +97,7 @@ def host_leaves(src: Path, records: Sequence[LeafRecord]) -> Iterator[tuple[Leaf
     restored on the host a batch (``BATCH_BYTES``) at a time: arrays as NumPy, PRNG keys as
     their key data, Python values as they are."""
     loc = location(src)
-    for batch in _batches([(r.path, r) for r in records]):
-        recs = [r for _, r in batch]
+    for recs in batches(records, lambda r: r.nbytes, BATCH_BYTES):
         tree = restore(loc.url, target=_host_target(recs))
         values = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(tree)}
         for r in recs:

@@ -23,7 +23,6 @@ from ..storage import Location, location
 from .format import (
     INDEX_FILE,
     TensorInfo,
-    checked,
     coalesce,
     index_files,
     read,
@@ -282,7 +281,7 @@ class _Reader:
                 (
                     info,
                     [
-                        (read(self.kv, info.file, o, o + n, self.url), o, n, members)
+                        (read(self.kv, info.file, o, o + n, self.url, exact=True), o, members)
                         for o, n, members in coalesce(at)
                     ],
                 )
@@ -298,18 +297,15 @@ class _Reader:
         """The box of the leaf from its tensors' reads of ``rbox``, in the leaf's dtype."""
         blocks = []
         for info, reads in parts:
-            if len(reads) == 1 and len(reads[0][3]) == 1:  # one run: the read is the block
-                fut, off, n, _ = reads[0]
-                buf = checked(fut, info.file, off, n, self.url)
+            if len(reads) == 1 and len(reads[0][2]) == 1:  # one run: the read is the block
+                buf = reads[0][0]()
             else:
                 buf = np.empty(volume(rbox) * info.dtype.itemsize, np.uint8)
                 pos = 0
-                for fut, off, n, members in reads:
-                    data = checked(fut, info.file, off, n, self.url)
+                for get, off, members in reads:
+                    data = get()
                     for moff, mn in members:
-                        buf[pos : pos + mn] = np.frombuffer(
-                            data[moff - off : moff - off + mn], np.uint8
-                        )
+                        buf[pos : pos + mn] = data[moff - off : moff - off + mn]
                         pos += mn
             block = np.frombuffer(buf, dtype=info.dtype).reshape(extent(rbox))
             blocks.append(from_reshaped(w.m, block))
