@@ -79,17 +79,13 @@ def _numpy_spec(shape: Sequence[int], dtype: Any) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype), tuple(shape))
 
 
-def _host_target(records: Sequence[LeafRecord]) -> Any:
-    """A target that restores these leaves on the host (NumPy), whatever the saved mesh."""
-    items = []
-    for rec in records:
-        if rec.kind in ("array", "numpy"):
-            items.append((rec.path, _numpy_spec(rec.shape, rec.dtype)))
-        elif rec.kind == "prng_key":  # the target has the key's shape, the record its data's
-            items.append((rec.path, _numpy_spec(rec.shape[:-1], np.uint32)))
-        else:
-            items.append((rec.path, rec.value))
-    return tree_lib.unflatten_paths(items)
+def _host_leaf(rec: LeafRecord) -> Any:
+    """The target leaf that restores ``rec`` on the host (NumPy), whatever the saved mesh."""
+    if rec.kind in ("array", "numpy"):
+        return _numpy_spec(rec.shape, rec.dtype)
+    if rec.kind == "prng_key":  # the target has the key's shape, the record its data's
+        return _numpy_spec(rec.shape[:-1], np.uint32)
+    return rec.value
 
 
 def host_leaves(src: Path, records: Sequence[LeafRecord]) -> Iterator[tuple[LeafRecord, Any]]:
@@ -98,7 +94,9 @@ def host_leaves(src: Path, records: Sequence[LeafRecord]) -> Iterator[tuple[Leaf
     their key data, Python values as they are."""
     loc = location(src)
     for recs in batches(records, lambda r: r.nbytes, BATCH_BYTES):
-        tree = restore(loc.url, target=_host_target(recs))
+        tree = restore(
+            loc.url, target=tree_lib.unflatten_paths([(r.path, _host_leaf(r)) for r in recs])
+        )
         values = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(tree)}
         for r in recs:
             v = values[r.name]
