@@ -282,9 +282,8 @@ def runs(shape: Sequence[int], itemsize: int, box: Index) -> list[tuple[int, int
     k = len(shape) - 1
     while k > 0 and box[k] == (0, shape[k]):
         k -= 1
-    inner = math.prod(shape[k + 1 :]) * itemsize
     strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
-    length = (box[k][1] - box[k][0]) * inner
+    length = (box[k][1] - box[k][0]) * strides[k]
     out = []
     for outer in np.ndindex(*extent(box[:k])):
         offset = sum((box[d][0] + outer[d]) * strides[d] for d in range(k))

@@ -160,16 +160,10 @@ def load(
     ]
     reads = InFlight[list](read_budget_bytes or READ_BUDGET_BYTES)
     reader = _Reader(kv, loc.url, reads)
-    finish = [
-        reader.leaf(w) if w is not None else functools.partial(_same, t)
-        for w, (_, t) in zip(wants, flat, strict=True)
-    ]
+    finish = [None if w is None else reader.leaf(w) for w in wants]
     reads.drain()
-    return tree_lib.unflatten_like(target, [f() for f in finish])
-
-
-def _same(value: Any) -> Any:
-    return value
+    leaves = [t if f is None else f() for f, (_, t) in zip(finish, flat, strict=True)]
+    return tree_lib.unflatten_like(target, leaves)
 
 
 def _is_array(t: Any) -> bool:

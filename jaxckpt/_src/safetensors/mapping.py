@@ -225,8 +225,7 @@ def leaf_map(path: str, names: Names, transforms: Transforms) -> LeafMap:
 
 def _check_step(path: str, t: Step) -> None:
     if isinstance(t, Transpose):
-        axes = tuple(t.axes)
-        if sorted(axes) != list(range(len(axes))):
+        if sorted(t.axes) != list(range(len(t.axes))):
             raise SafetensorsError(f"leaf {path!r}: {t} is not a permutation of the axes")
     elif math.prod(t.file_shape) != math.prod(t.shape) or min((*t.file_shape, *t.shape, 0)) < 0:
         raise SafetensorsError(f"leaf {path!r}: {t} changes the number of elements; fix the shapes")

@@ -73,19 +73,13 @@ def save(
     loc = location(path)
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise SafetensorsError(f"{loc.url}: metadata values must be strings, got {metadata!r}")
-    leaves = _save_leaves(tree, names, transforms, loc)
-    specs = [
-        (name, m.cast or np.dtype(v.dtype), m.tensor_shape(tuple(v.shape)))
-        for m, v in leaves
-        for name in m.names(v.shape)
-    ]
+    leaves, specs = _save_leaves(tree, names, transforms, loc)
     dup = [n for n, c in collections.Counter(s[0] for s in specs).items() if c > 1]
     if dup:
         raise SafetensorsError(f"{loc.url}: several leaves map to tensor(s) {dup[:5]}; fix names=")
     files, placed = plan(specs, max_file_bytes, metadata)
-    count = multihost.process_count()
     if not loc.is_local:
-        if count > 1:
+        if multihost.process_count() > 1:
             raise SafetensorsError(
                 f"{loc.url}: a multi-process save needs a shared filesystem (processes write "
                 "slices of one file in place); save there and copy, or save from one process"
@@ -114,10 +108,14 @@ def save(
     multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/committed", timeout_s, what=loc.url)
 
 
-def _save_leaves(tree: Any, names: Names, transforms: Transforms, loc: Location) -> list[Leaf]:
-    """``(LeafMap, array)`` of every leaf; None leaves are skipped, any other leaf that is
-    not an array is refused (before anything is written)."""
+def _save_leaves(
+    tree: Any, names: Names, transforms: Transforms, loc: Location
+) -> tuple[list[Leaf], list[tuple[str, np.dtype, tuple[int, ...]]]]:
+    """``(LeafMap, array)`` of every leaf, and ``(name, dtype, shape)`` of every tensor, in
+    order; None leaves are skipped, any other leaf that is not an array is refused (before
+    anything is written)."""
     out: list[Leaf] = []
+    specs = []
     for path, v in tree_lib.flatten(tree):
         leaf = dotted(path)
         if v is None:
@@ -136,14 +134,16 @@ def _save_leaves(tree: Any, names: Names, transforms: Transforms, loc: Location)
         try:
             m = leaf_map(leaf, names, transforms)
             arr = v if isinstance(v, jax.Array) else np.asarray(v)
-            dtype_name(m.cast or np.dtype(arr.dtype), f"leaf {leaf!r}")
-            m.tensor_shape(tuple(arr.shape))
+            dtype = m.cast or np.dtype(arr.dtype)
+            dtype_name(dtype, f"leaf {leaf!r}")
+            shape = m.tensor_shape(tuple(arr.shape))
             if m.stacked and not arr.ndim:
                 raise SafetensorsError(f"leaf {leaf!r} is stacked (Stack) but a scalar")
         except (SafetensorsError, SafetensorsShapeError) as e:
             raise type(e)(f"{loc.url}: {e}; nothing was written") from None
         out.append((m, arr))
-    return out
+        specs += [(name, dtype, shape) for name in m.names(arr.shape)]
+    return out, specs
 
 
 def _parts(m: LeafMap, v: jax.Array | np.ndarray, salt: int) -> Iterator[Part]:
