@@ -46,8 +46,7 @@ def to_jaxckpt(src: Path, dst: Path) -> None:
                 [(r.path, v) for r, v in host_leaves(s, [r for _, r in batch])]
             )
     else:
-        info = {k: t for k, t in st.metadata(s.url).items() if k != "__metadata__"}
-        leaves = [([["k", name]], t) for name, t in info.items()]
+        leaves = [([["k", name]], t) for name, t in st.metadata(s.url).items()]
         custom = None
 
         def read(batch: list[tuple[PathJson, Any]]) -> Any:
@@ -61,17 +60,23 @@ def to_jaxckpt(src: Path, dst: Path) -> None:
         db = arrays.database_dir(work, None)
         db.makedirs()
         for batch in batches(leaves, lambda leaf: leaf[1].nbytes, BATCH_BYTES):
-            tree = read(batch)
-            described = describe(tree).leaves
-            writes = [leaf.write for leaf in described if leaf.write is not None]
-            arrays.write(db, writes)
-            staged += described
-            total += sum(w.nbytes for w in writes)
-            del tree
+            written, nbytes = _write_batch(db, read(batch))
+            staged += written
+            total += nbytes
         order = {tree_lib.path_name(p): k for k, (p, _) in enumerate(leaves)}
         staged.sort(key=lambda leaf: order[leaf.record.name])
         manifest = saving.manifest_of(staged, [], [multihost.host_name()], [total], custom, None)
         work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
+
+
+def _write_batch(db: Location, tree: Any) -> tuple[list[StagedLeaf], int]:
+    """Writes the leaves of ``tree`` into the database ``db`` (one transaction); returns
+    their records, without their data (freed on return: one batch in memory at a time), and
+    the bytes written."""
+    described = describe(tree).leaves
+    writes = [leaf.write for leaf in described if leaf.write is not None]
+    arrays.write(db, writes)
+    return [StagedLeaf(leaf.record, None) for leaf in described], sum(w.nbytes for w in writes)
 
 
 def _numpy_spec(shape: Sequence[int], dtype: Any) -> np.ndarray:
