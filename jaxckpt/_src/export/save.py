@@ -263,12 +263,11 @@ def _variant_sizes(
 ) -> dict[int, tuple[int, ...]]:
     """The axis sizes of each variant, by device count (in increasing order), checked."""
     sizes = tuple(int(s) for s in mesh.devices.shape)
-    if device_counts is None:
-        out = {int(mesh.size): sizes}
-    elif isinstance(device_counts, Mapping):
+    if isinstance(device_counts, Mapping):
         out = {int(n): tuple(int(s) for s in v) for n, v in device_counts.items()}
-    else:
-        out = {int(n): axis_sizes_for(sizes, int(n)) for n in device_counts}
+    else:  # (axis_sizes_for gives the mesh's own sizes for its size, the default count)
+        counts = [mesh.size] if device_counts is None else device_counts
+        out = {int(n): axis_sizes_for(sizes, int(n)) for n in counts}
     for n, v in out.items():
         if n < 1 or len(v) != len(sizes) or math.prod(v) != n:
             raise ExportError(
