@@ -8,8 +8,8 @@ Both stream a few leaves at a time (``BATCH_BYTES``, or the largest leaf, in hos
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,14 +20,13 @@ from .. import tree as tree_lib
 from ..manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, read_manifest
 from ..restoring import restore
 from ..safetensors import load as st
-from ..safetensors.format import INDEX_FILE, create_files, index_json, plan
+from ..safetensors.format import INDEX_FILE, batches, create_files, index_json, plan, write_in_place
 from ..safetensors.mapping import dotted
 from ..staging import StagedLeaf, describe
 from ..storage import Location, location
 from ..tree import PathJson
 
 BATCH_BYTES = 256 << 20  # host memory of a conversion: leaves read and written together
-R = TypeVar("R")  # what _batches batches: a LeafRecord or a TensorInfo (each has nbytes)
 Path = str | os.PathLike | Location
 
 
@@ -47,8 +46,7 @@ def to_jaxckpt(src: Path, dst: Path) -> None:
                 [(r.path, v) for r, v in host_leaves(s, [r for _, r in batch])]
             )
     else:
-        info = {k: t for k, t in st.metadata(s.url).items() if k != "__metadata__"}
-        leaves = [([["k", name]], t) for name, t in info.items()]
+        leaves = [([["k", name]], t) for name, t in st.metadata(s.url).items()]
         custom = None
 
         def read(batch: list[tuple[PathJson, Any]]) -> Any:
@@ -61,33 +59,24 @@ def to_jaxckpt(src: Path, dst: Path) -> None:
     with steps.committing(d) as work:
         db = arrays.database_dir(work, None)
         db.makedirs()
-        for batch in _batches(leaves):
-            tree = read(batch)
-            described = describe(tree).leaves
-            writes = [leaf.write for leaf in described if leaf.write is not None]
-            arrays.write(db, writes)
-            staged += described
-            total += sum(w.nbytes for w in writes)
-            del tree
+        for batch in batches(leaves, lambda leaf: leaf[1].nbytes, BATCH_BYTES):
+            written, nbytes = _write_batch(db, read(batch))
+            staged += written
+            total += nbytes
         order = {tree_lib.path_name(p): k for k, (p, _) in enumerate(leaves)}
         staged.sort(key=lambda leaf: order[leaf.record.name])
         manifest = saving.manifest_of(staged, [], [multihost.host_name()], [total], custom, None)
         work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
 
 
-def _batches(leaves: Iterable[tuple[PathJson, R]]) -> Iterator[list[tuple[PathJson, R]]]:
-    """Consecutive leaves of at most BATCH_BYTES together (a larger one alone)."""
-    batch: list[tuple[PathJson, R]] = []
-    size = 0
-    for path, rec in leaves:
-        nbytes = getattr(rec, "nbytes", 0)
-        if batch and size + nbytes > BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append((path, rec))
-        size += nbytes
-    if batch:
-        yield batch
+def _write_batch(db: Location, tree: Any) -> tuple[list[StagedLeaf], int]:
+    """Writes the leaves of ``tree`` into the database ``db`` (one transaction); returns
+    their records, without their data (freed on return: one batch in memory at a time), and
+    the bytes written."""
+    described = describe(tree).leaves
+    writes = [leaf.write for leaf in described if leaf.write is not None]
+    arrays.write(db, writes)
+    return [StagedLeaf(leaf.record, None) for leaf in described], sum(w.nbytes for w in writes)
 
 
 def _numpy_spec(shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -95,17 +84,13 @@ def _numpy_spec(shape: Sequence[int], dtype: Any) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype), tuple(shape))
 
 
-def _host_target(records: Sequence[LeafRecord]) -> Any:
-    """A target that restores these leaves on the host (NumPy), whatever the saved mesh."""
-    items = []
-    for rec in records:
-        if rec.kind in ("array", "numpy"):
-            items.append((rec.path, _numpy_spec(rec.shape, rec.dtype)))
-        elif rec.kind == "prng_key":  # the target has the key's shape, the record its data's
-            items.append((rec.path, _numpy_spec(rec.shape[:-1], np.uint32)))
-        else:
-            items.append((rec.path, rec.value))
-    return tree_lib.unflatten_paths(items)
+def _host_leaf(rec: LeafRecord) -> Any:
+    """The target leaf that restores ``rec`` on the host (NumPy), whatever the saved mesh."""
+    if rec.kind in ("array", "numpy"):
+        return _numpy_spec(rec.shape, rec.dtype)
+    if rec.kind == "prng_key":  # the target has the key's shape, the record its data's
+        return _numpy_spec(rec.shape[:-1], np.uint32)
+    return rec.value
 
 
 def host_leaves(src: Path, records: Sequence[LeafRecord]) -> Iterator[tuple[LeafRecord, Any]]:
@@ -113,9 +98,10 @@ def host_leaves(src: Path, records: Sequence[LeafRecord]) -> Iterator[tuple[Leaf
     restored on the host a batch (``BATCH_BYTES``) at a time: arrays as NumPy, PRNG keys as
     their key data, Python values as they are."""
     loc = location(src)
-    for batch in _batches([(r.path, r) for r in records]):
-        recs = [r for _, r in batch]
-        tree = restore(loc.url, target=_host_target(recs))
+    for recs in batches(records, lambda r: r.nbytes, BATCH_BYTES):
+        tree = restore(
+            loc.url, target=tree_lib.unflatten_paths([(r.path, _host_leaf(r)) for r in recs])
+        )
         values = {tree_lib.path_name(p): v for p, v in tree_lib.flatten(tree)}
         for r in recs:
             v = values[r.name]
@@ -137,19 +123,15 @@ def to_safetensors(src: Path, dst: Path, *, max_file_bytes: float = 5e9) -> None
             f"{s.url}: leaf {keys[0]!r} is a PRNG key, which safetensors cannot hold"
         )
     leaves = [r for r in manifest.leaves if r.kind in ("array", "numpy")]
-    names = {r.name: dotted(r.path) for r in leaves}
-    specs = [(names[r.name], np.dtype(r.dtype), tuple(r.shape)) for r in leaves]
+    specs = [(dotted(r.path), np.dtype(r.dtype), tuple(r.shape)) for r in leaves]
     files, placed = plan(specs, max_file_bytes, {"format": "jaxckpt"})
+    tensors = [placed[name] for name, _, _ in specs]
+    writes = (  # each leaf read as it is written
+        (t.file, t.begin, np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+        for t, (_, data) in zip(tensors, host_leaves(s, leaves), strict=True)
+    )
     with steps.committing(d, marker=False) as work:
         create_files(work, files)
-        for rec, data in host_leaves(s, leaves):
-            t = placed[names[rec.name]]
-            with open(os.path.join(work.url, t.file), "r+b") as fh:
-                fh.seek(t.begin)
-                fh.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
-        for f in files:
-            fd = os.open(os.path.join(work.url, f.name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+        write_in_place(work, files, writes)
         if len(files) > 1:
             work.write_bytes(INDEX_FILE, index_json(placed, {"format": "jaxckpt"}))

@@ -194,7 +194,7 @@ def verify(args: argparse.Namespace) -> int:
     for path in paths:
         total = sum(r.nbytes for r in read_manifest(path).leaves if r.has_array)
         with _progress(total, path.name) as bar:
-            report = verify_one(path, progress=None if bar is None else bar.update)
+            report = verify_one(path.url, progress=None if bar is None else bar.update)
         for p in report.problems:
             chunk = "whole leaf" if p.chunk is None else f"chunk {list(p.chunk)}"
             print(f"DAMAGED {path.url}: leaf {p.leaf!r} {chunk} in {p.where}: {p.why}")
@@ -209,11 +209,9 @@ def verify(args: argparse.Namespace) -> int:
 def _progress(total: int, what: str) -> contextlib.AbstractContextManager[Any]:
     """tqdm's bar on a terminal (if tqdm is installed), else a context of None."""
     if sys.stderr.isatty():
-        try:
+        with contextlib.suppress(ImportError):
             from tqdm import tqdm
-        except ImportError:
-            pass
-        else:
+
             return tqdm(total=total, unit="B", unit_scale=True, desc=what, leave=False)
     return contextlib.nullcontext()
 
@@ -281,7 +279,3 @@ def diff(args: argparse.Namespace) -> int:
     print(f"{'differ' if different else 'equal'}: {different} leaf(s) differ"
           f"{f' beyond atol={args.atol} rtol={args.rtol}' if args.atol or args.rtol else ''}")  # fmt: skip
     return 1 if different else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -21,7 +20,7 @@ import tensorstore as ts
 
 from .. import arrays
 from .. import per_process as pp
-from ..boxes import volume, whole
+from ..boxes import chunks_in, volume, whole
 from ..inflight import READ_BUDGET_BYTES, InFlight
 from ..manifest import LeafRecord, Manifest, read_manifest
 from ..sharding import saved_writers
@@ -52,22 +51,9 @@ class Report:
         return not self.problems
 
 
-def chunk_grid(rec: LeafRecord) -> list[tuple[int, ...]]:
-    shape, chunks = tuple(rec.shape), tuple(rec.chunk_shape or ())
-    return list(itertools.product(*(range(-(-s // c)) for s, c in zip(shape, chunks, strict=True))))
-
-
-def chunk_key(rec: LeafRecord, coords: tuple[int, ...]) -> str:
-    """The chunk's key in the OCDBT database (zarr v3's default key encoding)."""
-    return _key(rec.name, coords)
-
-
 def _key(leaf: str, coords: Sequence[int]) -> str:
+    """A chunk's key in the OCDBT database (zarr v3's default key encoding)."""
     return "/".join([leaf, "c", *map(str, coords)])
-
-
-def _chunk_key(p: Problem) -> str:
-    return _key(p.leaf, p.chunk or ())
 
 
 def verify(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None) -> Report:
@@ -112,13 +98,13 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int], None] | None = 
             )
             continue
         itemsize = rec.nbytes // volume(whole(rec.shape))
-        for coords in chunk_grid(rec):
+        for coords in chunks_in(whole(rec.shape), rec.chunk_shape or ()):
             box = tuple(
                 (i * c, min((i + 1) * c, s))
                 for i, c, s in zip(coords, rec.chunk_shape or (), rec.shape, strict=True)
             )
             nbytes = volume(box) * itemsize
-            if every_chunk_stored and chunk_key(rec, coords) not in present:
+            if every_chunk_stored and _key(rec.name, coords) not in present:
                 damaged(rec, coords, "the chunk is missing")
                 progress(nbytes)
                 continue
@@ -148,21 +134,20 @@ def _where(rec: LeafRecord, coords: tuple[int, ...], manifest: Manifest, db: Loc
 def _with_bytes(problems: list[Problem], kv: ts.KvStore, db: Location) -> list[Problem]:
     """``problems`` with each chunk's data file and byte range added (where the B-tree has
     the chunk's key; a missing chunk has none), and named in ``where``."""
-    keys = {_chunk_key(p): p for p in problems if p.chunk is not None}
+    keys = {_key(p.leaf, p.chunk) for p in problems if p.chunk is not None}
     if not keys:
         return problems
     try:
         assert kv.base is not None  # an OCDBT kvstore has one
-        found = arrays.chunk_bytes(kv.base, db, set(keys))
+        found = arrays.chunk_bytes(kv.base, db, keys)
     except Exception:  # the B-tree can't be walked: keep naming the data directory
         return problems
     out = []
     for p in problems:
-        at = found.get(_chunk_key(p)) if p.chunk is not None else None
+        at = None if p.chunk is None else found.get(_key(p.leaf, p.chunk))
         if at is not None:  # "(process N's data files)" only where the file is process N's
-            whose = re.search(r"/p(\d+)/d/ \(process \d+'s data files\)$", p.where)
-            mine = whose is not None and f"/p{whose.group(1)}/" in at.file
-            suffix = f" (process {whose.group(1)}'s data files)" if whose and mine else ""
+            whose = re.search(r"/(p\d+)/d/ \((process \d+'s data files)\)$", p.where)
+            suffix = f" ({whose[2]})" if whose and f"/{whose[1]}/" in at.file else ""
             p = dataclasses.replace(p, where=f"{at}{suffix}", location=at)
         out.append(p)
     return out

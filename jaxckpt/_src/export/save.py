@@ -4,6 +4,7 @@ checking the specs, placing the parameters and lowering each variant."""
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import math
 import os
@@ -189,12 +190,11 @@ def _axis_names(mesh: Mesh) -> tuple[str, ...]:
 
 def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
     """The names of ``fn``'s positional parameters after ``params`` (``arg<i>`` otherwise)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return [f"arg{i}" for i in range(n)]
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    found = [p.name for p in sig.parameters.values() if p.kind in kinds][1:]
+    try:
+        found = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds][1:]
+    except (TypeError, ValueError):  # no signature to inspect
+        found = []
     return [found[i] if i < len(found) else f"arg{i}" for i in range(n)]
 
 
@@ -255,10 +255,7 @@ def _broadcast_out_specs(
             f"{jax.tree.structure(out_shape)}; give one PartitionSpec, or a prefix tree of them"
         ) from e
 
-    def check(spec: Any) -> PartitionSpec:
-        return _check_spec(spec, names, "out_specs", loc)
-
-    return jax.tree.map(check, full, is_leaf=is_leaf)
+    return jax.tree.map(lambda s: _check_spec(s, names, "out_specs", loc), full, is_leaf=is_leaf)
 
 
 def _variant_sizes(
@@ -266,12 +263,11 @@ def _variant_sizes(
 ) -> dict[int, tuple[int, ...]]:
     """The axis sizes of each variant, by device count (in increasing order), checked."""
     sizes = tuple(int(s) for s in mesh.devices.shape)
-    if device_counts is None:
-        out = {int(mesh.size): sizes}
-    elif isinstance(device_counts, Mapping):
+    if isinstance(device_counts, Mapping):
         out = {int(n): tuple(int(s) for s in v) for n, v in device_counts.items()}
-    else:
-        out = {int(n): axis_sizes_for(sizes, int(n)) for n in device_counts}
+    else:  # (axis_sizes_for gives the mesh's own sizes for its size, the default count)
+        counts = [mesh.size] if device_counts is None else device_counts
+        out = {int(n): axis_sizes_for(sizes, int(n)) for n in counts}
     for n, v in out.items():
         if n < 1 or len(v) != len(sizes) or math.prod(v) != n:
             raise ExportError(
@@ -321,12 +317,10 @@ def _export_variant(
     constraints = [f"{b} == {m}*{b}_div{m}" for b, m in multiples.items()]
     specs = _with_constraints(arg_specs, constraints, loc) if constraints else list(arg_specs)
 
-    def named(spec: PartitionSpec) -> NamedSharding:
-        return NamedSharding(amesh, spec)
-
+    named = functools.partial(NamedSharding, amesh)
     jitted = jax.jit(
         flat_fn,
-        in_shardings=([named(s) for s in param_specs], *(named(s) for s in in_specs)),
+        in_shardings=jax.tree.map(named, (param_specs, *in_specs)),
         out_shardings=jax.tree.map(named, out_full),
     )
     try:
@@ -344,15 +338,10 @@ def _with_constraints(
     arg_specs: Sequence[jax.ShapeDtypeStruct], constraints: list[str], loc: Location
 ) -> list[jax.ShapeDtypeStruct]:
     """The argument specs re-made in one symbolic scope that also says which dims divide."""
-    user: list[str] = []
-    for spec in arg_specs:
-        for d in spec.shape:
-            if jax.export.is_symbolic_dim(d):
-                found = getattr(d.scope, "_explicit_constraints", [])
-                user = [c.debug_str for c in found]
-                break
-        if user:
-            break
+    # the user's constraints: those of the scope of the first symbolic dimension (jax.export
+    # takes the symbolic dimensions of all the arguments from one scope)
+    first = next(d for s in arg_specs for d in s.shape if jax.export.is_symbolic_dim(d))
+    user = [c.debug_str for c in getattr(first.scope, "_explicit_constraints", [])]
     try:
         scope = jax.export.SymbolicScope([*user, *dict.fromkeys(constraints)])
     except Exception as e:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -32,6 +32,7 @@ from ..storage import Location
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20  # the reference implementation's limit
+T = TypeVar("T")
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -80,9 +81,12 @@ def dtype_name(dtype: np.dtype, where: str) -> str:
     return name
 
 
-def read(kv: ts.KvStore, file: str, start: int, stop: int, url: str) -> Callable[[], Any]:
-    """Starts reading bytes ``[start, stop)`` of ``file``; call the result for them
-    (checked by ``checked``). Errors name the file."""
+def read(
+    kv: ts.KvStore, file: str, start: int, stop: int, url: str, *, exact: bool = False
+) -> Callable[[], Any]:
+    """Starts reading bytes ``[start, stop)`` of ``file``; call the result for the
+    ReadResult, or with ``exact`` for the bytes (a memoryview), all of them. (Typed Any: load
+    reuses the name it binds for NumPy buffers.) Errors name the file."""
     try:
         future = kv.read(file, byte_range=slice(start, stop))
     except ValueError as e:
@@ -90,12 +94,23 @@ def read(kv: ts.KvStore, file: str, start: int, stop: int, url: str) -> Callable
 
     def result() -> Any:
         try:
-            return future.result()
+            got = future.result()
         except ValueError as e:  # TensorStore: OUT_OF_RANGE for a range past the end
             raise SafetensorsError(
                 f"{url}/{file} is truncated or unreadable: bytes [{start}, {stop}) ({e}); "
                 "re-download or re-write the file"
             ) from None
+        if not exact:
+            return got
+        if got.state != "value":
+            raise SafetensorsError(f"{url}/{file} disappeared while reading it")
+        data = memoryview(got.value)
+        if len(data) != stop - start:
+            raise SafetensorsError(
+                f"{url}/{file} is truncated: {len(data)} of {stop - start} bytes at offset "
+                f"{start}; re-download or re-write the file"
+            )
+        return data
 
     return result
 
@@ -188,21 +203,16 @@ def read_header(
             f"{where}: __metadata__ is {meta!r:.80}, not an object of strings; the header is "
             "corrupt"
         )
-    tensors = {}
-    for name, entry in doc.items():
-        tensors[name] = _entry(name, entry, where, file, 8 + n)
+    tensors = {name: _entry(name, entry, where, file, 8 + n) for name, entry in doc.items()}
     _check_tiling(tensors, where, 8 + n, size)
     return tensors, meta
 
 
 def _entry(name: str, entry: Any, where: str, file: str, start: int) -> TensorInfo:
-    ok = isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= set(entry)
-    dtype = entry.get("dtype") if ok else None
-    shape = entry.get("shape") if ok else None
-    offsets = entry.get("data_offsets") if ok else None
+    fields = entry if isinstance(entry, dict) else {}  # a missing field is None: refused
+    dtype, shape, offsets = (fields.get(k) for k in ("dtype", "shape", "data_offsets"))
     if not (
-        ok
-        and isinstance(dtype, str)
+        isinstance(dtype, str)
         and isinstance(shape, list)
         and all(_nat(d) for d in shape)
         and isinstance(offsets, list)
@@ -251,26 +261,11 @@ def _check_tiling(tensors: dict[str, TensorInfo], where: str, start: int, size: 
 
 def _size(kv: ts.KvStore, file: str) -> float:
     """The size of a local file; object stores have no cheap stat in TensorStore, so there
-    a truncated file is found when a read comes back short (``checked``)."""
+    a truncated file is found when a read comes back short (``read``, ``exact``)."""
     spec = kv.spec().to_json()
     if spec.get("driver") == "file":
         return os.path.getsize(os.path.join(spec["path"], file))
     return math.inf
-
-
-def checked(result: Callable[[], Any], file: str, offset: int, length: int, url: str) -> Any:
-    """The bytes of a ``read`` (a memoryview), all ``length`` of them, or an error naming
-    the file. (Typed Any: load.py reuses the name it binds for NumPy buffers.)"""
-    got = result()
-    if got.state != "value":
-        raise SafetensorsError(f"{url}/{file} disappeared while reading it")
-    data = memoryview(got.value)
-    if len(data) != length:
-        raise SafetensorsError(
-            f"{url}/{file} is truncated: {len(data)} of {length} bytes at offset {offset}; "
-            "re-download or re-write the file"
-        )
-    return data
 
 
 # --- where a box of a row-major tensor lies -------------------------------------------------
@@ -287,9 +282,8 @@ def runs(shape: Sequence[int], itemsize: int, box: Index) -> list[tuple[int, int
     k = len(shape) - 1
     while k > 0 and box[k] == (0, shape[k]):
         k -= 1
-    inner = math.prod(shape[k + 1 :]) * itemsize
     strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
-    length = (box[k][1] - box[k][0]) * inner
+    length = (box[k][1] - box[k][0]) * strides[k]
     out = []
     for outer in np.ndindex(*extent(box[:k])):
         offset = sum((box[d][0] + outer[d]) * strides[d] for d in range(k))
@@ -331,16 +325,11 @@ def plan(
 ) -> tuple[list[FilePlan], dict[str, TensorInfo]]:
     """Assigns tensors, in the order given, to files of at most ``max_file_bytes`` of data
     (a tensor larger than that gets a file of its own) and lays out each file."""
-    groups: list[list] = [[]]
-    used = 0
-    for name, dtype, shape in tensors:
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if groups[-1] and used + nbytes > max_file_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append((name, dtype, tuple(shape), nbytes))
-        used += nbytes
+    sized = [
+        (name, np.dtype(dtype), tuple(shape), math.prod(shape) * np.dtype(dtype).itemsize)
+        for name, dtype, shape in tensors
+    ]
+    groups = list(batches(sized, lambda t: t[3], max_file_bytes)) or [[]]  # one file, at least
     count = len(groups)
     files, placed = [], {}
     for i, group in enumerate(groups):
@@ -364,6 +353,21 @@ def plan(
     return files, placed
 
 
+def batches(items: Iterable[T], nbytes: Callable[[T], int], limit: float) -> Iterator[list[T]]:
+    """Consecutive ``items`` in lists of at most ``limit`` bytes (an item larger than that
+    alone): the files of a save, the leaves a conversion holds in memory together."""
+    batch: list[T] = []
+    size = 0
+    for item in items:
+        if batch and size + nbytes(item) > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += nbytes(item)
+    if batch:
+        yield batch
+
+
 def create_files(directory: Location, files: Iterable[FilePlan]) -> None:
     """Creates the planned files in the local ``directory``: each its header, then zeros up to
     its size, for the data to be written in place."""
@@ -372,6 +376,24 @@ def create_files(directory: Location, files: Iterable[FilePlan]) -> None:
         with open(os.path.join(directory.url, f.name), "wb") as fh:
             fh.write(f.header)
             fh.truncate(f.size)
+
+
+def write_in_place(
+    directory: Location, files: Iterable[FilePlan], writes: Iterable[tuple[str, int, memoryview]]
+) -> None:
+    """Makes the ``(file, offset, bytes)`` writes into the files ``create_files`` made in the
+    local ``directory``, then syncs the files."""
+    fds = {f.name: os.open(os.path.join(directory.url, f.name), os.O_WRONLY) for f in files}
+    try:
+        for file, offset, data in writes:
+            while data:  # one pwrite moves at most about 2 GiB (Linux)
+                done = os.pwrite(fds[file], data, offset)
+                data, offset = data[done:], offset + done
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def index_json(placed: dict[str, TensorInfo], metadata: dict[str, str] | None) -> bytes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,19 +16,17 @@ import tensorstore as ts
 
 from ...errors import SafetensorsError, SafetensorsLeafNotFoundError, SafetensorsShapeError
 from .. import tree as tree_lib
-from ..boxes import Index, bounding, volume
+from ..boxes import Index, bounding, extent, volume, whole, within
 from ..inflight import READ_BUDGET_BYTES, InFlight
 from ..placement import Placement
 from ..storage import Location, location
 from .format import (
     INDEX_FILE,
     TensorInfo,
-    checked,
     coalesce,
     index_files,
     read,
     read_header,
-    runs,
 )
 from .mapping import (
     LeafMap,
@@ -38,8 +35,7 @@ from .mapping import (
     dotted,
     from_reshaped,
     leaf_map,
-    reshaped,
-    tensor_boxes,
+    tensor_runs,
 )
 
 # --- metadata and load -------------------------------------------------------------------------
@@ -164,16 +160,10 @@ def load(
     ]
     reads = InFlight[list](read_budget_bytes or READ_BUDGET_BYTES)
     reader = _Reader(kv, loc.url, reads)
-    finish = [
-        reader.leaf(w) if w is not None else functools.partial(_same, t)
-        for w, (_, t) in zip(wants, flat, strict=True)
-    ]
+    finish = [None if w is None else reader.leaf(w) for w in wants]
     reads.drain()
-    return tree_lib.unflatten_like(target, [f() for f in finish])
-
-
-def _same(value: Any) -> Any:
-    return value
+    leaves = [t if f is None else f() for f, (_, t) in zip(finish, flat, strict=True)]
+    return tree_lib.unflatten_like(target, leaves)
 
 
 def _is_array(t: Any) -> bool:
@@ -194,9 +184,8 @@ def _want(
     except SafetensorsError as e:
         raise type(e)(f"{where}: {e}") from None
     shape, dtype = tuple(t.shape), np.dtype(t.dtype)
-    count = shape[0] if m.stacked and shape else 1
     found = []
-    for name in m.names(count):
+    for name in m.names(shape):
         info = tensors.get(name)
         if info is None:
             close = difflib.get_close_matches(name, list(tensors), n=3, cutoff=0.5)
@@ -212,7 +201,7 @@ def _want(
             f"{where}: the tensors stacked into leaf {m.leaf!r} differ in shape or dtype"
         )
     try:
-        got = m.leaf_shape(first.shape, count)
+        got = m.leaf_shape(first.shape, len(found))
     except SafetensorsShapeError as e:
         raise SafetensorsShapeError(
             f"{file}: tensor {first.name!r} of shape {list(first.shape)}: {e}"
@@ -238,12 +227,6 @@ def _kind(dtype: np.dtype) -> str:
     return "int" if np.issubdtype(dtype, np.integer) else "float"
 
 
-def _cut(data: np.ndarray, index: Index, block: Index) -> np.ndarray:
-    """The part ``index`` of ``data``, which holds the box ``block`` of the leaf."""
-    part = tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(index, block, strict=True))
-    return np.ascontiguousarray(data[part])
-
-
 class _Reader:
     """Reads boxes of leaves as coalesced byte ranges, at most ``budget`` bytes in flight."""
 
@@ -251,10 +234,9 @@ class _Reader:
         self.kv, self.url, self.reads = kv, url, reads
 
     def leaf(self, w: _Want) -> Callable[[], Any]:
-        whole = tuple((0, d) for d in w.shape)
         if w.sharding is None:
             holder: dict = {}
-            self._submit(w, whole, lambda data: holder.__setitem__("v", data))
+            self._submit(w, whole(w.shape), lambda data: holder.__setitem__("v", data))
             return lambda: holder["v"]
         # slices go onto the devices one by one (Placement): never a whole-array device_put,
         # whose cross-process equality check fails on NaN (NaN != NaN) in a multi-process job
@@ -276,7 +258,7 @@ class _Reader:
             # run per row of every slice) and cut on the host
             def cut(data: np.ndarray, block: Index = block) -> None:
                 for i in by_index:
-                    out.put(i, _cut(data, i, block))
+                    out.put(i, np.ascontiguousarray(data[within(i, block)]))
 
             self._submit(w, block, cut)
         else:
@@ -286,51 +268,40 @@ class _Reader:
 
     def _submit(self, w: _Want, box: Index, consume: Callable[[np.ndarray], None]) -> None:
         """Reads ``box`` of the leaf (its tensors' byte runs, coalesced) under the budget."""
-        pieces = []
-        for i, rbox in tensor_boxes(w.m, box, w.tensors[0].shape):
-            info = w.tensors[i]
-            rshape = reshaped(w.m, info.shape)
-            # absolute offsets in the file
-            runs_ = [(info.begin + off, n) for off, n in runs(rshape, info.dtype.itemsize, rbox)]
-            pieces.append((info, rbox, runs_))
+        rbox, pieces = tensor_runs(w.m, box, w.tensors)
 
         def start() -> list:
             return [
                 (
                     info,
-                    rbox,
                     [
-                        (read(self.kv, info.file, o, o + n, self.url), o, n, members)
-                        for o, n, members in coalesce(runs_)
+                        (read(self.kv, info.file, o, o + n, self.url, exact=True), o, members)
+                        for o, n, members in coalesce(at)
                     ],
                 )
-                for info, rbox, runs_ in pieces
+                for info, at in pieces
             ]
 
         def use(parts: list) -> None:
-            consume(self._assemble(w, box, parts))
+            consume(self._assemble(w, box, rbox, parts))
 
-        self.reads.add(sum(n for _, _, r in pieces for _, n in r), start, use)
+        self.reads.add(sum(n for _, at in pieces for _, n in at), start, use)
 
-    def _assemble(self, w: _Want, box: Index, parts: list) -> np.ndarray:
-        """The box of the leaf from its tensors' reads, in the leaf's dtype."""
+    def _assemble(self, w: _Want, box: Index, rbox: Index, parts: list) -> np.ndarray:
+        """The box of the leaf from its tensors' reads of ``rbox``, in the leaf's dtype."""
         blocks = []
-        for info, rbox, reads in parts:
-            extent = tuple(b - a for a, b in rbox)
-            if len(reads) == 1 and len(reads[0][3]) == 1:  # one run: the read is the block
-                fut, off, n, _ = reads[0]
-                buf = checked(fut, info.file, off, n, self.url)
+        for info, reads in parts:
+            if len(reads) == 1 and len(reads[0][2]) == 1:  # one run: the read is the block
+                buf = reads[0][0]()
             else:
-                buf = np.empty(math.prod(extent) * info.dtype.itemsize, np.uint8)
+                buf = np.empty(volume(rbox) * info.dtype.itemsize, np.uint8)
                 pos = 0
-                for fut, off, n, members in reads:
-                    data = checked(fut, info.file, off, n, self.url)
+                for get, off, members in reads:
+                    data = get()
                     for moff, mn in members:
-                        buf[pos : pos + mn] = np.frombuffer(
-                            data[moff - off : moff - off + mn], np.uint8
-                        )
+                        buf[pos : pos + mn] = data[moff - off : moff - off + mn]
                         pos += mn
-            block = np.frombuffer(buf, dtype=info.dtype).reshape(extent)
+            block = np.frombuffer(buf, dtype=info.dtype).reshape(extent(rbox))
             blocks.append(from_reshaped(w.m, block))
         data = np.stack(blocks) if w.m.stacked else blocks[0]
         if not w.m.simple:  # whole tensors were read: the box of the leaf

@@ -14,6 +14,7 @@ import numpy as np
 
 from ...errors import SafetensorsError, SafetensorsShapeError
 from ..boxes import Index, whole
+from .format import TensorInfo, runs
 
 # --- the declarative mapping -----------------------------------------------------------------
 
@@ -72,9 +73,10 @@ class LeafMap:
         """The name of tensor ``i`` (layer ``i`` with ``stacked``; else the one tensor)."""
         return self.tensor.replace(PLACEHOLDER, str(i)) if self.stacked else self.tensor
 
-    def names(self, count: int) -> list[str]:
-        """The names of the leaf's tensors: ``count`` layers with ``stacked``, else one."""
-        return [self.name(i) for i in range(count if self.stacked else 1)]
+    def names(self, leaf_shape: tuple[int, ...]) -> list[str]:
+        """The names of the tensors of a leaf of ``leaf_shape``: one per layer (its leading
+        dimension) with ``stacked``, else one."""
+        return [self.name(i) for i in range(leaf_shape[0] if self.stacked and leaf_shape else 1)]
 
     @property
     def simple(self) -> bool:
@@ -173,12 +175,10 @@ def tensor_name(path: str, names: Names) -> str:
     ``\\g<name>`` are its groups; ``{i}`` is left for Stack); no match: ``path`` itself."""
     if callable(names):
         return names(path)
-    rules = list(names or ())
-    first = next((k for k, (p, _) in enumerate(rules) if re.search(p, path)), None)
-    if first is None:
-        return path
-    tensor = re.sub(rules[first][0], rules[first][1], path)
-    return tensor
+    for pattern, replacement in names or ():
+        if re.search(pattern, path):
+            return re.sub(pattern, replacement, path)
+    return path
 
 
 def leaf_map(path: str, names: Names, transforms: Transforms) -> LeafMap:
@@ -190,14 +190,8 @@ def leaf_map(path: str, names: Names, transforms: Transforms) -> LeafMap:
     if callable(transforms):
         chain = list(transforms(path) or ())
     else:
-        chain = next(
-            (
-                list(t) if isinstance(t, (list, tuple)) else [t]
-                for p, t in transforms or ()
-                if re.search(p, path)
-            ),
-            [],
-        )
+        found: Any = next((t for pattern, t in transforms or () if re.search(pattern, path)), [])
+        chain = list(found) if isinstance(found, (list, tuple)) else [found]
     bad = [t for t in chain if not isinstance(t, (Transpose, Reshape, Cast, Stack))]
     if bad:
         raise SafetensorsError(
@@ -231,8 +225,7 @@ def leaf_map(path: str, names: Names, transforms: Transforms) -> LeafMap:
 
 def _check_step(path: str, t: Step) -> None:
     if isinstance(t, Transpose):
-        axes = tuple(t.axes)
-        if sorted(axes) != list(range(len(axes))):
+        if sorted(t.axes) != list(range(len(t.axes))):
             raise SafetensorsError(f"leaf {path!r}: {t} is not a permutation of the axes")
     elif math.prod(t.file_shape) != math.prod(t.shape) or min((*t.file_shape, *t.shape, 0)) < 0:
         raise SafetensorsError(f"leaf {path!r}: {t} changes the number of elements; fix the shapes")
@@ -246,24 +239,26 @@ def dotted(path: Sequence[Sequence[Any]]) -> str:
 # --- slices of a leaf <-> byte runs of its tensors ---------------------------------------------
 
 
-def tensor_boxes(m: LeafMap, box: Index, shape: tuple[int, ...]) -> list[tuple[int, Index]]:
-    """``(tensor number, box in the tensor's reshaped layout)`` for a box of the leaf, whose
-    tensors have ``shape`` in the file; a chain that is not ``simple``: the whole tensor."""
+def tensor_runs(
+    m: LeafMap, box: Index, tensors: Sequence[TensorInfo]
+) -> tuple[Index, list[tuple[TensorInfo, list[tuple[int, int]]]]]:
+    """Where a box of the leaf lies in its ``tensors`` (one per layer with ``stacked``, all
+    of one shape and dtype): the box in their layout after the simple Reshape (a chain that
+    is not ``simple``: the whole tensor), and for each tensor the box touches, in order, its
+    byte runs ``(offset in the file, length)``."""
     (lo, hi), inner = (box[0], box[1:]) if m.stacked else ((0, 1), box)
+    shape = tensors[0].shape
     if not m.simple:
         inner = whole(shape)
     elif m.axes is not None:
         inner = tuple(inner[m.axes.index(d)] for d in range(len(inner)))
-    return [(i, inner) for i in range(lo, hi)]
-
-
-def reshaped(m: LeafMap, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The layout of ``tensor_boxes``: the tensor's ``shape`` after the simple Reshape."""
-    return tuple(m.reshape.shape) if m.simple and m.reshape else tuple(shape)
+    layout = tuple(m.reshape.shape) if m.reshape else shape
+    at = runs(layout, tensors[0].dtype.itemsize, inner)
+    return inner, [(t, [(t.begin + off, n) for off, n in at]) for t in tensors[lo:hi]]
 
 
 def from_reshaped(m: LeafMap, block: np.ndarray) -> np.ndarray:
-    """A block read in the ``tensor_boxes`` layout as part of the leaf (one layer)."""
+    """A block read in the ``tensor_runs`` layout as part of the leaf (one layer)."""
     if not m.simple:
         return apply(m.steps, block)
     return block if m.axes is None else np.transpose(block, m.axes)

@@ -29,7 +29,7 @@ from .format import (
     dtype_name,
     index_json,
     plan,
-    runs,
+    write_in_place,
 )
 from .mapping import (
     LeafMap,
@@ -37,8 +37,7 @@ from .mapping import (
     Transforms,
     dotted,
     leaf_map,
-    reshaped,
-    tensor_boxes,
+    tensor_runs,
     to_reshaped,
 )
 
@@ -74,19 +73,13 @@ def save(
     loc = location(path)
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise SafetensorsError(f"{loc.url}: metadata values must be strings, got {metadata!r}")
-    leaves = _save_leaves(tree, names, transforms, loc)
-    specs = [
-        (name, m.cast or np.dtype(v.dtype), m.tensor_shape(tuple(v.shape)))
-        for m, v in leaves
-        for name in m.names(v.shape[0] if m.stacked else 1)
-    ]
+    leaves, specs = _save_leaves(tree, names, transforms, loc)
     dup = [n for n, c in collections.Counter(s[0] for s in specs).items() if c > 1]
     if dup:
         raise SafetensorsError(f"{loc.url}: several leaves map to tensor(s) {dup[:5]}; fix names=")
     files, placed = plan(specs, max_file_bytes, metadata)
-    count = multihost.process_count()
     if not loc.is_local:
-        if count > 1:
+        if multihost.process_count() > 1:
             raise SafetensorsError(
                 f"{loc.url}: a multi-process save needs a shared filesystem (processes write "
                 "slices of one file in place); save there and copy, or save from one process"
@@ -108,27 +101,21 @@ def save(
         if lead:
             create_files(work, files)
         multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/created", timeout_s, what=loc.url)
-        fds = {f.name: os.open(os.path.join(work.url, f.name), os.O_WRONLY) for f in files}
-        try:
-            for salt, (m, v) in enumerate(leaves):
-                for box, data in _blocks(_parts(m, v, salt), WRITE_BLOCK_BYTES):
-                    for file, offset, chunk in _placements(m, box, data, placed):
-                        os.pwrite(fds[file], chunk, offset)
-            for fd in fds.values():
-                os.fsync(fd)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        write_in_place(work, files, _writes(enumerate(leaves), placed))
         multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/written", timeout_s, what=loc.url)
         if lead and len(files) > 1:
             work.write_bytes(INDEX_FILE, index_json(placed, metadata))
     multihost.barrier(f"jaxckpt/safetensors/{agreed.first}/committed", timeout_s, what=loc.url)
 
 
-def _save_leaves(tree: Any, names: Names, transforms: Transforms, loc: Location) -> list[Leaf]:
-    """``(LeafMap, array)`` of every leaf; None leaves are skipped, any other leaf that is
-    not an array is refused (before anything is written)."""
+def _save_leaves(
+    tree: Any, names: Names, transforms: Transforms, loc: Location
+) -> tuple[list[Leaf], list[tuple[str, np.dtype, tuple[int, ...]]]]:
+    """``(LeafMap, array)`` of every leaf, and ``(name, dtype, shape)`` of every tensor, in
+    order; None leaves are skipped, any other leaf that is not an array is refused (before
+    anything is written)."""
     out: list[Leaf] = []
+    specs = []
     for path, v in tree_lib.flatten(tree):
         leaf = dotted(path)
         if v is None:
@@ -147,14 +134,16 @@ def _save_leaves(tree: Any, names: Names, transforms: Transforms, loc: Location)
         try:
             m = leaf_map(leaf, names, transforms)
             arr = v if isinstance(v, jax.Array) else np.asarray(v)
-            dtype_name(m.cast or np.dtype(arr.dtype), f"leaf {leaf!r}")
-            m.tensor_shape(tuple(arr.shape))
+            dtype = m.cast or np.dtype(arr.dtype)
+            dtype_name(dtype, f"leaf {leaf!r}")
+            shape = m.tensor_shape(tuple(arr.shape))
             if m.stacked and not arr.ndim:
                 raise SafetensorsError(f"leaf {leaf!r} is stacked (Stack) but a scalar")
         except (SafetensorsError, SafetensorsShapeError) as e:
             raise type(e)(f"{loc.url}: {e}; nothing was written") from None
         out.append((m, arr))
-    return out
+        specs += [(name, dtype, shape) for name in m.names(arr.shape)]
+    return out, specs
 
 
 def _parts(m: LeafMap, v: jax.Array | np.ndarray, salt: int) -> Iterator[Part]:
@@ -220,21 +209,21 @@ def _blocks(parts: Iterable[Part], budget: int) -> Iterator[Part]:
     yield block, out
 
 
-def _placements(
-    m: LeafMap, box: Index, data: np.ndarray, placed: dict[str, TensorInfo]
+def _writes(
+    leaves: Iterable[tuple[int, Leaf]], placed: dict[str, TensorInfo]
 ) -> Iterator[tuple[str, int, memoryview]]:
-    """``(file, offset, bytes)`` writes that put ``data`` (the leaf's ``box``) in place."""
-    first = placed[m.name(0)]
-    for n, (i, rbox) in enumerate(tensor_boxes(m, box, first.shape)):
-        t = placed[m.name(i)]
-        block = data[n] if m.stacked else data
-        block = np.ascontiguousarray(to_reshaped(m, block).astype(t.dtype, copy=False))
-        rshape = reshaped(m, t.shape)
-        raw = block.reshape(-1).view(np.uint8).data
-        pos = 0
-        for off, length in runs(rshape, t.dtype.itemsize, rbox):
-            yield t.file, t.begin + off, raw[pos : pos + length]
-            pos += length
+    """``(file, offset, bytes)`` writes that put the parts of ``(salt, leaf)`` that this
+    process writes in place."""
+    for salt, (m, v) in leaves:
+        tensors = [placed[name] for name in m.names(v.shape)]
+        for box, data in _blocks(_parts(m, v, salt), WRITE_BLOCK_BYTES):
+            for n, (t, at) in enumerate(tensor_runs(m, box, tensors)[1]):
+                block = to_reshaped(m, data[n] if m.stacked else data).astype(t.dtype, copy=False)
+                raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8).data
+                pos = 0
+                for offset, length in at:
+                    yield t.file, offset, raw[pos : pos + length]
+                    pos += length
 
 
 def _save_object_store(
@@ -249,13 +238,14 @@ def _save_object_store(
     for f in files:
         buf = bytearray(f.size)
         buf[: len(f.header)] = f.header
-        for salt, (m, v) in enumerate(leaves):
-            if not any(placed[n].file == f.name for n in m.names(v.shape[0] if m.stacked else 1)):
-                continue
-            for box, data in _parts(m, v, salt):
-                for file, offset, chunk in _placements(m, box, data, placed):
-                    if file == f.name:
-                        buf[offset : offset + len(chunk)] = chunk
+        inside = [
+            (salt, (m, v))
+            for salt, (m, v) in enumerate(leaves)
+            if any(placed[name].file == f.name for name in m.names(v.shape))
+        ]
+        for file, offset, chunk in _writes(inside, placed):
+            if file == f.name:
+                buf[offset : offset + len(chunk)] = chunk
         kv.write(f.name, bytes(buf)).result()
     if len(files) > 1:
         kv.write(INDEX_FILE, index_json(placed, metadata)).result()
