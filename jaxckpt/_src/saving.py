@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
 import uuid
@@ -255,17 +256,16 @@ def manifest_of(
         writer={
             "jaxckpt": __version__,
             "jax": jax.__version__,
-            "tensorstore": _dist_version("tensorstore"),
+            "tensorstore": package_version("tensorstore"),
         },
     )
 
 
-def _dist_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
+def package_version(name: str) -> str:
+    """The installed version of the distribution ``name`` ("?" when it is not installed)."""
     try:
-        return version(name)
-    except PackageNotFoundError:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
         return "?"
 
 

@@ -26,8 +26,6 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as dist_version
 from typing import Any, TypeVar
 
 import jax
@@ -77,14 +75,6 @@ def split_ways(spec: Iterable[Any], ndim: int, sizes: Mapping[str, int]) -> list
     dimensions on a mesh of axis ``sizes``."""
     entries = [*spec, *[None] * ndim][:ndim]
     return [math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e or ())) for e in entries]
-
-
-def package_version(name: str) -> str:
-    """The installed version of the distribution ``name`` ("?" when it is not installed)."""
-    try:
-        return dist_version(name)
-    except PackageNotFoundError:
-        return "?"
 
 
 def schema_version() -> int | None:

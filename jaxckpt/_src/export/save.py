@@ -19,6 +19,7 @@ from jax.tree_util import PyTreeDef
 from ...errors import ExportError
 from .. import bits
 from .. import tree as tree_lib
+from ..saving import package_version
 from ..sharding import entry_axes, spec_to_json
 from ..storage import Location, location
 from .format import (
@@ -32,7 +33,6 @@ from .format import (
     Signature,
     Value,
     Variant,
-    package_version,
     prepare_target,
     require_flatbuffers,
     split_ways,
