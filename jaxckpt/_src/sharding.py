@@ -49,15 +49,9 @@ def _mesh_json(mesh: Mesh) -> dict:  # shared: never handed out unless copied
 
 
 def spec_to_json(spec: PartitionSpec) -> list:
-    out: list = []
-    for entry in spec:
-        if entry is None or isinstance(entry, str):
-            out.append(entry)
-        elif isinstance(entry, tuple):
-            out.append([str(e) for e in entry])
-        else:
-            out.append(str(entry))
-    return out
+    return [
+        None if e is None else [str(a) for a in e] if isinstance(e, tuple) else str(e) for e in spec
+    ]
 
 
 def entry_axes(entry: Any) -> tuple[str, ...]:
@@ -121,24 +115,20 @@ def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
     shared: read them, never change them)."""
     me = jax.process_index()
     owners: dict[Index, Any] = {}
-    held_at: list[tuple[int, Index]] = []
-    seen: set[Index] = set()
+    held: dict[Index, int] = {}  # index -> position of its first device here
     position = 0  # among this process's devices
     device: jax.Device
     for device, slices in sharding.devices_indices_map(shape).items():
         index = from_slices(slices, shape)
         owners.setdefault(index, device)
         if device.process_index == me:
-            if index not in seen:
-                seen.add(index)
-                held_at.append((position, index))
+            held.setdefault(index, position)
             position += 1
-    sizes = [1] * len(shape)  # the largest shard extent per dimension
-    for index in owners:
-        for dim, (start, stop) in enumerate(index):
-            sizes[dim] = max(sizes[dim], stop - start)
+    extents = [[stop - start for start, stop in index] for index in owners]
+    chunks = tuple(max(1, *dim) for dim in zip(*extents, strict=True))  # the largest extents
     owned = {d: i for i, d in owners.items() if d.process_index == me}
-    return Layout(owners, tuple(sizes), owned, tuple(held_at), tuple(sorted(owners)))
+    held_at = tuple((p, i) for i, p in held.items())
+    return Layout(owners, chunks, owned, held_at, tuple(sorted(owners)))
 
 
 # --- replica-parallel writes: which process writes which part of a shard ------------------
