@@ -303,10 +303,9 @@ def chunk_bytes(base: ts.KvStore, db: Location, keys: set[str]) -> dict[str, Chu
             key = prefix + entry["key"]
             if key not in wanted:
                 continue
-            if "indirect_value" in entry:
-                found[key.decode()] = _reference(db, entry["indirect_value"], inline=False)
-            else:
-                found[key.decode()] = _reference(db, node_at, inline=True)
+            inline = "indirect_value" not in entry
+            ref = node_at if inline else entry["indirect_value"]
+            found[key.decode()] = _reference(db, ref, inline=inline)
     return found
 
 

@@ -140,12 +140,9 @@ def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
             )
             STATS["protocol_s"] += max(0.0, released - last)
     except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
-        missing = _missing(e)
-        who = (
-            f"process(es) {missing} of {process_count()} never arrived"
-            if missing
-            else "not every process arrived"
-        )
+        who = "not every process arrived"
+        if missing := _missing(e):
+            who = f"process(es) {missing} of {process_count()} never arrived"
         first = (str(e).splitlines()[0] if str(e) else type(e).__name__).rstrip(".")
         raise CoordinationError(
             f"{what + ': ' if what else ''}barrier {name!r}: {who} within {timeout_s:g}s "
@@ -160,7 +157,7 @@ def send_text(name: str, to: int, text: str) -> None:
     _client().key_value_set(f"{name}/{process_index()}->{to}", text)
 
 
-def receive_text(name: str, sender: int, timeout_s: float, *, what: str = "") -> str:
+def receive_text(name: str, sender: int, timeout_s: float) -> str:
     """What ``sender`` left for this process under ``name``; the key is deleted once read,
     so the coordination service keeps nothing per save."""
     key = f"{name}/{sender}->{process_index()}"
@@ -169,7 +166,7 @@ def receive_text(name: str, sender: int, timeout_s: float, *, what: str = "") ->
         text = client.blocking_key_value_get(key, int(timeout_s * 1000))
     except Exception as e:
         raise CoordinationError(
-            f"{what + ': ' if what else ''}process {sender} sent nothing under {name!r} "
+            f"process {sender} sent nothing under {name!r} "
             f"within {timeout_s:g}s (this is process {process_index()}); it died or is "
             "saving something else; check its log"
         ) from e

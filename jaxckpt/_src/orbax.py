@@ -181,7 +181,7 @@ def read(item: Location) -> OrbaxCheckpoint:
                 "restore it with orbax",
             )
         if kind == "none":  # an empty node (optax's EmptyState, a None field)
-            leaves.append(LeafRecord(e.path, ours, "python", python_type="NoneType"))
+            leaves.append(_python(e.path, ours, None))
             continue
         if e.aggregated:
             value = files.aggregated_value(where, aggregate, e)
@@ -306,13 +306,11 @@ def _spec(where: Where, name: str, s: dict, mesh: dict) -> list:
     spec = s.get("partition_spec")
     if not isinstance(spec, list):
         raise where.error(SHARDING, f"leaf {name!r} has no partition_spec list")
-    out = []
     for e in spec:
         axes = e if isinstance(e, list) else [] if e is None else [e]
         if not all(isinstance(a, str) and a in mesh["axis_names"] for a in axes):
             raise where.error(SHARDING, f"leaf {name!r}: partition_spec {spec} names no axis")
-        out.append(list(e) if isinstance(e, list) else e)
-    return out
+    return spec  # parsed for this leaf alone: nobody else holds it
 
 
 def _flat(grid: Any, depth: int = 0) -> list[Any]:

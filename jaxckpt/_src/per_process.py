@@ -165,7 +165,8 @@ def _is_numpy_tree(value: Any) -> bool:
 
 def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int) -> dict:
     arr = np.asarray(leaf)
-    if arr.dtype.kind not in "biufc" or not _plain(arr.dtype):
+    little = arr.dtype.newbyteorder("<")
+    if arr.dtype.kind not in "biufc" or not _plain(little):
         raise PerProcessError(
             f"{where}: per_process of process {pid}: the NumPy leaf "
             f"{tree_lib.path_name(path)} has dtype {arr.dtype}; only NumPy's own bool, integer, "
@@ -174,21 +175,18 @@ def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int)
         )
     return {
         "path": path,
-        "dtype": arr.dtype.newbyteorder("<").str,
+        "dtype": little.str,
         "shape": list(arr.shape),
         "scalar": isinstance(leaf, np.generic),
         # .data: the same bytes, as a memoryview (numpy's stubs type ndarray as a buffer only
         # for Python >= 3.12)
-        "data": base64.b64encode(
-            np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).data
-        ).decode(),
+        "data": base64.b64encode(np.ascontiguousarray(arr, little).data).decode(),
     }
 
 
-def _plain(dtype: np.dtype) -> bool:
-    """NumPy reads the dtype back from its little-endian ``str`` (ml_dtypes' float8_e5m2
+def _plain(little: np.dtype) -> bool:
+    """NumPy reads the little-endian dtype back from its ``str`` (ml_dtypes' float8_e5m2
     says kind 'f', but '<f1' names nothing)."""
-    little = dtype.newbyteorder("<")
     try:
         return np.dtype(little.str) == little
     except TypeError:
