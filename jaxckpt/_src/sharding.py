@@ -227,12 +227,18 @@ def write_split(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None
 ) -> WriteSplit:
     """The ``WriteSplit`` of ``shape`` under ``sharding`` (cached, like ``layout``)."""
-    devices: Mapping[jax.Device, tuple[slice, ...]] = sharding.devices_indices_map(shape)
-    held = [(from_slices(index, shape), device.process_index) for device, index in devices.items()]
-    procs = _holders(held)
+    procs = holders(sharding, shape)
     replicas = max((len(p) for p in procs.values()), default=1)
     chunks = chunk_shape(layout(sharding, shape).chunks, itemsize, chunk_bytes, replicas)
     return _split(procs, shape, chunks, itemsize)
+
+
+def holders(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> dict[Index, tuple[int, ...]]:
+    """Each distinct shard index of ``shape`` under ``sharding`` -> the processes holding it."""
+    devices: Mapping[jax.Device, tuple[slice, ...]] = sharding.devices_indices_map(shape)
+    return _holders((from_slices(index, shape), d.process_index) for d, index in devices.items())
 
 
 def _holders(held: Iterable[tuple[Index, int]]) -> dict[Index, tuple[int, ...]]:
