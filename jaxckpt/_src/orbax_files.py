@@ -54,22 +54,20 @@ class Where:
 
 def era(item: Location, doc: dict | None) -> str:
     """The Orbax that wrote ``item``, as near as its files tell (no version is recorded)."""
+    return f"written by orbax-checkpoint {_versions(item, doc)}; Orbax records no version"
+
+
+def _versions(item: Location, doc: dict | None) -> str:
     doc = doc if isinstance(doc, dict) else {}
     if "use_ocdbt" in doc:
-        return "written by orbax-checkpoint 0.12 or later; Orbax records no version"
+        return "0.12 or later"
     if "store_array_data_equal_to_fill_value" in doc or item.exists("array_metadatas"):
-        return "written by orbax-checkpoint 0.11; Orbax records no version"
+        return "0.11"
     if not item.exists(CHECKPOINT_METADATA) and not item.parent().exists(CHECKPOINT_METADATA):
-        return (
-            "written by orbax-checkpoint 0.5 or earlier (before September 2024: no "
-            f"{CHECKPOINT_METADATA}); Orbax records no version"
-        )
+        return f"0.5 or earlier (before September 2024: no {CHECKPOINT_METADATA})"
     if _meshes_without_devices(item):
-        return (
-            "written by orbax-checkpoint 0.5 (before September 2024: its _sharding has no "
-            "device_mesh); Orbax records no version"
-        )
-    return "written by orbax-checkpoint 0.6 to 0.10; Orbax records no version"
+        return "0.5 (before September 2024: its _sharding has no device_mesh)"
+    return "0.6 to 0.10"
 
 
 def _meshes_without_devices(item: Location) -> bool:
