@@ -84,11 +84,8 @@ def read_spec(
     changed = False
     for axis in free:
         k = axis_sizes[axis]
-        fits = [
-            d
-            for d in range(len(shape))
-            if shape[d] % (parts[d] * k) == 0 and (shape[d] // (parts[d] * k)) % chunks[d] == 0
-        ]
+        # the dimensions it divides into slices of whole chunks
+        fits = [d for d in range(len(shape)) if shape[d] % (parts[d] * k * chunks[d]) == 0]
         if not fits:
             continue
         d = max(fits, key=lambda d: shape[d] // parts[d])
