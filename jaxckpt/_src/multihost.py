@@ -166,9 +166,8 @@ def receive_text(name: str, sender: int, timeout_s: float) -> str:
         text = client.blocking_key_value_get(key, int(timeout_s * 1000))
     except Exception as e:
         raise CoordinationError(
-            f"process {sender} sent nothing under {name!r} "
-            f"within {timeout_s:g}s (this is process {process_index()}); it died or is "
-            "saving something else; check its log"
+            f"process {sender} sent nothing under {name!r} within {timeout_s:g}s (this is "
+            f"process {process_index()}); it died or is saving something else; check its log"
         ) from e
     client.key_value_delete(key)
     return text
