@@ -326,10 +326,9 @@ def _unchunk(where: Where, entry: Entry, node: dict) -> np.ndarray:
     """An array over 1 GiB, which Orbax's msgpack splits into numbered chunks."""
     shape, chunks = node.get("shape"), node.get("chunks")
     if isinstance(shape, dict) and isinstance(chunks, dict):
+        part = Entry(entry.name, [["k", "c"]], "", True)  # a chunk: the leaf of {"c": chunk}
         parts = [
-            aggregated_value(
-                where, {"c": chunks[str(i)]}, Entry(entry.name, [["k", "c"]], "", True)
-            )
+            aggregated_value(where, {"c": chunks[str(i)]}, part)
             for i in range(len(chunks))
             if str(i) in chunks
         ]

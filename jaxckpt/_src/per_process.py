@@ -53,9 +53,7 @@ class Record:
     @classmethod
     def from_json(cls, doc: dict, *, where: str) -> Record:
         try:
-            return cls(
-                doc["process_index"], doc["process_count"], doc["kind"], doc["value"], doc["sha256"]
-            )
+            return cls(*(doc[f.name] for f in dataclasses.fields(cls)))
         except (KeyError, TypeError) as e:
             raise ChecksumError(f"{where}: a per-process record without its field {e}") from e
 
@@ -88,7 +86,6 @@ def encode(value: Any, *, where: str) -> Record | None:
     if value is None or isinstance(value, Record):
         return value
     pid = multihost.process_index()
-    count = multihost.process_count()
     stored: Any  # JSON: base64 text, a list of arrays or the value itself
     if isinstance(value, (bytes, bytearray, memoryview)):
         kind, stored = "bytes", base64.b64encode(bytes(value)).decode()
@@ -105,7 +102,7 @@ def encode(value: Any, *, where: str) -> Record | None:
                 "iterator's get_state(), bytes, a JSON dict, or {name: np.ndarray}"
             ) from None
         kind = "json"
-    return Record(pid, count, kind, stored, _digest(stored))
+    return Record(pid, multihost.process_count(), kind, stored, _digest(stored))
 
 
 def decode(record: Record, *, where: str) -> Any:
