@@ -440,11 +440,9 @@ def read_manifest(path: str | os.PathLike | Location) -> Manifest:
     """The manifest of the committed checkpoint at ``path``."""
     loc = location(path)
     if not loc.exists(COMMIT_FILE):
-        why = (
-            "its save never finished (no COMMITTED marker)"
-            if loc.exists(MANIFEST_FILE) or loc.list_children()
-            else "nothing is there"
-        )
+        why = "nothing is there"
+        if loc.exists(MANIFEST_FILE) or loc.list_children():
+            why = "its save never finished (no COMMITTED marker)"
         raise CheckpointNotFoundError(
             f"{loc.url} is not a committed jaxckpt checkpoint: {why}; pass the directory "
             "that jaxckpt.save wrote, or a manager's step directory"

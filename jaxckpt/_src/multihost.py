@@ -63,12 +63,8 @@ def _timed(kind: str) -> Iterator[None]:
             STATS["protocol_s"] += spent
 
 
-def process_index() -> int:
-    return jax.process_index()
-
-
-def process_count() -> int:
-    return jax.process_count()
+process_index = jax.process_index
+process_count = jax.process_count
 
 
 def host_name() -> str:
@@ -177,10 +173,19 @@ def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> li
     """Every process's ``value``, in process order (one set, one barrier, one listing)."""
     if process_count() == 1:
         return [value]
+    return _exchange(name, value, timeout_s, what, everyone=True)
+
+
+def _exchange(name: str, value: str, timeout_s: float, what: str, everyone: bool) -> list[str]:
+    """Sets this process's ``value`` under ``name``, waits for every process at a barrier,
+    and returns every process's value in process order: on every process if ``everyone``,
+    else on process 0 only (the others get [])."""
     client = _client()
     with _timed("kv"):
         client.key_value_set(f"{name}/value/{process_index()}", value)
     barrier(name, timeout_s, what=what)
+    if not everyone and process_index() != 0:
+        return []
     with _timed("kv"):
         entries = client.key_value_dir_get(f"{name}/value/")
     by_pid = {int(k.rsplit("/", 1)[-1]): v for k, v in entries}
@@ -212,15 +217,10 @@ def agree(
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
     summary = {k: v for k, v in description.items() if k in ("path", "leaves")}
     message = json.dumps({"h": digest, "x": extra, **summary})
+    values = _exchange(name, message, timeout_s, what, everyone=False)
     client = _client()
-    with _timed("kv"):
-        client.key_value_set(f"{name}/value/{process_index()}", message)
-    barrier(name, timeout_s, what=what)
     if process_index() == 0:
-        with _timed("kv"):
-            entries = client.key_value_dir_get(f"{name}/value/")
-        by_pid = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in entries}
-        got = [by_pid[p] for p in range(process_count())]
+        got = [json.loads(v) for v in values]
         verdict = {"error": _disagreement(got, what), "first": got[0]["x"]}
         with _timed("kv"):
             client.key_value_set(f"{name}/verdict", json.dumps(verdict))
