@@ -147,7 +147,8 @@ def read(item: Location) -> OrbaxCheckpoint:
     zarr3 = doc.get("use_zarr3", False)
     if not isinstance(use_ocdbt, bool) or not isinstance(zarr3, bool):
         raise where.error(METADATA, "has a use_ocdbt or use_zarr3 that is not true/false")
-    shardings = files.read_json(where, SHARDING) or {}
+    raw = files.read_file(where, SHARDING)
+    shardings = {} if raw is None else files.parse_json(where, SHARDING, raw) or {}
     if not isinstance(shardings, dict):
         raise where.error(SHARDING, "is not a JSON object")
     entries = files.entries(where, doc, use_ocdbt)

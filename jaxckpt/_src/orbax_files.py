@@ -2,8 +2,8 @@
 
 Each parser raises :class:`OrbaxFormatError` naming the file, the leaf, the Orbax era
 (:func:`era`: Orbax records no version) and what is missing, never a bare
-``KeyError``/``TypeError``/``ValueError``. ``read_json`` and ``read_aggregate`` refuse files
-that resolve outside the checkpoint directory.
+``KeyError``/``TypeError``/``ValueError``. ``read_file`` (and so ``read_aggregate``) and
+``inside`` refuse files that resolve outside the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -117,12 +117,6 @@ def _resolved(where: Where, name: str, path: str) -> str:
             "jaxckpt reads nothing outside it: copy the file in place of the link",
         )
     return real
-
-
-def read_json(where: Where, name: str) -> Any:
-    """``name`` parsed as JSON, or None when it is absent."""
-    raw = read_file(where, name)
-    return None if raw is None else parse_json(where, name, raw)
 
 
 def parse_json(where: Where, name: str, raw: bytes) -> Any:
