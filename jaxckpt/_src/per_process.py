@@ -156,7 +156,7 @@ def choose(
 
 
 def _is_numpy_tree(value: Any) -> bool:
-    leaves = [leaf for _, leaf in tree_lib.flatten(value)]
+    leaves = tree_lib.leaves(value)
     return bool(leaves) and all(isinstance(x, (np.ndarray, np.generic)) for x in leaves)
 
 

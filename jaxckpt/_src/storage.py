@@ -242,8 +242,7 @@ def s3_options(environ: Mapping[str, str] | None = None) -> dict:
                 "be an http:// or https:// URL"
             )
         out["endpoint"] = endpoint
-        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-        if region:
+        if region := env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"):
             out["aws_region"] = region.strip()
     if env.get("AWS_ACCESS_KEY_ID"):
         out["aws_credentials"] = {"type": "environment"}
