@@ -214,12 +214,9 @@ def _groups(index: Index, chunks: tuple[int, ...], count: int) -> tuple[tuple[In
     n = [-(-(b - a) // c) for (a, b), c in zip(index, chunks, strict=True)]
     dim = max(range(len(n)), key=lambda d: n[d])
     start, stop = index[dim]
-    out = []
-    for g in range(min(count, n[dim])):
-        lo = start + (n[dim] * g // min(count, n[dim])) * chunks[dim]
-        hi = min(stop, start + (n[dim] * (g + 1) // min(count, n[dim])) * chunks[dim])
-        out.append((index[:dim] + ((lo, hi),) + index[dim + 1 :], g))
-    return tuple(out)
+    k = min(count, n[dim])
+    cuts = [start + (n[dim] * g // k) * chunks[dim] for g in range(k)] + [stop]  # slab bounds
+    return tuple((index[:dim] + ((cuts[g], cuts[g + 1]),) + index[dim + 1 :], g) for g in range(k))
 
 
 @functools.lru_cache(maxsize=4096)
