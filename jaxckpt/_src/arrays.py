@@ -51,15 +51,9 @@ class ArrayWrite:
 
 @functools.cache
 def _zarr_supports(dtype_name: str) -> bool:
+    spec = {"driver": "zarr3", "kvstore": "memory://", "create": True}
     try:
-        ts.open(
-            {
-                "driver": "zarr3",
-                "kvstore": "memory://",
-                "metadata": {"shape": [1], "data_type": dtype_name},
-                "create": True,
-            }
-        ).result()
+        ts.open({**spec, "metadata": {"shape": [1], "data_type": dtype_name}}).result()
         return True
     except Exception:
         return False
@@ -221,9 +215,8 @@ def read_error(
     key = match.group(1) if match else "?"
     if "Digest mismatch" in text or "DATA_LOSS" in text or "checksum" in text.lower():
         return ChecksumError(
-            f"leaf {leaf!r}: chunk {key!r} failed its CRC32C check; it lives in "
-            f"{writers(key)}. The data on disk is corrupt: restore another step or re-save. "
-            f"({text})"
+            f"leaf {leaf!r}: chunk {key!r} failed its CRC32C check; it lives in {writers(key)}. "
+            f"The data on disk is corrupt: restore another step or re-save. ({text})"
         )
     return StorageError(f"leaf {leaf!r}: reading from {db.url} failed: {text}")
 
@@ -303,10 +296,9 @@ def chunk_bytes(base: ts.KvStore, db: Location, keys: set[str]) -> dict[str, Chu
             key = prefix + entry["key"]
             if key not in wanted:
                 continue
-            if "indirect_value" in entry:
-                found[key.decode()] = _reference(db, entry["indirect_value"], inline=False)
-            else:
-                found[key.decode()] = _reference(db, node_at, inline=True)
+            inline = "indirect_value" not in entry
+            ref = node_at if inline else entry["indirect_value"]
+            found[key.decode()] = _reference(db, ref, inline=inline)
     return found
 
 

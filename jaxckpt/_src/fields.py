@@ -29,6 +29,14 @@ def parse_json(text: str | bytes, *, where: str, what: str) -> Any:
         ) from e
 
 
+def numpy_dtype(name: Any) -> np.dtype | None:
+    """The dtype a non-empty string names (ml_dtypes' names too, once imported), else None."""
+    try:
+        return np.dtype(name) if isinstance(name, str) and name else None
+    except (TypeError, ValueError, SyntaxError):  # SyntaxError: a name like "(2,"
+        return None
+
+
 @dataclass(frozen=True)
 class Fields:
     """Checks fields of a JSON document read from ``where``; every failure is a
@@ -92,10 +100,8 @@ class Fields:
         return got
 
     def dtype(self, v: Any, at: str) -> np.dtype:
-        name = self.text(v, at)
-        try:
-            dt = np.dtype(name)
-        except (TypeError, ValueError, SyntaxError):
+        dt = numpy_dtype(self.text(v, at))
+        if dt is None:
             self.bad(at, "is not a dtype", v)
         if dt.kind not in "biufc" and not dt.type.__module__.startswith("ml_dtypes"):
             self.bad(at, "is not a numeric dtype jaxckpt stores", v)

@@ -61,14 +61,12 @@ class LeafRecord:
     @property
     def data_dtype(self) -> np.dtype:
         """The dtype of the leaf's data (a PRNG key's: its uint32 key data)."""
-        if self.kind == "prng_key":
-            return np.dtype(np.uint32)
-        return np.dtype(_dtype_or_none(self.dtype))
+        return np.dtype(np.uint32 if self.kind == "prng_key" else self.dtype)
 
     @property
     def storage_dtype(self) -> np.dtype:
         """The zarr dtype the data is stored as (unsigned bits where zarr lacks the dtype)."""
-        return np.dtype(_dtype_or_none(self.stored_dtype)) if self.stored_dtype else self.data_dtype
+        return np.dtype(self.stored_dtype) if self.stored_dtype else self.data_dtype
 
     def to_dict(self) -> dict:
         """The record as stored: fields left at None/False are omitted."""
@@ -329,13 +327,8 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
             f.bad(at + "chunk_writers", f"must list each chunk of the grid {grid} once", grid)
     sharding = _sharding(f, doc.get("sharding"), at + "sharding", meshes, len(shape))
     if sharding is not None and sharding["type"] == "named":
-        sizes = dict(
-            zip(
-                meshes[sharding["mesh"]]["axis_names"],
-                meshes[sharding["mesh"]]["shape"],
-                strict=True,
-            )
-        )
+        mesh = meshes[sharding["mesh"]]
+        sizes = dict(zip(mesh["axis_names"], mesh["shape"], strict=True))
         spec = sharding["spec"] + [None] * (len(shape) - len(sharding["spec"]))
         for n, c, e in zip(shape, chunks, spec, strict=True):
             ways = math.prod(sizes[a] for a in ([e] if isinstance(e, str) else e or []))
@@ -413,7 +406,8 @@ def array_info(leaf: LeafRecord, meshes: list[dict]) -> ArrayInfo:
         spec = spec_from_json(leaf.sharding["spec"])
     return ArrayInfo(
         shape=tuple(leaf.shape),
-        dtype=leaf.dtype if leaf.kind == "prng_key" else _dtype_or_none(leaf.dtype),
+        # jax.numpy.dtype is np.dtype; names like "bfloat16" resolve once jax (ml_dtypes) is in
+        dtype=leaf.dtype if leaf.kind == "prng_key" or leaf.dtype is None else np.dtype(leaf.dtype),
         kind=leaf.kind,
         nbytes=leaf.nbytes,
         mesh_axes=mesh_axes,
@@ -442,20 +436,13 @@ def nan_from_bits(f: Fields, v: Any, at: str) -> float:
     return x
 
 
-def _dtype_or_none(name: str | None) -> np.dtype | None:
-    # jax.numpy.dtype is np.dtype; names like "bfloat16" resolve once jax (ml_dtypes) is in
-    return None if name is None else np.dtype(name)
-
-
 def read_manifest(path: str | os.PathLike | Location) -> Manifest:
     """The manifest of the committed checkpoint at ``path``."""
     loc = location(path)
     if not loc.exists(COMMIT_FILE):
-        why = (
-            "its save never finished (no COMMITTED marker)"
-            if loc.exists(MANIFEST_FILE) or loc.list_children()
-            else "nothing is there"
-        )
+        why = "nothing is there"
+        if loc.exists(MANIFEST_FILE) or loc.list_children():
+            why = "its save never finished (no COMMITTED marker)"
         raise CheckpointNotFoundError(
             f"{loc.url} is not a committed jaxckpt checkpoint: {why}; pass the directory "
             "that jaxckpt.save wrote, or a manager's step directory"

@@ -63,12 +63,8 @@ def _timed(kind: str) -> Iterator[None]:
             STATS["protocol_s"] += spent
 
 
-def process_index() -> int:
-    return jax.process_index()
-
-
-def process_count() -> int:
-    return jax.process_count()
+process_index = jax.process_index
+process_count = jax.process_count
 
 
 def host_name() -> str:
@@ -140,12 +136,9 @@ def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
             )
             STATS["protocol_s"] += max(0.0, released - last)
     except Exception as e:  # the client raises XlaRuntimeError / JaxRuntimeError
-        missing = _missing(e)
-        who = (
-            f"process(es) {missing} of {process_count()} never arrived"
-            if missing
-            else "not every process arrived"
-        )
+        who = "not every process arrived"
+        if missing := _missing(e):
+            who = f"process(es) {missing} of {process_count()} never arrived"
         first = (str(e).splitlines()[0] if str(e) else type(e).__name__).rstrip(".")
         raise CoordinationError(
             f"{what + ': ' if what else ''}barrier {name!r}: {who} within {timeout_s:g}s "
@@ -160,7 +153,7 @@ def send_text(name: str, to: int, text: str) -> None:
     _client().key_value_set(f"{name}/{process_index()}->{to}", text)
 
 
-def receive_text(name: str, sender: int, timeout_s: float, *, what: str = "") -> str:
+def receive_text(name: str, sender: int, timeout_s: float) -> str:
     """What ``sender`` left for this process under ``name``; the key is deleted once read,
     so the coordination service keeps nothing per save."""
     key = f"{name}/{sender}->{process_index()}"
@@ -169,9 +162,8 @@ def receive_text(name: str, sender: int, timeout_s: float, *, what: str = "") ->
         text = client.blocking_key_value_get(key, int(timeout_s * 1000))
     except Exception as e:
         raise CoordinationError(
-            f"{what + ': ' if what else ''}process {sender} sent nothing under {name!r} "
-            f"within {timeout_s:g}s (this is process {process_index()}); it died or is "
-            "saving something else; check its log"
+            f"process {sender} sent nothing under {name!r} within {timeout_s:g}s (this is "
+            f"process {process_index()}); it died or is saving something else; check its log"
         ) from e
     client.key_value_delete(key)
     return text
@@ -181,10 +173,19 @@ def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> li
     """Every process's ``value``, in process order (one set, one barrier, one listing)."""
     if process_count() == 1:
         return [value]
+    return _exchange(name, value, timeout_s, what, everyone=True)
+
+
+def _exchange(name: str, value: str, timeout_s: float, what: str, everyone: bool) -> list[str]:
+    """Sets this process's ``value`` under ``name``, waits for every process at a barrier,
+    and returns every process's value in process order: on every process if ``everyone``,
+    else on process 0 only (the others get [])."""
     client = _client()
     with _timed("kv"):
         client.key_value_set(f"{name}/value/{process_index()}", value)
     barrier(name, timeout_s, what=what)
+    if not everyone and process_index() != 0:
+        return []
     with _timed("kv"):
         entries = client.key_value_dir_get(f"{name}/value/")
     by_pid = {int(k.rsplit("/", 1)[-1]): v for k, v in entries}
@@ -216,15 +217,10 @@ def agree(
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
     summary = {k: v for k, v in description.items() if k in ("path", "leaves")}
     message = json.dumps({"h": digest, "x": extra, **summary})
+    values = _exchange(name, message, timeout_s, what, everyone=False)
     client = _client()
-    with _timed("kv"):
-        client.key_value_set(f"{name}/value/{process_index()}", message)
-    barrier(name, timeout_s, what=what)
     if process_index() == 0:
-        with _timed("kv"):
-            entries = client.key_value_dir_get(f"{name}/value/")
-        by_pid = {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in entries}
-        got = [by_pid[p] for p in range(process_count())]
+        got = [json.loads(v) for v in values]
         verdict = {"error": _disagreement(got, what), "first": got[0]["x"]}
         with _timed("kv"):
             client.key_value_set(f"{name}/verdict", json.dumps(verdict))

@@ -59,12 +59,10 @@ class Options:
     read_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.save_interval_steps < 1:
-            raise OptionsError(f"save_interval_steps must be >= 1, got {self.save_interval_steps}")
-        for name in ("read_budget_bytes", "chunk_bytes", "max_to_keep", "keep_period"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise OptionsError(f"{name} must be >= 1 or None, got {value}")
+        _at_least(self, 1, "save_interval_steps")
+        _at_least(
+            self, 1, "read_budget_bytes", "chunk_bytes", "max_to_keep", "keep_period", none=True
+        )
         if self.best_mode not in ("min", "max"):
             raise OptionsError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
         if self.compression not in (None, "zstd"):
@@ -127,15 +125,9 @@ class EmergencyOptions:
     step_digits: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("local_interval_steps", "remote_interval_steps"):
-            if getattr(self, name) < 1:
-                raise OptionsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("local_max_to_keep", "remote_max_to_keep"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise OptionsError(f"{name} must be >= 1 or None, got {value}")
-        if self.replication < 0:
-            raise OptionsError(f"replication must be >= 0, got {self.replication}")
+        _at_least(self, 1, "local_interval_steps", "remote_interval_steps")
+        _at_least(self, 1, "local_max_to_keep", "remote_max_to_keep", none=True)
+        _at_least(self, 0, "replication")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **overrides: Any) -> EmergencyOptions:
@@ -143,6 +135,15 @@ class EmergencyOptions:
         doc = option_file(path)
         known_options(cls, doc, where=os.fspath(path))
         return cls(**{**doc, **overrides})
+
+
+def _at_least(options: Any, least: int, *names: str, none: bool = False) -> None:
+    """Refuses the fields ``names`` of ``options`` below ``least`` (``none``: None is allowed)."""
+    for name in names:
+        value = getattr(options, name)
+        if not (none and value is None) and value < least:
+            allowed = f">= {least} or None" if none else f">= {least}"
+            raise OptionsError(f"{name} must be {allowed}, got {value}")
 
 
 def option_file(path: str | os.PathLike) -> dict:

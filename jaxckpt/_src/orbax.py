@@ -64,13 +64,12 @@ class OrbaxCheckpoint:
         def open_leaf(name: str) -> ts.Future:
             promise: ts.Promise[ts.TensorStore]
             future: ts.Future[ts.TensorStore]
+            promise, future = ts.Promise.new()
             if name in self.inline:
-                promise, future = ts.Promise.new()
                 promise.set_result(ts.array(self.inline[name]))
                 return future
             key = f"{self.keys[name]}/{'zarr.json' if self.zarr3 else '.zarray'}"
             opening = ts.open({**self.spec(self.keys[name]), "open": True}, context=ctx, read=True)
-            promise, future = ts.Promise.new()
 
             def done(f: ts.Future) -> None:
                 try:
@@ -148,7 +147,8 @@ def read(item: Location) -> OrbaxCheckpoint:
     zarr3 = doc.get("use_zarr3", False)
     if not isinstance(use_ocdbt, bool) or not isinstance(zarr3, bool):
         raise where.error(METADATA, "has a use_ocdbt or use_zarr3 that is not true/false")
-    shardings = files.read_json(where, SHARDING, required=False) or {}
+    raw = files.read_file(where, SHARDING)
+    shardings = {} if raw is None else files.parse_json(where, SHARDING, raw) or {}
     if not isinstance(shardings, dict):
         raise where.error(SHARDING, "is not a JSON object")
     entries = files.entries(where, doc, use_ocdbt)
@@ -182,7 +182,7 @@ def read(item: Location) -> OrbaxCheckpoint:
                 "restore it with orbax",
             )
         if kind == "none":  # an empty node (optax's EmptyState, a None field)
-            leaves.append(LeafRecord(e.path, ours, "python", python_type="NoneType"))
+            leaves.append(_python(e.path, ours, None))
             continue
         if e.aggregated:
             value = files.aggregated_value(where, aggregate, e)
@@ -199,7 +199,7 @@ def read(item: Location) -> OrbaxCheckpoint:
             value = inline[ours] = np.asarray(value)
             shape, dtype, chunks = value.shape, value.dtype, tuple(max(1, d) for d in value.shape)
         else:
-            shape, dtype, chunks = _zarr_layout(where, kv, e.name, zarr3, use_ocdbt)
+            shape, dtype, chunks = files.zarr_layout(where, kv, e.name, zarr3, use_ocdbt)
         if kind == "python":  # a scalar: read now, restored as a Python number
             leaves.append(_python(e.path, ours, _scalar(where, ckpt, e.name, shape)))
             continue
@@ -237,29 +237,6 @@ def _python(path: list, name: str, value: Any) -> LeafRecord:
 
 def _b64(name: str, urlsafe: int) -> str:
     return (base64.urlsafe_b64encode if urlsafe else base64.b64encode)(name.encode()).decode()
-
-
-def _zarr_layout(
-    where: Where, kv: ts.KvStore, name: str, zarr3: bool, use_ocdbt: bool
-) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
-    key = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
-    if not use_ocdbt:
-        files.inside(where, key)
-    try:
-        raw = kv.read(key).result().value
-    except Exception as e:  # a damaged OCDBT database
-        raise where.error(key, f"leaf {name!r}: its array metadata cannot be read ({e})") from e
-    if not raw:
-        raise where.error(
-            key,
-            f"is missing: leaf {name!r}, which {METADATA} lists, has no array metadata",
-            "the checkpoint is incomplete or uses a layout jaxckpt does not read",
-        )
-    try:
-        meta = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise where.error(key, f"leaf {name!r}: the array metadata is not JSON") from e
-    return files.zarr_layout(where, key, name, meta, zarr3)
 
 
 def _scalar(where: Where, ckpt: OrbaxCheckpoint, name: str, shape: tuple[int, ...]) -> Any:
@@ -312,7 +289,7 @@ def _mesh(where: Where, name: str, s: dict) -> dict:
     if "device_mesh" in s:
         dm = s["device_mesh"]
         flat = _flat(dm.get("mesh") if isinstance(dm, dict) else None)
-        ids = [d.get("id") for d in flat if isinstance(d, dict)] if flat is not None else []
+        ids = [d.get("id") if isinstance(d, dict) else None for d in flat]
         if len(ids) != count or not all(isinstance(i, int) for i in ids):
             raise where.error(SHARDING, f"leaf {name!r}: its device_mesh does not fit {shape}")
     types = [t.rsplit(".", 1)[-1] if isinstance(t, str) else t for t in s.get("axis_types", [])]
@@ -330,25 +307,16 @@ def _spec(where: Where, name: str, s: dict, mesh: dict) -> list:
     spec = s.get("partition_spec")
     if not isinstance(spec, list):
         raise where.error(SHARDING, f"leaf {name!r} has no partition_spec list")
-    out = []
     for e in spec:
         axes = e if isinstance(e, list) else [] if e is None else [e]
         if not all(isinstance(a, str) and a in mesh["axis_names"] for a in axes):
             raise where.error(SHARDING, f"leaf {name!r}: partition_spec {spec} names no axis")
-        out.append(list(e) if isinstance(e, list) else e)
-    return out
+    return spec  # parsed for this leaf alone: nobody else holds it
 
 
-def _flat(grid: Any, depth: int = 0) -> list[Any] | None:
-    """The device grid's entries in row-major order, whatever its rank (None if not one)."""
-    if isinstance(grid, dict):
-        return [grid]
+def _flat(grid: Any, depth: int = 0) -> list[Any]:
+    """The device grid's entries in row-major order, whatever its rank (past ``MAX_NDIM``
+    levels, the list itself)."""
     if not isinstance(grid, list) or depth > MAX_NDIM:
-        return None
-    out: list[Any] = []
-    for row in grid:
-        part = _flat(row, depth + 1)
-        if part is None:
-            return None
-        out.extend(part)
-    return out
+        return [grid]
+    return [x for row in grid for x in _flat(row, depth + 1)]

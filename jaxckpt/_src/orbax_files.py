@@ -2,8 +2,8 @@
 
 Each parser raises :class:`OrbaxFormatError` naming the file, the leaf, the Orbax era
 (:func:`era`: Orbax records no version) and what is missing, never a bare
-``KeyError``/``TypeError``/``ValueError``. ``read_json`` and ``read_aggregate`` refuse files
-that resolve outside the checkpoint directory.
+``KeyError``/``TypeError``/``ValueError``. ``read_file`` (and so ``read_aggregate``) and
+``inside`` refuse files that resolve outside the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import tensorstore as ts
 
 from ..errors import OrbaxDependencyError, OrbaxFormatError
-from .fields import MAX_NDIM
+from .fields import MAX_NDIM, numpy_dtype
 from .storage import Location
 
 METADATA = "_METADATA"
@@ -53,22 +54,20 @@ class Where:
 
 def era(item: Location, doc: dict | None) -> str:
     """The Orbax that wrote ``item``, as near as its files tell (no version is recorded)."""
+    return f"written by orbax-checkpoint {_versions(item, doc)}; Orbax records no version"
+
+
+def _versions(item: Location, doc: dict | None) -> str:
     doc = doc if isinstance(doc, dict) else {}
     if "use_ocdbt" in doc:
-        return "written by orbax-checkpoint 0.12 or later; Orbax records no version"
+        return "0.12 or later"
     if "store_array_data_equal_to_fill_value" in doc or item.exists("array_metadatas"):
-        return "written by orbax-checkpoint 0.11; Orbax records no version"
+        return "0.11"
     if not item.exists(CHECKPOINT_METADATA) and not item.parent().exists(CHECKPOINT_METADATA):
-        return (
-            "written by orbax-checkpoint 0.5 or earlier (before September 2024: no "
-            f"{CHECKPOINT_METADATA}); Orbax records no version"
-        )
+        return f"0.5 or earlier (before September 2024: no {CHECKPOINT_METADATA})"
     if _meshes_without_devices(item):
-        return (
-            "written by orbax-checkpoint 0.5 (before September 2024: its _sharding has no "
-            "device_mesh); Orbax records no version"
-        )
-    return "written by orbax-checkpoint 0.6 to 0.10; Orbax records no version"
+        return "0.5 (before September 2024: its _sharding has no device_mesh)"
+    return "0.6 to 0.10"
 
 
 def _meshes_without_devices(item: Location) -> bool:
@@ -89,17 +88,9 @@ def read_file(where: Where, name: str) -> bytes | None:
     that resolves outside it (a symbolic link) or is not a regular file."""
     item = where.item
     if item.is_local:
-        path = os.path.join(item.url, name)
-        if not os.path.lexists(path):
+        if not os.path.lexists(os.path.join(item.url, name)):
             return None
-        real, root = os.path.realpath(path), os.path.realpath(item.url)
-        if os.path.commonpath([real, root]) != root:
-            raise where.error(
-                name,
-                f"leads outside the checkpoint directory (to {real})",
-                "jaxckpt reads nothing outside it: copy the file in place of the link",
-            )
-        if not os.path.isfile(real):
+        if not os.path.isfile(_resolved(where, name, name)):
             raise where.error(name, "is not a regular file")
     try:
         return item.read_bytes(name)
@@ -110,24 +101,22 @@ def read_file(where: Where, name: str) -> bytes | None:
 def inside(where: Where, key: str) -> None:
     """Refuses a leaf's file or directory (without OCDBT) that resolves outside the item."""
     if where.item.is_local:
-        root = os.path.realpath(where.item.url)
         for path in (key.rsplit("/", 1)[0], key):
-            real = os.path.realpath(os.path.join(where.item.url, path))
-            if os.path.commonpath([real, root]) != root:
-                raise where.error(
-                    key,
-                    f"leads outside the checkpoint directory (to {real})",
-                    "jaxckpt reads nothing outside it: copy the file in place of the link",
-                )
+            _resolved(where, key, path)
 
 
-def read_json(where: Where, name: str, required: bool = True) -> Any:
-    raw = read_file(where, name)
-    if raw is None:
-        if required:
-            raise where.error(name, "is missing")
-        return None
-    return parse_json(where, name, raw)
+def _resolved(where: Where, name: str, path: str) -> str:
+    """Where the local ``path`` in the item directory really is; outside it, an error
+    naming the file ``name``."""
+    root = os.path.realpath(where.item.url)
+    real = os.path.realpath(os.path.join(where.item.url, path))
+    if os.path.commonpath([real, root]) != root:
+        raise where.error(
+            name,
+            f"leads outside the checkpoint directory (to {real})",
+            "jaxckpt reads nothing outside it: copy the file in place of the link",
+        )
+    return real
 
 
 def parse_json(where: Where, name: str, raw: bytes) -> Any:
@@ -205,16 +194,11 @@ def check_dtype(where: Where, file: str, leaf: str, text: Any) -> np.dtype:
     bare = text.lstrip("<>|=") if isinstance(text, str) else None
     if bare in _ML_NAMES:
         return np.dtype(getattr(ml_dtypes, bare))
-    dtype = None
-    for t in (text, bare):
-        try:
-            dtype = np.dtype(t) if isinstance(t, str) and t else None
-        except (TypeError, ValueError):
-            continue
-        break
-    if dtype is None or dtype.kind not in "biufc" or dtype.fields is not None:
-        raise where.error(file, f"leaf {leaf!r} has data type {text!r}, not a numeric one")
-    return dtype
+    for name in (text, bare):  # zarr v2 names carry a byte order ("<f4"), some only bare
+        dtype = numpy_dtype(name)
+        if dtype is not None and dtype.kind in "biufc":
+            return dtype
+    raise where.error(file, f"leaf {leaf!r} has data type {text!r}, not a numeric one")
 
 
 def check_shape(
@@ -228,22 +212,40 @@ def check_shape(
 
 
 def zarr_layout(
-    where: Where, key: str, leaf: str, meta: Any, zarr3: bool
+    where: Where, kv: ts.KvStore, name: str, zarr3: bool, use_ocdbt: bool
 ) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
-    """(shape, dtype, chunk shape) from a leaf's ``.zarray`` / ``zarr.json``."""
+    """(shape, dtype, chunk shape) of leaf ``name`` from its ``.zarray`` / ``zarr.json`` in
+    ``kv``, the item's keys."""
+    key = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
+    if not use_ocdbt:
+        inside(where, key)
+    try:
+        raw = kv.read(key).result().value
+    except Exception as e:  # a damaged OCDBT database
+        raise where.error(key, f"leaf {name!r}: its array metadata cannot be read ({e})") from e
+    if not raw:
+        raise where.error(
+            key,
+            f"is missing: leaf {name!r}, which {METADATA} lists, has no array metadata",
+            "the checkpoint is incomplete or uses a layout jaxckpt does not read",
+        )
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise where.error(key, f"leaf {name!r}: the array metadata is not JSON") from e
     if not isinstance(meta, dict):
-        raise where.error(key, f"leaf {leaf!r}: the array metadata is not an object")
-    dtype = check_dtype(where, key, leaf, meta.get("data_type" if zarr3 else "dtype"))
-    shape = check_shape(where, key, leaf, meta.get("shape"), dtype.itemsize)
+        raise where.error(key, f"leaf {name!r}: the array metadata is not an object")
+    dtype = check_dtype(where, key, name, meta.get("data_type" if zarr3 else "dtype"))
+    shape = check_shape(where, key, name, meta.get("shape"), dtype.itemsize)
     if zarr3:
         grid = meta.get("chunk_grid")
         conf = grid.get("configuration") if isinstance(grid, dict) else None
         chunks = conf.get("chunk_shape") if isinstance(conf, dict) else None
     else:
         chunks = meta.get("chunks")
-    chunks = check_shape(where, key, leaf, chunks)
+    chunks = check_shape(where, key, name, chunks)
     if len(chunks) != len(shape):
-        raise where.error(key, f"leaf {leaf!r}: chunks {chunks} do not match shape {shape}")
+        raise where.error(key, f"leaf {name!r}: chunks {chunks} do not match shape {shape}")
     return shape, dtype, tuple(c or 1 for c in (chunks or shape))
 
 
@@ -293,16 +295,15 @@ def aggregated_value(where: Where, doc: dict, entry: Entry) -> Any:
     if isinstance(node, dict) and node.get("__msgpack_chunked_array__") is True:
         return _unchunk(where, entry, node)
     if isinstance(node, msgpack.ExtType) and node.code in (1, 2, 3):
-        parts = _unpack(where, entry, node.data)
-        if node.code == 2 and _pair(parts, (int, float)):
-            return complex(*parts)
-        if node.code != 2 and _triple(parts):
-            shape, name, data = parts
-            dtype = check_dtype(where, AGGREGATE, entry.name, name)
-            shape = check_shape(where, AGGREGATE, entry.name, shape, dtype.itemsize)
-            if math.prod(shape) * dtype.itemsize == len(data):
-                array = np.frombuffer(data, dtype).reshape(shape).copy()
-                return array[()] if node.code == 3 else array
+        match node.code, _unpack(where, entry, node.data):
+            case 2, [int() | float() as real, int() | float() as imag]:
+                return complex(real, imag)
+            case 1 | 3, [list() as dims, str() as name, bytes() as data]:
+                dtype = check_dtype(where, AGGREGATE, entry.name, name)
+                shape = check_shape(where, AGGREGATE, entry.name, dims, dtype.itemsize)
+                if math.prod(shape) * dtype.itemsize == len(data):
+                    array = np.frombuffer(data, dtype).reshape(shape).copy()
+                    return array[()] if node.code == 3 else array
     raise where.error(AGGREGATE, f"leaf {entry.name!r} is not an array or a number there")
 
 
@@ -319,10 +320,9 @@ def _unchunk(where: Where, entry: Entry, node: dict) -> np.ndarray:
     """An array over 1 GiB, which Orbax's msgpack splits into numbered chunks."""
     shape, chunks = node.get("shape"), node.get("chunks")
     if isinstance(shape, dict) and isinstance(chunks, dict):
+        part = Entry(entry.name, [["k", "c"]], "", True)  # a chunk: the leaf of {"c": chunk}
         parts = [
-            aggregated_value(
-                where, {"c": chunks[str(i)]}, Entry(entry.name, [["k", "c"]], "", True)
-            )
+            aggregated_value(where, {"c": chunks[str(i)]}, part)
             for i in range(len(chunks))
             if str(i) in chunks
         ]
@@ -333,17 +333,3 @@ def _unchunk(where: Where, entry: Entry, node: dict) -> np.ndarray:
             if flat is not None and flat.size == math.prod(dims):
                 return flat.reshape(dims)
     raise where.error(AGGREGATE, f"leaf {entry.name!r}: its chunked array is damaged")
-
-
-def _pair(parts: Any, types: tuple) -> bool:
-    return isinstance(parts, list) and len(parts) == 2 and all(isinstance(p, types) for p in parts)
-
-
-def _triple(parts: Any) -> bool:
-    return (
-        isinstance(parts, list)
-        and len(parts) == 3
-        and isinstance(parts[0], list)
-        and isinstance(parts[1], str)
-        and isinstance(parts[2], bytes)
-    )

@@ -53,9 +53,7 @@ class Record:
     @classmethod
     def from_json(cls, doc: dict, *, where: str) -> Record:
         try:
-            return cls(
-                doc["process_index"], doc["process_count"], doc["kind"], doc["value"], doc["sha256"]
-            )
+            return cls(*(doc[f.name] for f in dataclasses.fields(cls)))
         except (KeyError, TypeError) as e:
             raise ChecksumError(f"{where}: a per-process record without its field {e}") from e
 
@@ -88,7 +86,6 @@ def encode(value: Any, *, where: str) -> Record | None:
     if value is None or isinstance(value, Record):
         return value
     pid = multihost.process_index()
-    count = multihost.process_count()
     stored: Any  # JSON: base64 text, a list of arrays or the value itself
     if isinstance(value, (bytes, bytearray, memoryview)):
         kind, stored = "bytes", base64.b64encode(bytes(value)).decode()
@@ -105,7 +102,7 @@ def encode(value: Any, *, where: str) -> Record | None:
                 "iterator's get_state(), bytes, a JSON dict, or {name: np.ndarray}"
             ) from None
         kind = "json"
-    return Record(pid, count, kind, stored, _digest(stored))
+    return Record(pid, multihost.process_count(), kind, stored, _digest(stored))
 
 
 def decode(record: Record, *, where: str) -> Any:
@@ -159,13 +156,14 @@ def choose(
 
 
 def _is_numpy_tree(value: Any) -> bool:
-    leaves = [leaf for _, leaf in tree_lib.flatten(value)]
+    leaves = tree_lib.leaves(value)
     return bool(leaves) and all(isinstance(x, (np.ndarray, np.generic)) for x in leaves)
 
 
 def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int) -> dict:
     arr = np.asarray(leaf)
-    if arr.dtype.kind not in "biufc" or not _plain(arr.dtype):
+    little = arr.dtype.newbyteorder("<")
+    if arr.dtype.kind not in "biufc" or not _plain(little):
         raise PerProcessError(
             f"{where}: per_process of process {pid}: the NumPy leaf "
             f"{tree_lib.path_name(path)} has dtype {arr.dtype}; only NumPy's own bool, integer, "
@@ -174,21 +172,18 @@ def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int)
         )
     return {
         "path": path,
-        "dtype": arr.dtype.newbyteorder("<").str,
+        "dtype": little.str,
         "shape": list(arr.shape),
         "scalar": isinstance(leaf, np.generic),
         # .data: the same bytes, as a memoryview (numpy's stubs type ndarray as a buffer only
         # for Python >= 3.12)
-        "data": base64.b64encode(
-            np.ascontiguousarray(arr, arr.dtype.newbyteorder("<")).data
-        ).decode(),
+        "data": base64.b64encode(np.ascontiguousarray(arr, little).data).decode(),
     }
 
 
-def _plain(dtype: np.dtype) -> bool:
-    """NumPy reads the dtype back from its little-endian ``str`` (ml_dtypes' float8_e5m2
+def _plain(little: np.dtype) -> bool:
+    """NumPy reads the little-endian dtype back from its ``str`` (ml_dtypes' float8_e5m2
     says kind 'f', but '<f1' names nothing)."""
-    little = dtype.newbyteorder("<")
     try:
         return np.dtype(little.str) == little
     except TypeError:

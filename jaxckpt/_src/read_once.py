@@ -29,8 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from numpy.typing import DTypeLike
 
 from . import bits
-from .boxes import Index, from_slices
-from .sharding import entry_axes
+from .sharding import entry_axes, holders
 
 
 def shared_across_processes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
@@ -47,11 +46,7 @@ def _sharing_processes(
         return ()
     if sharding.memory_kind not in (None, jax.local_devices()[0].default_memory().kind):
         return ()  # pinned host memory, say: placed per process, from the host
-    procs: dict[Index, set[int]] = {}
-    device: jax.Device  # jax's own Device annotation is unresolved (jaxlib's _jax: no stubs)
-    for device, index in sharding.devices_indices_map(shape).items():
-        procs.setdefault(from_slices(index, shape), set()).add(device.process_index)
-    return tuple(sorted({tuple(sorted(p)) for p in procs.values() if len(p) > 1}))
+    return tuple(sorted({p for p in holders(sharding, shape).values() if len(p) > 1}))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -89,11 +84,8 @@ def read_spec(
     changed = False
     for axis in free:
         k = axis_sizes[axis]
-        fits = [
-            d
-            for d in range(len(shape))
-            if shape[d] % (parts[d] * k) == 0 and (shape[d] // (parts[d] * k)) % chunks[d] == 0
-        ]
+        # the dimensions it divides into slices of whole chunks
+        fits = [d for d in range(len(shape)) if shape[d] % (parts[d] * k * chunks[d]) == 0]
         if not fits:
             continue
         d = max(fits, key=lambda d: shape[d] // parts[d])

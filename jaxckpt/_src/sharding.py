@@ -49,15 +49,9 @@ def _mesh_json(mesh: Mesh) -> dict:  # shared: never handed out unless copied
 
 
 def spec_to_json(spec: PartitionSpec) -> list:
-    out: list = []
-    for entry in spec:
-        if entry is None or isinstance(entry, str):
-            out.append(entry)
-        elif isinstance(entry, tuple):
-            out.append([str(e) for e in entry])
-        else:
-            out.append(str(entry))
-    return out
+    return [
+        None if e is None else [str(a) for a in e] if isinstance(e, tuple) else str(e) for e in spec
+    ]
 
 
 def entry_axes(entry: Any) -> tuple[str, ...]:
@@ -121,24 +115,20 @@ def layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> Layout:
     shared: read them, never change them)."""
     me = jax.process_index()
     owners: dict[Index, Any] = {}
-    held_at: list[tuple[int, Index]] = []
-    seen: set[Index] = set()
+    held: dict[Index, int] = {}  # index -> position of its first device here
     position = 0  # among this process's devices
     device: jax.Device
     for device, slices in sharding.devices_indices_map(shape).items():
         index = from_slices(slices, shape)
         owners.setdefault(index, device)
         if device.process_index == me:
-            if index not in seen:
-                seen.add(index)
-                held_at.append((position, index))
+            held.setdefault(index, position)
             position += 1
-    sizes = [1] * len(shape)  # the largest shard extent per dimension
-    for index in owners:
-        for dim, (start, stop) in enumerate(index):
-            sizes[dim] = max(sizes[dim], stop - start)
+    extents = [[stop - start for start, stop in index] for index in owners]
+    chunks = tuple(max(1, *dim) for dim in zip(*extents, strict=True))  # the largest extents
     owned = {d: i for i, d in owners.items() if d.process_index == me}
-    return Layout(owners, tuple(sizes), owned, tuple(held_at), tuple(sorted(owners)))
+    held_at = tuple((p, i) for i, p in held.items())
+    return Layout(owners, chunks, owned, held_at, tuple(sorted(owners)))
 
 
 # --- replica-parallel writes: which process writes which part of a shard ------------------
@@ -224,12 +214,9 @@ def _groups(index: Index, chunks: tuple[int, ...], count: int) -> tuple[tuple[In
     n = [-(-(b - a) // c) for (a, b), c in zip(index, chunks, strict=True)]
     dim = max(range(len(n)), key=lambda d: n[d])
     start, stop = index[dim]
-    out = []
-    for g in range(min(count, n[dim])):
-        lo = start + (n[dim] * g // min(count, n[dim])) * chunks[dim]
-        hi = min(stop, start + (n[dim] * (g + 1) // min(count, n[dim])) * chunks[dim])
-        out.append((index[:dim] + ((lo, hi),) + index[dim + 1 :], g))
-    return tuple(out)
+    k = min(count, n[dim])
+    cuts = [start + (n[dim] * g // k) * chunks[dim] for g in range(k)] + [stop]  # slab bounds
+    return tuple((index[:dim] + ((cuts[g], cuts[g + 1]),) + index[dim + 1 :], g) for g in range(k))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,12 +224,18 @@ def write_split(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int, chunk_bytes: int | None
 ) -> WriteSplit:
     """The ``WriteSplit`` of ``shape`` under ``sharding`` (cached, like ``layout``)."""
-    devices: Mapping[jax.Device, tuple[slice, ...]] = sharding.devices_indices_map(shape)
-    held = [(from_slices(index, shape), device.process_index) for device, index in devices.items()]
-    procs = _holders(held)
+    procs = holders(sharding, shape)
     replicas = max((len(p) for p in procs.values()), default=1)
     chunks = chunk_shape(layout(sharding, shape).chunks, itemsize, chunk_bytes, replicas)
     return _split(procs, shape, chunks, itemsize)
+
+
+def holders(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> dict[Index, tuple[int, ...]]:
+    """Each distinct shard index of ``shape`` under ``sharding`` -> the processes holding it."""
+    devices: Mapping[jax.Device, tuple[slice, ...]] = sharding.devices_indices_map(shape)
+    return _holders((from_slices(index, shape), d.process_index) for d, index in devices.items())
 
 
 def _holders(held: Iterable[tuple[Index, int]]) -> dict[Index, tuple[int, ...]]:

@@ -178,21 +178,19 @@ def being_written(loc: Location, other_host_grace_s: float) -> bool:
     if not loc.is_local or not os.path.exists(path):
         return False
     try:
-        fd = os.open(path, os.O_RDONLY)
+        f = open(path, "rb")  # noqa: SIM115 - the with below closes it
     except FileNotFoundError:
         return False
-    try:
+    with f:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        host = os.read(fd, 256).decode(errors="replace").partition(" ")[0]
+        fcntl.flock(f, fcntl.LOCK_UN)
+        host = f.read(256).decode(errors="replace").partition(" ")[0]
         if host and host != socket.gethostname():
             return time.time() - os.path.getmtime(path) < other_host_grace_s
         return False
-    finally:
-        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:
@@ -244,8 +242,7 @@ def s3_options(environ: Mapping[str, str] | None = None) -> dict:
                 "be an http:// or https:// URL"
             )
         out["endpoint"] = endpoint
-        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-        if region:
+        if region := env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"):
             out["aws_region"] = region.strip()
     if env.get("AWS_ACCESS_KEY_ID"):
         out["aws_credentials"] = {"type": "environment"}

@@ -23,20 +23,19 @@ def _is_none(x: Any) -> bool:
 
 
 def path_to_json(path: tuple) -> PathJson:
-    out: PathJson = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            key = k.key
-            out.append(["k", key if isinstance(key, (str, int)) else str(key)])
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            out.append(["a", k.name])
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out.append(["i", k.idx])
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            out.append(["f", k.key])
-        else:  # an unknown key type from a custom node
-            out.append(["k", str(k)])
-    return out
+    return [_key_json(k) for k in path]
+
+
+def _key_json(k: Any) -> list[Any]:
+    if isinstance(k, jax.tree_util.DictKey):
+        return ["k", k.key if isinstance(k.key, (str, int)) else str(k.key)]
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return ["a", k.name]
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return ["i", k.idx]
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return ["f", k.key]
+    return ["k", str(k)]  # an unknown key type from a custom node
 
 
 def path_name(path: PathJson) -> str:
