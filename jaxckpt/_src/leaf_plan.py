@@ -116,6 +116,20 @@ def result(target: Any, planned: list[Want], values: list[Any]) -> Any:
     return tree_lib.unflatten_like(target, values)
 
 
+def whole_on_host(w: Want, data: np.ndarray) -> Any:
+    """A leaf read whole into host memory (``data``, in the wanted dtype) as ``w`` asks: a
+    PRNG key (re-wrapped; placed on ``w.sharding`` if any), a NumPy scalar or array."""
+    rec = w.record
+    if rec.kind == "prng_key":
+        return place_key(data, w, rec) if w.sharding is not None else _wrap(data, rec)
+    return data[()] if rec.kind == "numpy" and rec.scalar else data
+
+
+def _wrap(data: Any, rec: LeafRecord) -> jax.Array:
+    """A typed key from its data (a jax.Array or NumPy: jax's stub names Array only)."""
+    return jax.random.wrap_key_data(data, impl=rec.prng_impl)
+
+
 def place_key(data: np.ndarray, w: Want, rec: LeafRecord) -> jax.Array:
     """A typed PRNG key from its key data, on ``w.sharding`` (which may span processes)."""
     s = w.sharding
@@ -123,7 +137,5 @@ def place_key(data: np.ndarray, w: Want, rec: LeafRecord) -> jax.Array:
     if isinstance(s, jax.sharding.NamedSharding) and len(s.spec) > ndim:
         s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[:ndim]))
     if isinstance(s, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
-        arr = jax.make_array_from_callback(data.shape, s, lambda i: data[i])
-        return jax.random.wrap_key_data(arr, impl=rec.prng_impl)
-    key = jax.random.wrap_key_data(data, impl=rec.prng_impl)  # type: ignore[arg-type]  # jax's stub says Array; NumPy key data works
-    return jax.device_put(key, s)
+        return _wrap(jax.make_array_from_callback(data.shape, s, lambda i: data[i]), rec)
+    return jax.device_put(_wrap(data, rec), s)

@@ -25,7 +25,7 @@ from ..errors import OptionsError
 from . import arrays, multihost, orbax, read_once
 from .boxes import Index, extent, volume
 from .inflight import READ_BUDGET_BYTES, InFlight
-from .leaf_plan import Want, place_key, result, wants
+from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
 from .placement import Placement
@@ -165,17 +165,7 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
         else:
             reader.add(store_fut, rec, None, keep)
 
-        def finish() -> Any:
-            data = holder["v"]
-            if rec.kind == "prng_key":
-                if w.sharding is None:
-                    return jax.random.wrap_key_data(data, impl=rec.prng_impl)  # type: ignore[arg-type]  # jax's stub says Array; NumPy key data works
-                return place_key(data, w, rec)
-            if rec.kind == "numpy" and rec.scalar:
-                return data[()]
-            return data
-
-        return finish
+        return lambda: whole_on_host(w, holder["v"])
 
     out = Placement(w.sharding, shape, want_dtype)
 
