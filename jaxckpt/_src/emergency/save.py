@@ -24,7 +24,6 @@ from .. import multihost
 from .. import per_process as pp
 from .. import tree as tree_lib
 from ..boxes import Index, whole
-from ..manifest import LeafRecord
 from ..monitoring import Stopwatch
 from ..records import PY_TYPES, check_numpy, leaf_records, unsupported
 from ..sharding import layout
@@ -44,10 +43,10 @@ class Pending:
     slices: local.Slices
     writers: local.Writers  # the process that held each slice when saved
     doc: Callable[..., local.LocalStep]  # local.LocalStep, less what ``finish`` works out
-    peers: PeerCopies | None  # peer copies in flight to this process
     records: dict[int, pp.Record]  # per-process records kept with the step
-    records_tag: str  # where the senders' records are left for this process
-    senders: list[int]
+    senders: list[int]  # the processes whose peer copies this one receives
+    peers: PeerCopies | None = None  # peer copies in flight to this process
+    records_tag: str = ""  # where the senders' records are left for this process
 
 
 class LocalSaver:
@@ -73,7 +72,7 @@ class LocalSaver:
         """Snapshots ``state`` and dispatches its peer copies to ``p + j`` for each shift;
         ``tag`` names key-value exchanges (the same on every process)."""
         flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
-        slices, on_devices, key_data = self._snapshot(flat)
+        slices, required, on_devices, key_data = self._snapshot(flat)
         pid, count = multihost.process_index(), multihost.process_count()
         senders = [(pid - j) % count for j in shifts]
         doc = functools.partial(
@@ -81,19 +80,19 @@ class LocalSaver:
             step=step,
             process_index=pid,
             process_count=count,
+            required=required,
             replication=len(shifts),
             hosts=hosts,
             sends_to=[(pid + j) % count for j in shifts],
             receives_from=senders,
         )
-        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, None, {}, "", [])
-        if record is not None:
-            out.records[pid] = record
+        records = {} if record is None else {pid: record}
+        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, records, senders)
         if shifts:
             with fig.phase("peer_exchange"):
                 # each receiver gets this process's record (or nothing): a few hundred bytes
                 # through the key-value store, taken by its writer thread
-                out.records_tag, out.senders = tag("per_process"), senders
+                out.records_tag = tag("per_process")
                 text = "" if record is None else json.dumps(record.to_json())
                 for j in shifts:
                     multihost.send_text(out.records_tag, (pid + j) % count, text)
@@ -108,9 +107,8 @@ class LocalSaver:
     ) -> None:
         """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
         per process, exchanged and unpacked here (blocking)."""
-        pid = multihost.process_index()
         mine = {key: v for key, v in out.slices.items() if key.leaf in names}
-        row = wire.pack(mine, dict.fromkeys(mine, pid), reuse=self.pack_buffer)
+        row = wire.pack(mine, out.writers, reuse=self.pack_buffer)  # (all this process's)
         if self.pack_buffer is None or row.size > self.pack_buffer.size:
             self.pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
         count = multihost.process_count()
@@ -120,11 +118,12 @@ class LocalSaver:
 
     def _snapshot(
         self, flat: list[tuple[Any, Any]]
-    ) -> tuple[local.Slices, dict[str, jax.Array], dict[int, jax.Array]]:
-        """Host snapshots of every distinct shard this process holds; the device arrays for
-        the peer copies; PRNG keys' data. Unsupported leaves raise here, before anything is
-        written."""
+    ) -> tuple[local.Slices, dict[str, list[Index]], dict[str, jax.Array], dict[int, jax.Array]]:
+        """Host snapshots of every distinct shard this process holds; every slice of every
+        array leaf (``local.json``'s ``slices``); the device arrays for the peer copies; PRNG
+        keys' data. Unsupported leaves raise here, before anything is written."""
         slices: local.Slices = {}
+        required: dict[str, list[Index]] = {}
         on_devices: dict[str, jax.Array] = {}
         key_data: dict[int, jax.Array] = {}
         for i, (keypath, leaf) in enumerate(flat):
@@ -137,6 +136,7 @@ class LocalSaver:
                 if host.size:  # copied: NumPy arrays can change after save returns
                     key = SliceKey(name, whole(host.shape))
                     slices[key] = self.host.snapshot(key, host, host.dtype.newbyteorder("="))
+                    required[name] = [key.box]
                 continue
             if not isinstance(leaf, jax.Array):
                 raise unsupported(leaf, name)
@@ -147,11 +147,13 @@ class LocalSaver:
             if not math.prod(shape):
                 continue
             on_devices[name] = arr
-            for k, index in layout(arr.sharding, shape).held_at:  # one device per index
+            lay = layout(arr.sharding, shape)
+            required[name] = list(lay.indices)
+            for k, index in lay.held_at:  # one device per index
                 key = SliceKey(name, index)
                 slices[key] = self.host.snapshot(key, arr.addressable_data(k))
         self.host.run_copies()  # all D2H copies were started above
-        return slices, on_devices, key_data
+        return slices, required, on_devices, key_data
 
 
 def finish(
@@ -166,13 +168,12 @@ def finish(
     """Takes what the peers sent (their shards and records) and writes the step (unless
     ``write`` is False: a step already committed here is not written again)."""
     p = pending
-    for sender in p.senders:
+    if p.peers is not None:  # the senders' records, then their shards
         with fig.phase("peer_wait"):
-            text = multihost.receive_text(p.records_tag, sender, timeout_s)
-        if text:
-            p.records[sender] = pp.Record.from_json(json.loads(text), where=f"process {sender}")
-    if p.peers is not None:
-        with fig.phase("peer_wait"):
+            for q in p.senders:
+                text = multihost.receive_text(p.records_tag, q, timeout_s)
+                if text:
+                    p.records[q] = pp.Record.from_json(json.loads(text), where=f"process {q}")
             _keep_new(p, *p.peers.collect())  # waits for the transfers
     if not write:
         return
@@ -184,7 +185,6 @@ def finish(
             meshes=meshes,
             leaves=tuple(records),
             held=p.writers,
-            required=_required(records, p.flat, p.key_data),
             per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
         )
         local.write_step(directory, doc, p.slices, digits)
@@ -196,19 +196,3 @@ def _keep_new(p: Pending, slices: local.Slices, writers: local.Writers) -> None:
     for key, data in slices.items():
         if key not in p.slices:
             p.slices[key], p.writers[key] = data, writers[key]
-
-
-def _required(
-    records: list[LeafRecord], flat: list[tuple[Any, Any]], key_data: dict[int, jax.Array]
-) -> dict[str, list[Index]]:
-    """Every slice of every array leaf (``local.json``'s ``slices``)."""
-    out: dict[str, list[Index]] = {}
-    for i, (rec, (_, leaf)) in enumerate(zip(records, flat, strict=True)):
-        if not rec.has_array or not math.prod(rec.shape):
-            continue
-        if rec.kind == "numpy":
-            out[rec.name] = [whole(rec.shape)]
-        else:
-            arr = key_data.get(i, leaf)
-            out[rec.name] = list(layout(arr.sharding, arr.shape).indices)
-    return out
