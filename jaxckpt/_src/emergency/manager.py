@@ -100,8 +100,8 @@ class EmergencyCheckpointManager:
         self.last_save_figures: Figures | None = None  # the calling thread's part
         self.last_write_figures: Figures | None = None  # the local step's writer
         self.last_restore_figures: Figures | None = None
-        # the step last restored, and its per-process records and saved process count (local)
-        self._restored: tuple[int, tuple[pp.Record | None, ...] | None, int | None] | None = None
+        # the step last restored, and its per-process records (one per saved process; local)
+        self._restored: tuple[int, tuple[pp.Record | None, ...] | None] | None = None
 
     @property
     def remote(self) -> CheckpointManager:
@@ -292,21 +292,12 @@ class EmergencyCheckpointManager:
                 rejected.append(Rejected(s, str(e)))
                 bad_copies.extend(e.bad_copies)
                 continue
-            bad_copies.extend(got.bad_copies)
+            state, report = got.state, got.report
             fig.bytes = sum(
-                a.nbytes for a in jax.tree_util.tree_leaves(got.state) if hasattr(a, "nbytes")
+                a.nbytes for a in jax.tree_util.tree_leaves(state) if hasattr(a, "nbytes")
             )
             self.last_restore_figures = fig.done()
-            self._restored = (s, got.per_process, got.saved_process_count)
-            report = RecoveryReport(
-                "local",
-                s,
-                multihost.process_count(),
-                got.saved_process_count,
-                from_peers=got.from_peers,
-                per_process_from=got.per_process_from,
-            )
-            state = got.state
+            self._restored = (s, got.per_process)
             break
         else:
             remote_steps = views[0].remote
@@ -319,11 +310,11 @@ class EmergencyCheckpointManager:
                     f"has {list(remote_steps)}"
                 )
             state = self._remote.restore(chosen, target, mesh=mesh)
-            self._restored = (chosen, None, None)
+            self._restored = (chosen, None)
             report = RecoveryReport("remote", chosen, multihost.process_count())
         rejected.sort(key=lambda r: -r.step)  # newest first, as they were considered
         self.last_report = dataclasses.replace(
-            report, rejected=tuple(rejected), bad_copies=tuple(bad_copies)
+            report, rejected=tuple(rejected), bad_copies=(*bad_copies, *report.bad_copies)
         )
         log.info("jaxckpt: restored %s", self.last_report)
         return state
@@ -339,11 +330,11 @@ class EmergencyCheckpointManager:
         the remote tier), matched by process index; ``process=i`` / ``all=True`` after a
         process-count change (see :func:`jaxckpt.per_process`). A replaced host gets its
         predecessor's value from a peer's copy (``last_report.per_process_from``)."""
-        s, records, saved_count = self._restored or (step, None, None)
-        if step in (None, s) and records is not None and saved_count is not None:
+        s, records = self._restored or (step, None)
+        if step in (None, s) and records is not None:
             where = f"{self.local_directory.url} step {s} (local copies)"
             return pp.choose(
-                records.__getitem__, saved_count=saved_count, where=where, process=process, all=all
+                records.__getitem__, saved_count=len(records), where=where, process=process, all=all
             )
         step = s if step is None else step
         if step is None or step not in self._remote.all_steps():
