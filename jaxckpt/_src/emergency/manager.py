@@ -81,7 +81,7 @@ class EmergencyCheckpointManager:
             )
         self.local_directory.makedirs()
         steps.clean_leftovers(self.local_directory, grace_s=opts.timeout_s)
-        self._remote = CheckpointManager(
+        self.remote = CheckpointManager(
             remote_directory,
             Options(
                 max_to_keep=opts.remote_max_to_keep,
@@ -103,10 +103,6 @@ class EmergencyCheckpointManager:
         # the step last restored, and its per-process records (one per saved process; local)
         self._restored: tuple[int, tuple[pp.Record | None, ...] | None] | None = None
 
-    @property
-    def remote(self) -> CheckpointManager:
-        return self._remote
-
     # --- listing -------------------------------------------------------------------------
 
     def local_steps(self) -> list[int]:
@@ -118,7 +114,7 @@ class EmergencyCheckpointManager:
 
         Which step ``restore`` uses is decided with the other processes.
         """
-        return sorted(self._local_steps | set(self._remote.all_steps()))
+        return sorted(self._local_steps | set(self.remote.all_steps()))
 
     def latest_step(self) -> int | None:
         """The step ``restore`` would use, the same on every process (None: nothing to
@@ -130,7 +126,7 @@ class EmergencyCheckpointManager:
         self.wait_until_finished()
         if multihost.process_count() == 1:
             return max(self.all_steps(), default=None)
-        self._remote.reload()
+        self.remote.reload()
         _, views = self._publish_holdings(self._tag("latest"))
         tries, _ = candidates(views)
         return tries[0] if tries else max(views[0].remote, default=None)
@@ -139,7 +135,7 @@ class EmergencyCheckpointManager:
         """This process's local steps, and every process's holdings (one key-value round)."""
         return local_restore.publish_holdings(
             self.local_directory,
-            self._remote.all_steps(),
+            self.remote.all_steps(),
             tag=tag,
             timeout_s=self.options.timeout_s,
             digits=self.options.step_digits,
@@ -170,7 +166,8 @@ class EmergencyCheckpointManager:
         ``per_process``: this process's own value (its data iterator's ``get_state()``...),
         kept in both tiers and sent with the peer copies; see :meth:`per_process`.
         """
-        self._check_open()
+        if self._closed:
+            raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
         self._writer.raise_error()
         do_local, do_remote = self.should_save(step)
         do_local, do_remote = do_local or force, do_remote or force
@@ -178,9 +175,9 @@ class EmergencyCheckpointManager:
             return False
         record = pp.encode(per_process, where=f"{self.local_directory.url} step {step}")
         fig = Stopwatch("emergency_save", self.local_directory.url)
-        if do_remote and step not in self._remote.all_steps():
+        if do_remote and step not in self.remote.all_steps():
             with fig.phase("remote"):
-                self._remote.save(step, state, metrics=metrics, per_process=record, force=True)
+                self.remote.save(step, state, metrics=metrics, per_process=record, force=True)
         if do_local:
             with fig.phase("local"):
                 self._save_local(step, state, fig, record)
@@ -194,7 +191,7 @@ class EmergencyCheckpointManager:
     def _save_local(self, step: int, state: Any, fig: Stopwatch, record: pp.Record | None) -> None:
         """On the calling thread only snapshots and the peer copies' dispatch; the rest on
         the writer thread (see :mod:`jaxckpt._src.emergency.save`)."""
-        self._wait_local()  # host buffers are reused
+        self._writer.wait(self.local_directory.url)  # host buffers are reused
         shifts, hosts = self._peer_shifts()
         pending = self._saver.start(
             step,
@@ -255,11 +252,8 @@ class EmergencyCheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Blocks until both tiers' writes in flight are committed; raises their errors."""
-        self._wait_local()
-        self.remote.wait_until_finished()
-
-    def _wait_local(self) -> None:
         self._writer.wait(self.local_directory.url)
+        self.remote.wait_until_finished()
 
     # --- restore -------------------------------------------------------------------------
 
@@ -272,7 +266,7 @@ class EmergencyCheckpointManager:
         ``last_report``. Every process must call it.
         """
         self.wait_until_finished()
-        self._remote.reload()
+        self.remote.reload()
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
@@ -306,10 +300,10 @@ class EmergencyCheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no step to restore{f' (asked for {step})' if step is not None else ''}: "
                     f"no local step is complete on the {len(views)} processes "
-                    f"({rejected or 'none'}) and the remote tier {self._remote.directory.url} "
+                    f"({rejected or 'none'}) and the remote tier {self.remote.directory.url} "
                     f"has {list(remote_steps)}"
                 )
-            state = self._remote.restore(chosen, target, mesh=mesh)
+            state = self.remote.restore(chosen, target, mesh=mesh)
             self._restored = (chosen, None)
             report = RecoveryReport("remote", chosen, multihost.process_count())
         rejected.sort(key=lambda r: -r.step)  # newest first, as they were considered
@@ -337,20 +331,16 @@ class EmergencyCheckpointManager:
                 records.__getitem__, saved_count=len(records), where=where, process=process, all=all
             )
         step = s if step is None else step
-        if step is None or step not in self._remote.all_steps():
+        if step is None or step not in self.remote.all_steps():
             raise CheckpointNotFoundError(
                 f"{self.local_directory.url}: the per-process values of "
                 f"{'a step' if step is None else f'local step {step}'} come with its restore "
                 "(every process gathers them from the copies); call restore() first, or pass "
-                f"a step of the remote tier ({self._remote.all_steps()})"
+                f"a step of the remote tier ({self.remote.all_steps()})"
             )
-        return self._remote.per_process(step, process=process, all=all)
+        return self.remote.per_process(step, process=process, all=all)
 
     # --- lifetime ------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
 
     def close(self) -> None:
         """Finishes both tiers' saves in flight and stops the writer threads."""
@@ -360,7 +350,7 @@ class EmergencyCheckpointManager:
         try:
             self._writer.close(self.local_directory.url)
         finally:
-            self._remote.close()
+            self.remote.close()
 
     def __enter__(self) -> EmergencyCheckpointManager:
         return self
