@@ -217,8 +217,7 @@ class EmergencyCheckpointManager:
             k = min(self.options.replication, count - 1)
             hosts = [multihost.host_name()] * count
             if k:
-                tag = self._tag("hosts")
-                hosts = multihost.all_gather(tag, hosts[0], self.options.timeout_s)
+                hosts = multihost.process_hosts(self.options.timeout_s)
             shifts, same = peer_shifts(hosts, k)
             if same and len(set(hosts)) > 1:
                 log.warning(
