@@ -38,7 +38,7 @@ from .planner import SliceKey
 class Pending:
     """A local step between :meth:`LocalSaver.start` and :func:`finish`."""
 
-    flat: list[tuple[Any, Any]]
+    flat: list[tuple[tree_lib.PathJson, Any]]  # the tree, as ``tree.flatten`` gives it
     key_data: dict[int, jax.Array]  # PRNG keys' data, by leaf position
     slices: local.Slices
     writers: local.Writers  # the process that held each slice when saved
@@ -71,7 +71,7 @@ class LocalSaver:
     ) -> Pending:
         """Snapshots ``state`` and dispatches its peer copies to ``p + j`` for each shift;
         ``tag`` names key-value exchanges (the same on every process)."""
-        flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
+        flat = tree_lib.flatten(state)
         slices, required, on_devices, key_data = self._snapshot(flat)
         pid, count = multihost.process_index(), multihost.process_count()
         senders = [(pid - j) % count for j in shifts]
@@ -117,7 +117,7 @@ class LocalSaver:
             _keep_new(out, *wire.unpack(got))
 
     def _snapshot(
-        self, flat: list[tuple[Any, Any]]
+        self, flat: list[tuple[tree_lib.PathJson, Any]]
     ) -> tuple[local.Slices, dict[str, list[Index]], dict[str, jax.Array], dict[int, jax.Array]]:
         """Host snapshots of every distinct shard this process holds; every slice of every
         array leaf (``local.json``'s ``slices``); the device arrays for the peer copies; PRNG
@@ -126,10 +126,10 @@ class LocalSaver:
         required: dict[str, list[Index]] = {}
         on_devices: dict[str, jax.Array] = {}
         key_data: dict[int, jax.Array] = {}
-        for i, (keypath, leaf) in enumerate(flat):
+        for i, (path, leaf) in enumerate(flat):
             if type(leaf) in PY_TYPES:
                 continue  # kept in the record
-            name = tree_lib.path_name(tree_lib.path_to_json(keypath))  # its record's name
+            name = tree_lib.path_name(path)  # its record's name
             if isinstance(leaf, (np.ndarray, np.generic)):
                 host = np.asarray(leaf)
                 check_numpy(host, name)
@@ -178,8 +178,7 @@ def finish(
     if not write:
         return
     with fig.phase("write"):
-        paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in p.flat]
-        records, meshes = leaf_records(paths, p.key_data)
+        records, meshes = leaf_records(p.flat, p.key_data)
         doc = p.doc(
             digest=local.tree_digest(records),
             meshes=meshes,
