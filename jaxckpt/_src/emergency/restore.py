@@ -292,9 +292,8 @@ def _gather_records(at: _Step, saved_count: int) -> tuple[tuple[pp.Record | None
     process holding a copy of it (its own, or one a peer sent it), and which process sent
     this process's own record. No round when nobody holds one."""
     holder: dict[int, int] = {}
-    for p, view in enumerate(at.req.views):
-        entry = view.steps.get(at.s)
-        for q in entry.per_process if entry else ():
+    for p in at.holders:
+        for q in at.req.views[p].steps[at.s].per_process:
             holder.setdefault(q, p)
     records: list[pp.Record | None] = [None] * saved_count
     if holder:
