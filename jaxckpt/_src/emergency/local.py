@@ -11,7 +11,6 @@ carries a CRC32C (zarr codec), checked on read.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -87,8 +86,7 @@ class LocalStep:
     path: Location | None = field(default=None, compare=False)  # where it was read from
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"format": LOCAL_FORMAT}
-        doc.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        doc: dict[str, Any] = {"format": LOCAL_FORMAT, **vars(self)}
         held: dict[str, dict[str, int]] = {}
         for key, writer in self.held.items():
             held.setdefault(key.leaf, {})[to_text(key.box)] = writer
@@ -98,8 +96,7 @@ class LocalStep:
             held=held,
             slices={n: [to_text(i) for i in idx] for n, idx in self.required.items()},
         )
-        del doc["required"]  # ``slices`` in local.json
-        del doc["path"]
+        del doc["required"], doc["path"]  # ``slices`` in local.json; not saved
         return doc
 
     @classmethod
