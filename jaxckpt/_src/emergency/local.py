@@ -112,7 +112,8 @@ class LocalStep:
         version = check_format_version(doc, where=where, legacy_key="version")
         f = Fields(where)
         count = f.integer(f.need(doc, "process_count"), "process_count", lo=1, hi=MAX_PROCESSES)
-        process = f.integer(f.need(doc, "process_index"), "process_index", hi=count - 1)
+        process_id = functools.partial(f.integer, hi=count - 1)  # (value, at): a process index
+        process = process_id(f.need(doc, "process_index"), "process_index")
         meshes = meshes_from_json(f, f.need(doc, "meshes"), count)
         leaves = leaves_from_json(f, f.need(doc, "leaves"), meshes, count)
         digest = f.text(f.need(doc, "digest"), "digest")
@@ -130,11 +131,7 @@ class LocalStep:
                 box = _index(f, shapes[name], k, f"held[{name!r}]")
                 if box not in listed:
                     f.bad(f"held[{name!r}]", "holds a slice its 'slices' does not list", sorted(by))
-                held[SliceKey(name, box)] = f.integer(w, f"held[{name!r}][{k!r}]", hi=count - 1)
-        peers = [
-            f.items(doc.get(k, []), k, lambda v, at: f.integer(v, at, hi=count - 1))
-            for k in ("sends_to", "receives_from")
-        ]
+                held[SliceKey(name, box)] = process_id(w, f"held[{name!r}][{k!r}]")
         hosts = doc.get("hosts", [])  # one per process (absent: none recorded)
         records = f.obj(doc.get("per_process", {}), "per_process")
         for k, rec in records.items():
@@ -152,8 +149,8 @@ class LocalStep:
             required=required,
             replication=f.integer(doc.get("replication", 0), "replication"),
             hosts=f.items(hosts, "hosts", f.text, length=count if hosts else None),
-            sends_to=peers[0],
-            receives_from=peers[1],
+            sends_to=f.items(doc.get("sends_to", []), "sends_to", process_id),
+            receives_from=f.items(doc.get("receives_from", []), "receives_from", process_id),
             per_process=records,
             format_version=version,
             path=path,
