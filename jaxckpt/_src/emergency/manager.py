@@ -280,17 +280,16 @@ class EmergencyCheckpointManager:
         )
         for s in tries:
             try:
-                got = local_restore.restore_step(req, s, mine.get(s))
+                state, report, records = local_restore.restore_step(req, s, mine.get(s))
             except StepUnusable as e:
                 rejected.append(Rejected(s, str(e)))
                 bad_copies.extend(e.bad_copies)
                 continue
-            state, report = got.state, got.report
             fig.bytes = sum(
                 a.nbytes for a in jax.tree_util.tree_leaves(state) if hasattr(a, "nbytes")
             )
             self.last_restore_figures = fig.done()
-            self._restored = (s, got.per_process)
+            self._restored = (s, records)
             break
         else:
             remote_steps = views[0].remote

@@ -48,7 +48,6 @@ from .planner import (
 )
 from .recovery import RecoveryReport, assemble, needed_slices
 
-_EMPTY = np.zeros(0, np.uint8)
 Needs = list[list[SliceKey]]  # per process: the saved slices it must have
 Rows = dict[int, tuple[np.ndarray, Slices]]  # receiver -> a packed row, its slices' views
 Moved = dict[SliceKey, tuple[int, int]]  # slice -> (holder, writer), for slices moved here
@@ -65,17 +64,6 @@ class Request:
     tag: str  # names the key-value exchanges (the same on every process)
     timeout_s: float
     fig: Stopwatch  # gets the phases' times: plan, read, move, place
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What ``restore_step`` built: the state, the report of where its slices came from
-    (its ``bad_copies``: the copies that failed on the way, from any process) and every
-    saved process's per-process record (None: it kept none)."""
-
-    state: Any
-    report: RecoveryReport
-    per_process: tuple[pp.Record | None, ...]
 
 
 def publish_holdings(
@@ -107,15 +95,19 @@ def publish_holdings(
     return mine, [Holdings.from_json(text) for text in gathered]
 
 
-def restore_step(req: Request, s: int, mine: LocalStep | None) -> Restored:
+def restore_step(
+    req: Request, s: int, mine: LocalStep | None
+) -> tuple[Any, RecoveryReport, tuple[pp.Record | None, ...]]:
     """Restores step ``s`` from the processes' local copies; every process calls it, with
     ``mine`` its own copy of ``s`` (None: it has none).
 
     The phases: agree on the step's ``local.json``; gather what each process needs; plan who
     sends what; read and verify (re-planning around failed copies); move what each process
-    lacks; assemble the leaves; gather the per-process records. Returns the state with its
-    report (the tier ``local``; ``rejected`` is left to the caller). Raises
-    :class:`StepUnusable` (with the bad copies) when the step cannot be assembled after all.
+    lacks; assemble the leaves; gather the per-process records. Returns the state, its
+    report (its ``bad_copies``: those that failed on the way, from any process; ``rejected``
+    is left to the caller) and every saved process's per-process record (None: it kept
+    none). Raises :class:`StepUnusable` (with the bad copies) when the step cannot be
+    assembled after all.
     """
     at = _Step(req, s, mine, [p for p, v in enumerate(req.views) if s in v.steps])
     doc = _agree_on_doc(at)
@@ -141,7 +133,7 @@ def restore_step(req: Request, s: int, mine: LocalStep | None) -> Restored:
         bad_copies=tuple(bad.values()),
         per_process_from=records_from,
     )
-    return Restored(leaf_plan.result(req.target, wants, values), report, records)
+    return leaf_plan.result(req.target, wants, values), report, records
 
 
 @dataclass(frozen=True)
@@ -262,7 +254,7 @@ def _move(
         if keys and dst in rows and sends[(pid, dst)] == first.get((pid, dst)):
             row = rows.pop(dst)[0]  # read into already
         else:
-            row = wire.pack({k: data[k] for k in keys}, writers) if keys else _EMPTY
+            row = wire.pack({k: data[k] for k in keys}, writers)  # none: not sent, never read
         (got,) = send_rows(row, [pairs], name=at.name(f"move{j}"), timeout_s=at.req.timeout_s)
         del row
         for key, at_round in last.items():
