@@ -294,8 +294,7 @@ def _global_row(mesh: Mesh, row: np.ndarray, width: int, zero: bool) -> jax.Arra
         padded = row.reshape(1, width)  # the row itself: no copy
     else:
         padded = arrays.aligned_empty((1, width), np.dtype(np.uint8))
-        if row.size:
-            padded[0, : row.size] = row
+        padded[0, : row.size] = row
         if zero:
             padded[0, row.size :] = 0
     # may_alias: the device adopts the row instead of copying it (the caller drops the row;
