@@ -93,7 +93,8 @@ class EmergencyCheckpointManager:
         )
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(steps.committed(self.local_directory))
-        self._saver = local_save.LocalSaver()  # and the host buffers it reuses
+        # writes the local steps, keeping the host buffers it reuses
+        self._saver = local_save.LocalSaver(self.local_directory, opts.timeout_s, opts.step_digits)
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
         self._closed = False
@@ -194,14 +195,7 @@ class EmergencyCheckpointManager:
         self._writer.wait(self.local_directory.url)  # host buffers are reused
         shifts, hosts = self._peer_shifts()
         pending = self._saver.start(
-            step,
-            state,
-            record,
-            shifts=shifts,
-            hosts=hosts,
-            tag=self._tag,
-            timeout_s=self.options.timeout_s,
-            fig=fig,
+            step, state, record, shifts=shifts, hosts=hosts, tag=self._tag, fig=fig
         )
         what = f"saving local step {step} to {self.local_directory.url}"
         if self.options.async_save:
@@ -232,20 +226,12 @@ class EmergencyCheckpointManager:
 
     def _write(self, step: int, pending: local_save.Pending) -> None:
         fig = Stopwatch("emergency_write", self.local_directory.url)
-        digits = self.options.step_digits
-        local_save.finish(
-            self.local_directory,
-            pending,
-            digits=digits,
-            timeout_s=self.options.timeout_s,
-            fig=fig,
-            write=step not in self._local_steps,
-        )
+        self._saver.finish(pending, fig, write=step not in self._local_steps)
         self._local_steps.add(step)
         keep = self.options.local_max_to_keep
         if keep is not None:
             for old in sorted(self._local_steps)[:-keep]:
-                steps.delete(steps.step_dir(self.local_directory, old, digits))
+                steps.delete(steps.step_dir(self.local_directory, old, self.options.step_digits))
                 self._local_steps.discard(old)
         self.last_write_figures = fig.done()
 
@@ -264,19 +250,20 @@ class EmergencyCheckpointManager:
         ``target`` / ``mesh`` work as in :func:`jaxckpt.restore`. The report is in
         ``last_report``. Every process must call it.
         """
+        o = self.options
         self.wait_until_finished()
         self.remote.reload()
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
-        self._saver = local_save.LocalSaver()
+        self._saver = local_save.LocalSaver(self.local_directory, o.timeout_s, o.step_digits)
         tag = self._tag("restore")
         fig = Stopwatch("emergency_restore", self.local_directory.url)
         mine, views = self._publish_holdings(tag)
         tries, rejected = candidates(views, step)
         bad_copies: list[BadCopy] = []
         req = local_restore.Request(
-            self.local_directory, views, target, mesh, tag, self.options.timeout_s, fig
+            self.local_directory, views, target, mesh, tag, o.timeout_s, fig
         )
         for s in tries:
             try:

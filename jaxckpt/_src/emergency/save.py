@@ -3,7 +3,7 @@
 On the calling thread only what cannot wait (:meth:`LocalSaver.start`): host snapshots of
 every distinct shard this process holds (views on CPU) and the dispatch of the peer copies,
 device to device, with this process's per-process record beside them. The writer thread
-(:func:`finish`) waits for what the peers send, describes the leaves from their metadata and
+(:meth:`LocalSaver.finish`) waits for what the peers send, describes the leaves from their metadata and
 writes the step (:func:`local.write_step`). The restore side is
 :mod:`jaxckpt._src.emergency.restore`.
 """
@@ -36,7 +36,7 @@ from .planner import SliceKey
 
 @dataclass
 class Pending:
-    """A local step between :meth:`LocalSaver.start` and :func:`finish`."""
+    """A local step between :meth:`LocalSaver.start` and :meth:`LocalSaver.finish`."""
 
     flat: list[tuple[tree_lib.PathJson, Any]]  # the tree, as ``tree.flatten`` gives it
     key_data: dict[int, jax.Array]  # PRNG keys' data, by leaf position
@@ -50,9 +50,11 @@ class Pending:
 
 
 class LocalSaver:
-    """Starts local saves, keeping the host buffers they reuse from one save to the next."""
+    """Saves local steps into ``directory`` (step numbers ``digits`` wide), keeping the host
+    buffers they reuse from one save to the next; every wait is bounded by ``timeout_s``."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Location, timeout_s: float, digits: int) -> None:
+        self.directory, self.timeout_s, self.digits = directory, timeout_s, digits
         self.host = HostCopies()  # snapshots of NumPy leaves and accelerator shards
         self.received: PeerCopies | None = None  # the last peer copies: they receive the next
         self.pack_buffer: np.ndarray | None = None  # the packed peer-exchange row
@@ -66,7 +68,6 @@ class LocalSaver:
         shifts: tuple[int, ...],
         hosts: list[str],
         tag: Callable[[str], str],
-        timeout_s: float,
         fig: Stopwatch,
     ) -> Pending:
         """Snapshots ``state`` and dispatches its peer copies to ``p + j`` for each shift;
@@ -99,11 +100,36 @@ class LocalSaver:
                 out.peers, as_rows = send_shards(on_devices, shifts, reuse=self.received)
                 self.received = out.peers
                 if as_rows:  # the same leaves on every process
-                    self._exchange_rows(set(as_rows), out, shifts, tag("peers"), timeout_s)
+                    self._exchange_rows(set(as_rows), out, shifts, tag("peers"))
         return out
 
+    def finish(self, pending: Pending, fig: Stopwatch, write: bool = True) -> None:
+        """Takes what the peers sent (their shards and records) and writes the step (unless
+        ``write`` is False: a step already committed here is not written again)."""
+        p = pending
+        if p.peers is not None:  # the senders' records, then their shards
+            with fig.phase("peer_wait"):
+                for q in p.senders:
+                    text = multihost.receive_text(p.records_tag, q, self.timeout_s)
+                    if text:
+                        p.records[q] = pp.Record.from_json(json.loads(text), where=f"process {q}")
+                _keep_new(p, *p.peers.collect())  # waits for the transfers
+        if not write:
+            return
+        with fig.phase("write"):
+            records, meshes = leaf_records(p.flat, p.key_data)
+            doc = p.doc(
+                digest=local.tree_digest(records),
+                meshes=meshes,
+                leaves=tuple(records),
+                held=p.writers,
+                per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
+            )
+            local.write_step(self.directory, doc, p.slices, self.digits)
+            fig.bytes = sum(v.nbytes for v in p.slices.values())
+
     def _exchange_rows(
-        self, names: set[str], out: Pending, shifts: tuple[int, ...], name: str, timeout_s: float
+        self, names: set[str], out: Pending, shifts: tuple[int, ...], name: str
     ) -> None:
         """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
         per process, exchanged and unpacked here (blocking)."""
@@ -113,7 +139,7 @@ class LocalSaver:
             self.pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
         count = multihost.process_count()
         rounds = [tuple((p, (p + j) % count) for p in range(count)) for j in shifts]
-        for got in send_rows(row, rounds, name=name, timeout_s=timeout_s):
+        for got in send_rows(row, rounds, name=name, timeout_s=self.timeout_s):
             _keep_new(out, *wire.unpack(got))
 
     def _snapshot(
@@ -154,40 +180,6 @@ class LocalSaver:
                 slices[key] = self.host.snapshot(key, arr.addressable_data(k))
         self.host.run_copies()  # all D2H copies were started above
         return slices, required, on_devices, key_data
-
-
-def finish(
-    directory: Location,
-    pending: Pending,
-    *,
-    digits: int,
-    timeout_s: float,
-    fig: Stopwatch,
-    write: bool = True,
-) -> None:
-    """Takes what the peers sent (their shards and records) and writes the step (unless
-    ``write`` is False: a step already committed here is not written again)."""
-    p = pending
-    if p.peers is not None:  # the senders' records, then their shards
-        with fig.phase("peer_wait"):
-            for q in p.senders:
-                text = multihost.receive_text(p.records_tag, q, timeout_s)
-                if text:
-                    p.records[q] = pp.Record.from_json(json.loads(text), where=f"process {q}")
-            _keep_new(p, *p.peers.collect())  # waits for the transfers
-    if not write:
-        return
-    with fig.phase("write"):
-        records, meshes = leaf_records(p.flat, p.key_data)
-        doc = p.doc(
-            digest=local.tree_digest(records),
-            meshes=meshes,
-            leaves=tuple(records),
-            held=p.writers,
-            per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
-        )
-        local.write_step(directory, doc, p.slices, digits)
-        fig.bytes = sum(v.nbytes for v in p.slices.values())
 
 
 def _keep_new(p: Pending, slices: local.Slices, writers: local.Writers) -> None:
