@@ -96,7 +96,7 @@ class LocalStep:
             held=held,
             slices={n: [to_text(i) for i in idx] for n, idx in self.required.items()},
         )
-        del doc["required"], doc["path"]  # ``slices`` in local.json; not saved
+        del doc["required"], doc["path"]  # ``slices`` in local.json; where it was read from
         return doc
 
     @classmethod

@@ -226,7 +226,7 @@ def _read_verified(at: _Step, needs: Needs, first: Moves, rows: Rows) -> tuple[S
             read_by[p] |= more
     else:
         raise StepUnusable("copies kept failing verification", tuple(bad.values()))
-    used = set(needs[pid]) | sent_by(sends, pid)  # less what a plan since changed made read
+    used = set(needs[pid]) | sent_by(sends, pid)  # not what a plan a failed copy changed read
     return {k: v for k, v in data.items() if k in used}, sends, bad
 
 
@@ -254,7 +254,7 @@ def _move(
         if keys and dst in rows and sends[(pid, dst)] == first.get((pid, dst)):
             row = rows.pop(dst)[0]  # read into already
         else:
-            row = wire.pack({k: data[k] for k in keys}, writers)  # none: not sent, never read
+            row = wire.pack({k: data[k] for k in keys}, writers)  # no keys: not sent, unread
         (got,) = send_rows(row, [pairs], name=at.name(f"move{j}"), timeout_s=at.req.timeout_s)
         del row
         for key, at_round in last.items():
