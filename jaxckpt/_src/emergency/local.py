@@ -11,7 +11,6 @@ carries a CRC32C (zarr codec), checked on read.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -21,7 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
@@ -88,8 +86,7 @@ class LocalStep:
     path: Location | None = field(default=None, compare=False)  # where it was read from
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"format": LOCAL_FORMAT}
-        doc.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        doc: dict[str, Any] = {"format": LOCAL_FORMAT, **vars(self)}
         held: dict[str, dict[str, int]] = {}
         for key, writer in self.held.items():
             held.setdefault(key.leaf, {})[to_text(key.box)] = writer
@@ -99,8 +96,7 @@ class LocalStep:
             held=held,
             slices={n: [to_text(i) for i in idx] for n, idx in self.required.items()},
         )
-        del doc["required"]  # ``slices`` in local.json
-        del doc["path"]
+        del doc["required"], doc["path"]  # ``slices`` in local.json; where it was read from
         return doc
 
     @classmethod
@@ -116,7 +112,8 @@ class LocalStep:
         version = check_format_version(doc, where=where, legacy_key="version")
         f = Fields(where)
         count = f.integer(f.need(doc, "process_count"), "process_count", lo=1, hi=MAX_PROCESSES)
-        process = f.integer(f.need(doc, "process_index"), "process_index", hi=count - 1)
+        process_id = functools.partial(f.integer, hi=count - 1)  # (value, at): a process index
+        process = process_id(f.need(doc, "process_index"), "process_index")
         meshes = meshes_from_json(f, f.need(doc, "meshes"), count)
         leaves = leaves_from_json(f, f.need(doc, "leaves"), meshes, count)
         digest = f.text(f.need(doc, "digest"), "digest")
@@ -127,21 +124,14 @@ class LocalStep:
             name: f.items(keys, f"slices[{name!r}]", functools.partial(_index, f, shapes[name]))
             for name, keys in _by_leaf(f, f.need(doc, "slices"), "slices", shapes).items()
         }
-        held_doc = _by_leaf(f, f.need(doc, "held"), "held", shapes)
-        held = {
-            SliceKey(name, _index(f, shapes[name], k, f"held[{name!r}]")): f.integer(
-                w, f"held[{name!r}][{k!r}]", hi=count - 1
-            )
-            for name, by in held_doc.items()
-            for k, w in f.obj(by, f"held[{name!r}]").items()
-        }
-        for name, by in held_doc.items():
-            if not {from_text(k) for k in by} <= set(required.get(name, ())):
-                f.bad(f"held[{name!r}]", "holds a slice its 'slices' does not list", sorted(by))
-        peers = [
-            f.items(doc.get(k, []), k, lambda v, at: f.integer(v, at, hi=count - 1))
-            for k in ("sends_to", "receives_from")
-        ]
+        held: Writers = {}
+        for name, by in _by_leaf(f, f.need(doc, "held"), "held", shapes).items():
+            listed = set(required.get(name, ()))
+            for k, w in f.obj(by, f"held[{name!r}]").items():
+                box = _index(f, shapes[name], k, f"held[{name!r}]")
+                if box not in listed:
+                    f.bad(f"held[{name!r}]", "holds a slice its 'slices' does not list", sorted(by))
+                held[SliceKey(name, box)] = process_id(w, f"held[{name!r}][{k!r}]")
         hosts = doc.get("hosts", [])  # one per process (absent: none recorded)
         records = f.obj(doc.get("per_process", {}), "per_process")
         for k, rec in records.items():
@@ -159,8 +149,8 @@ class LocalStep:
             required=required,
             replication=f.integer(doc.get("replication", 0), "replication"),
             hosts=f.items(hosts, "hosts", f.text, length=count if hosts else None),
-            sends_to=peers[0],
-            receives_from=peers[1],
+            sends_to=f.items(doc.get("sends_to", []), "sends_to", process_id),
+            receives_from=f.items(doc.get("receives_from", []), "receives_from", process_id),
             per_process=records,
             format_version=version,
             path=path,
@@ -231,9 +221,9 @@ def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int 
     for rec in doc.leaves:
         if not rec.has_array or not math.prod(rec.shape):
             continue
-        stored = rec.storage_dtype.name
-        chunks = local_chunks(rec.chunk_shape or rec.shape, jnp.dtype(stored).itemsize)
-        meta = arrays.zarr_metadata(rec.shape, stored, chunks, None)
+        dtype = rec.storage_dtype
+        chunks = local_chunks(rec.chunk_shape or rec.shape, dtype.itemsize)
+        meta = arrays.zarr_metadata(rec.shape, dtype.name, chunks, None)
         pieces = by_leaf.get(rec.name, [])
         nbytes = sum(get().nbytes for _, get in pieces)
         writes.append(arrays.ArrayWrite(rec.name, meta, pieces, True, nbytes))
@@ -268,50 +258,33 @@ def read_slices(
     missing, their data is never used). A slice with a buffer in ``into`` (same shape and
     item size, e.g. a view into a ``wire.pack_layout`` buffer) is read into it.
     """
-    into = into or {}
     assert step.path is not None  # a step read from a directory
     db = step.path.join("arrays")
     ctx = arrays.new_context()
-    by_leaf: dict[str, list[SliceKey]] = {}
-    for key in sorted(wanted):
-        if key in step.held:
-            by_leaf.setdefault(key.leaf, []).append(key)
-    futures: list[tuple[SliceKey, Callable[[], np.ndarray]]] = []
+    keys = sorted(key for key in wanted if key in step.held)
+    stores = {name: arrays.open_leaf(db, name, ctx) for name in {key.leaf for key in keys}}
+    reads: list[tuple[SliceKey, np.ndarray, ts.WriteFutures]] = []
     bad: list[tuple[SliceKey, str]] = []
-    for name, keys in by_leaf.items():
+    for key in keys:
         try:
-            store = arrays.open_leaf(db, name, ctx).result()
+            store = stores[key.leaf].result()
         except Exception as e:
-            bad.extend((key, f"cannot open: {e}") for key in keys)
+            bad.append((key, f"cannot open: {e}"))
             continue
-        dtype = store.dtype.numpy_dtype
-        for key in keys:
-            dst = into.get(key)
-            if (
-                dst is not None
-                and dst.shape == extent(key.box)
-                and dst.dtype.itemsize == dtype.itemsize
-            ):
-                futures.append((key, _read_into(store, key.box, dst.view(dtype))))
-            else:
-                futures.append((key, arrays.read_slice(store, key.box).result))
+        dtype, shape = store.dtype.numpy_dtype, extent(key.box)
+        dst = (into or {}).get(key)
+        if dst is None or dst.shape != shape or dst.dtype.itemsize != dtype.itemsize:
+            dst = arrays.aligned_empty(shape, dtype)
+        dst = dst.view(dtype)
+        region = store[tuple(slice(a, b) for a, b in key.box)]
+        reads.append((key, dst, ts.array(dst, copy=False, write=True).write(region)))
     out: Slices = {}
-    for key, result in futures:
+    for key, dst, written in reads:
         try:
-            out[key] = result()
+            written.result()
+            out[key] = dst
         except Exception as e:
             err = arrays.read_error(e, leaf=key.leaf, db=db, writers=lambda _k: db.url)
             bad.append((key, f"{type(err).__name__}: {err}"))
     arrays.release_free_memory()
     return out, bad
-
-
-def _read_into(store: ts.TensorStore, box: Index, dst: np.ndarray) -> Callable[[], np.ndarray]:
-    """Starts reading ``store[box]`` into ``dst``; the function returned waits, returns ``dst``."""
-    written = ts.array(dst, copy=False, write=True).write(store[tuple(slice(a, b) for a, b in box)])
-
-    def result() -> np.ndarray:
-        written.result()
-        return dst
-
-    return result

@@ -81,7 +81,7 @@ class EmergencyCheckpointManager:
             )
         self.local_directory.makedirs()
         steps.clean_leftovers(self.local_directory, grace_s=opts.timeout_s)
-        self._remote = CheckpointManager(
+        self.remote = CheckpointManager(
             remote_directory,
             Options(
                 max_to_keep=opts.remote_max_to_keep,
@@ -93,19 +93,16 @@ class EmergencyCheckpointManager:
         )
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(steps.committed(self.local_directory))
-        self._saver = local_save.LocalSaver()  # and the host buffers it reuses
+        # writes the local steps, keeping the host buffers it reuses
+        self._saver = local_save.LocalSaver(self.local_directory, opts.timeout_s, opts.step_digits)
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
         self._closed = False
         self.last_save_figures: Figures | None = None  # the calling thread's part
         self.last_write_figures: Figures | None = None  # the local step's writer
         self.last_restore_figures: Figures | None = None
-        # the step last restored, and its per-process records and saved process count (local)
-        self._restored: tuple[int, tuple[pp.Record | None, ...] | None, int | None] | None = None
-
-    @property
-    def remote(self) -> CheckpointManager:
-        return self._remote
+        # the step last restored, and its per-process records (one per saved process; local)
+        self._restored: tuple[int, tuple[pp.Record | None, ...] | None] | None = None
 
     # --- listing -------------------------------------------------------------------------
 
@@ -118,7 +115,7 @@ class EmergencyCheckpointManager:
 
         Which step ``restore`` uses is decided with the other processes.
         """
-        return sorted(self._local_steps | set(self._remote.all_steps()))
+        return sorted(self._local_steps | set(self.remote.all_steps()))
 
     def latest_step(self) -> int | None:
         """The step ``restore`` would use, the same on every process (None: nothing to
@@ -130,7 +127,7 @@ class EmergencyCheckpointManager:
         self.wait_until_finished()
         if multihost.process_count() == 1:
             return max(self.all_steps(), default=None)
-        self._remote.reload()
+        self.remote.reload()
         _, views = self._publish_holdings(self._tag("latest"))
         tries, _ = candidates(views)
         return tries[0] if tries else max(views[0].remote, default=None)
@@ -139,7 +136,7 @@ class EmergencyCheckpointManager:
         """This process's local steps, and every process's holdings (one key-value round)."""
         return local_restore.publish_holdings(
             self.local_directory,
-            self._remote.all_steps(),
+            self.remote.all_steps(),
             tag=tag,
             timeout_s=self.options.timeout_s,
             digits=self.options.step_digits,
@@ -170,7 +167,8 @@ class EmergencyCheckpointManager:
         ``per_process``: this process's own value (its data iterator's ``get_state()``...),
         kept in both tiers and sent with the peer copies; see :meth:`per_process`.
         """
-        self._check_open()
+        if self._closed:
+            raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
         self._writer.raise_error()
         do_local, do_remote = self.should_save(step)
         do_local, do_remote = do_local or force, do_remote or force
@@ -178,9 +176,9 @@ class EmergencyCheckpointManager:
             return False
         record = pp.encode(per_process, where=f"{self.local_directory.url} step {step}")
         fig = Stopwatch("emergency_save", self.local_directory.url)
-        if do_remote and step not in self._remote.all_steps():
+        if do_remote and step not in self.remote.all_steps():
             with fig.phase("remote"):
-                self._remote.save(step, state, metrics=metrics, per_process=record, force=True)
+                self.remote.save(step, state, metrics=metrics, per_process=record, force=True)
         if do_local:
             with fig.phase("local"):
                 self._save_local(step, state, fig, record)
@@ -194,17 +192,10 @@ class EmergencyCheckpointManager:
     def _save_local(self, step: int, state: Any, fig: Stopwatch, record: pp.Record | None) -> None:
         """On the calling thread only snapshots and the peer copies' dispatch; the rest on
         the writer thread (see :mod:`jaxckpt._src.emergency.save`)."""
-        self._wait_local()  # host buffers are reused
+        self._writer.wait(self.local_directory.url)  # host buffers are reused
         shifts, hosts = self._peer_shifts()
         pending = self._saver.start(
-            step,
-            state,
-            record,
-            shifts=shifts,
-            hosts=hosts,
-            tag=self._tag,
-            timeout_s=self.options.timeout_s,
-            fig=fig,
+            step, state, record, shifts=shifts, hosts=hosts, tag=self._tag, fig=fig
         )
         what = f"saving local step {step} to {self.local_directory.url}"
         if self.options.async_save:
@@ -220,8 +211,7 @@ class EmergencyCheckpointManager:
             k = min(self.options.replication, count - 1)
             hosts = [multihost.host_name()] * count
             if k:
-                tag = self._tag("hosts")
-                hosts = multihost.all_gather(tag, hosts[0], self.options.timeout_s)
+                hosts = multihost.process_hosts(self.options.timeout_s)
             shifts, same = peer_shifts(hosts, k)
             if same and len(set(hosts)) > 1:
                 log.warning(
@@ -236,30 +226,19 @@ class EmergencyCheckpointManager:
 
     def _write(self, step: int, pending: local_save.Pending) -> None:
         fig = Stopwatch("emergency_write", self.local_directory.url)
-        digits = self.options.step_digits
-        local_save.finish(
-            self.local_directory,
-            pending,
-            digits=digits,
-            timeout_s=self.options.timeout_s,
-            fig=fig,
-            write=step not in self._local_steps,
-        )
+        self._saver.finish(pending, fig, write=step not in self._local_steps)
         self._local_steps.add(step)
         keep = self.options.local_max_to_keep
         if keep is not None:
             for old in sorted(self._local_steps)[:-keep]:
-                steps.delete(steps.step_dir(self.local_directory, old, digits))
+                steps.delete(steps.step_dir(self.local_directory, old, self.options.step_digits))
                 self._local_steps.discard(old)
         self.last_write_figures = fig.done()
 
     def wait_until_finished(self) -> None:
         """Blocks until both tiers' writes in flight are committed; raises their errors."""
-        self._wait_local()
-        self.remote.wait_until_finished()
-
-    def _wait_local(self) -> None:
         self._writer.wait(self.local_directory.url)
+        self.remote.wait_until_finished()
 
     # --- restore -------------------------------------------------------------------------
 
@@ -271,42 +250,33 @@ class EmergencyCheckpointManager:
         ``target`` / ``mesh`` work as in :func:`jaxckpt.restore`. The report is in
         ``last_report``. Every process must call it.
         """
+        o = self.options
         self.wait_until_finished()
-        self._remote.reload()
+        self.remote.reload()
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
-        self._saver = local_save.LocalSaver()
+        self._saver = local_save.LocalSaver(self.local_directory, o.timeout_s, o.step_digits)
         tag = self._tag("restore")
         fig = Stopwatch("emergency_restore", self.local_directory.url)
         mine, views = self._publish_holdings(tag)
         tries, rejected = candidates(views, step)
         bad_copies: list[BadCopy] = []
         req = local_restore.Request(
-            self.local_directory, views, target, mesh, tag, self.options.timeout_s, fig
+            self.local_directory, views, target, mesh, tag, o.timeout_s, fig
         )
         for s in tries:
             try:
-                got = local_restore.restore_step(req, s, mine.get(s))
+                state, report, records = local_restore.restore_step(req, s, mine.get(s))
             except StepUnusable as e:
                 rejected.append(Rejected(s, str(e)))
                 bad_copies.extend(e.bad_copies)
                 continue
-            bad_copies.extend(got.bad_copies)
             fig.bytes = sum(
-                a.nbytes for a in jax.tree_util.tree_leaves(got.state) if hasattr(a, "nbytes")
+                a.nbytes for a in jax.tree_util.tree_leaves(state) if hasattr(a, "nbytes")
             )
             self.last_restore_figures = fig.done()
-            self._restored = (s, got.per_process, got.saved_process_count)
-            report = RecoveryReport(
-                "local",
-                s,
-                multihost.process_count(),
-                got.saved_process_count,
-                from_peers=got.from_peers,
-                per_process_from=got.per_process_from,
-            )
-            state = got.state
+            self._restored = (s, records)
             break
         else:
             remote_steps = views[0].remote
@@ -315,15 +285,15 @@ class EmergencyCheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no step to restore{f' (asked for {step})' if step is not None else ''}: "
                     f"no local step is complete on the {len(views)} processes "
-                    f"({rejected or 'none'}) and the remote tier {self._remote.directory.url} "
+                    f"({rejected or 'none'}) and the remote tier {self.remote.directory.url} "
                     f"has {list(remote_steps)}"
                 )
-            state = self._remote.restore(chosen, target, mesh=mesh)
-            self._restored = (chosen, None, None)
+            state = self.remote.restore(chosen, target, mesh=mesh)
+            self._restored = (chosen, None)
             report = RecoveryReport("remote", chosen, multihost.process_count())
         rejected.sort(key=lambda r: -r.step)  # newest first, as they were considered
         self.last_report = dataclasses.replace(
-            report, rejected=tuple(rejected), bad_copies=tuple(bad_copies)
+            report, rejected=tuple(rejected), bad_copies=(*bad_copies, *report.bad_copies)
         )
         log.info("jaxckpt: restored %s", self.last_report)
         return state
@@ -339,27 +309,23 @@ class EmergencyCheckpointManager:
         the remote tier), matched by process index; ``process=i`` / ``all=True`` after a
         process-count change (see :func:`jaxckpt.per_process`). A replaced host gets its
         predecessor's value from a peer's copy (``last_report.per_process_from``)."""
-        s, records, saved_count = self._restored or (step, None, None)
-        if step in (None, s) and records is not None and saved_count is not None:
+        s, records = self._restored or (step, None)
+        if step in (None, s) and records is not None:
             where = f"{self.local_directory.url} step {s} (local copies)"
             return pp.choose(
-                records.__getitem__, saved_count=saved_count, where=where, process=process, all=all
+                records.__getitem__, saved_count=len(records), where=where, process=process, all=all
             )
         step = s if step is None else step
-        if step is None or step not in self._remote.all_steps():
+        if step is None or step not in self.remote.all_steps():
             raise CheckpointNotFoundError(
                 f"{self.local_directory.url}: the per-process values of "
                 f"{'a step' if step is None else f'local step {step}'} come with its restore "
                 "(every process gathers them from the copies); call restore() first, or pass "
-                f"a step of the remote tier ({self._remote.all_steps()})"
+                f"a step of the remote tier ({self.remote.all_steps()})"
             )
-        return self._remote.per_process(step, process=process, all=all)
+        return self.remote.per_process(step, process=process, all=all)
 
     # --- lifetime ------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
 
     def close(self) -> None:
         """Finishes both tiers' saves in flight and stops the writer threads."""
@@ -369,7 +335,7 @@ class EmergencyCheckpointManager:
         try:
             self._writer.close(self.local_directory.url)
         finally:
-            self._remote.close()
+            self.remote.close()
 
     def __enter__(self) -> EmergencyCheckpointManager:
         return self

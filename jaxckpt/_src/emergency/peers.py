@@ -90,12 +90,11 @@ def _route(
         pairs, mine = [], []
         for p in range(count):
             q = (p + j) % count
-            held = {index[d] for d in by_proc[q]}
-            seen: set[Index] = set()
+            skip = {index[d] for d in by_proc[q]}  # held there, or sent already
             for k, d in enumerate(by_proc[p]):
-                if index[d] in seen or index[d] in held:
+                if index[d] in skip:
                     continue
-                seen.add(index[d])
+                skip.add(index[d])
                 pairs.append((pos[d], pos[by_proc[q][k]]))
                 if q == me:
                     mine.append((by_proc[q][k], index[d], p))
@@ -271,7 +270,7 @@ def send_rows(
     the device once for all rounds; only the pairs' rows move.
     """
     me = jax.process_index()
-    width = _width(row, name, timeout_s)
+    width = max(int(n) for n in multihost.all_gather(f"{name}/len", str(row.size), timeout_s))
     receives = [any(b == me for _, b in pairs) for pairs in rounds]
     if width == 0:
         return [np.zeros(0, np.uint8) if r else None for r in receives]
@@ -284,12 +283,7 @@ def send_rows(
     return out
 
 
-def _width(row: np.ndarray, name: str, timeout_s: float) -> int:
-    lengths = multihost.all_gather(f"{name}/len", str(row.size), timeout_s)
-    return max(int(n) for n in lengths)
-
-
-def _global_row(mesh: Mesh, row: np.ndarray, width: int, zero: bool = True) -> jax.Array:
+def _global_row(mesh: Mesh, row: np.ndarray, width: int, zero: bool) -> jax.Array:
     """This process's row, padded to ``width``, as its shard of a (count, width) array.
 
     ``zero=False``: the row is never read (not a sender), so its padding is left unwritten
@@ -300,8 +294,7 @@ def _global_row(mesh: Mesh, row: np.ndarray, width: int, zero: bool = True) -> j
         padded = row.reshape(1, width)  # the row itself: no copy
     else:
         padded = arrays.aligned_empty((1, width), np.dtype(np.uint8))
-        if row.size:
-            padded[0, : row.size] = row
+        padded[0, : row.size] = row
         if zero:
             padded[0, row.size :] = 0
     # may_alias: the device adopts the row instead of copying it (the caller drops the row;

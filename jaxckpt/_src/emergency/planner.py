@@ -60,14 +60,9 @@ class Holdings:
         return entry is not None and key in entry.held
 
     def to_json(self) -> str:
+        """One JSON text: each step's fields as they are, its held slices as ``keys_to_json``."""
         steps = {
-            s: {
-                "digest": h.digest,
-                "need": h.need,
-                "held": keys_to_json(sorted(h.held)),
-                "per_process": h.per_process,
-            }
-            for s, h in self.steps.items()
+            s: {**vars(h), "held": keys_to_json(sorted(h.held))} for s, h in self.steps.items()
         }
         return json.dumps({"remote": self.remote, "steps": steps})
 
@@ -185,9 +180,7 @@ def candidates(views: list[Holdings], step: int | None = None) -> tuple[list[int
     rejected before any read: not coverable, or older than the newest remote step (unless
     ``step`` asks for one)."""
     newest_remote = max(views[0].remote, default=None)
-    steps = sorted({s for v in views for s in v.steps}, reverse=True)
-    if step is not None:
-        steps = [s for s in steps if s == step]
+    steps = sorted({s for v in views for s in v.steps if step in (None, s)}, reverse=True)
     out: list[int] = []
     rejected: list[Rejected] = []
     for s in steps:

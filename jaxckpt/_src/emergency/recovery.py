@@ -8,7 +8,6 @@ slice to whom is planned in :mod:`jaxckpt._src.emergency.planner`.)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +50,9 @@ class RecoveryReport:
 
 
 def needed_slices(w: Want, required: list[Index]) -> list[Index]:
-    """The saved slices this process must have to build ``w``."""
+    """The saved slices this process must have to build ``w``, of its leaf's ``required``
+    (none for a leaf without array data: ``LocalStep.required`` leaves those out)."""
     rec = w.record
-    if not rec.has_array or not math.prod(rec.shape):
-        return []
     if rec.kind == "prng_key" or w.sharding is None:
         return list(required)
     shape = tuple(rec.shape)

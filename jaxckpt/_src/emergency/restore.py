@@ -46,9 +46,8 @@ from .planner import (
     sent_by,
     shift_rounds,
 )
-from .recovery import assemble, needed_slices
+from .recovery import RecoveryReport, assemble, needed_slices
 
-_EMPTY = np.zeros(0, np.uint8)
 Needs = list[list[SliceKey]]  # per process: the saved slices it must have
 Rows = dict[int, tuple[np.ndarray, Slices]]  # receiver -> a packed row, its slices' views
 Moved = dict[SliceKey, tuple[int, int]]  # slice -> (holder, writer), for slices moved here
@@ -65,21 +64,6 @@ class Request:
     tag: str  # names the key-value exchanges (the same on every process)
     timeout_s: float
     fig: Stopwatch  # gets the phases' times: plan, read, move, place
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What ``restore_step`` built: the state, and where its slices came from.
-
-    from_peers: as in :class:`jaxckpt.RecoveryReport`.
-    """
-
-    state: Any
-    saved_process_count: int | None
-    from_peers: tuple[PeerSlice, ...]
-    bad_copies: tuple[BadCopy, ...]  # copies that failed on the way, from any process
-    per_process: tuple[pp.Record | None, ...] = ()  # every saved process's record
-    per_process_from: int | None = None  # the process whose copy gave this one's record
 
 
 def publish_holdings(
@@ -111,22 +95,26 @@ def publish_holdings(
     return mine, [Holdings.from_json(text) for text in gathered]
 
 
-def restore_step(req: Request, s: int, mine: LocalStep | None) -> Restored:
+def restore_step(
+    req: Request, s: int, mine: LocalStep | None
+) -> tuple[Any, RecoveryReport, tuple[pp.Record | None, ...]]:
     """Restores step ``s`` from the processes' local copies; every process calls it, with
     ``mine`` its own copy of ``s`` (None: it has none).
 
     The phases: agree on the step's ``local.json``; gather what each process needs; plan who
     sends what; read and verify (re-planning around failed copies); move what each process
-    lacks; assemble the leaves; gather the per-process records. Returns the state with where
-    its slices came from and the copies that failed to verify. Raises :class:`StepUnusable`
-    (with the bad copies) when the step cannot be assembled after all.
+    lacks; assemble the leaves; gather the per-process records. Returns the state, its
+    report (its ``bad_copies``: those that failed on the way, from any process; ``rejected``
+    is left to the caller) and every saved process's per-process record (None: it kept
+    none). Raises :class:`StepUnusable` (with the bad copies) when the step cannot be
+    assembled after all.
     """
     at = _Step(req, s, mine, [p for p, v in enumerate(req.views) if s in v.steps])
     doc = _agree_on_doc(at)
     wants = leaf_plan.wants(doc.leaves, doc.meshes, req.target, req.mesh, req.directory)
     needs = _gather_needs(at, wants, doc)
     needed = set(needs[at.pid])
-    first = at.plan(needs, {})  # the plan if no copy fails, the usual case
+    first = plan_sends(s, req.views, at.holders, needs, {})  # if no copy fails, the usual case
     rows = _rows_to_read_into(at, first, needed, doc)
     req.fig.lap("plan")
     data, sends, bad = _read_verified(at, needs, first, rows)
@@ -136,14 +124,16 @@ def restore_step(req: Request, s: int, mine: LocalStep | None) -> Restored:
     values = [assemble(w, doc.required.get(w.record.name, []), data) for w in wants]
     records, records_from = _gather_records(at, doc.process_count)
     req.fig.lap("place")
-    return Restored(
-        leaf_plan.result(req.target, wants, values),
+    report = RecoveryReport(
+        "local",
+        s,
+        multihost.process_count(),
         doc.process_count,
-        _from_peers(at, needed, moved),
-        tuple(bad.values()),
-        records,
-        records_from,
+        from_peers=_from_peers(at, needed, moved),
+        bad_copies=tuple(bad.values()),
+        per_process_from=records_from,
     )
+    return leaf_plan.result(req.target, wants, values), report, records
 
 
 @dataclass(frozen=True)
@@ -164,10 +154,6 @@ class _Step:
         """Every process's ``value`` (JSON), in process order: one key-value round."""
         texts = multihost.all_gather(self.name(what), json.dumps(value), self.req.timeout_s)
         return [json.loads(text) for text in texts]
-
-    def plan(self, needs: Needs, bad: Bad) -> Moves:
-        """Who sends which slice to whom (``planner.plan_sends``), without the ``bad`` copies."""
-        return plan_sends(self.s, self.req.views, self.holders, needs, bad)
 
 
 def _agree_on_doc(at: _Step) -> LocalStep:
@@ -231,7 +217,7 @@ def _read_verified(at: _Step, needs: Needs, first: Moves, rows: Rows) -> tuple[S
         for p, theirs in enumerate(at.gather(f"bad{round_}", failed_json)):
             for leaf, index, why in theirs:
                 bad[(p, SliceKey(leaf, from_text(index)))] = BadCopy(p, leaf, index, why)
-        sends = at.plan(needs, bad)
+        sends = plan_sends(at.s, views, at.holders, needs, bad)
         unread = [sent_by(sends, p) - read_by[p] for p in range(len(views))]
         if not any(unread):
             break
@@ -240,10 +226,8 @@ def _read_verified(at: _Step, needs: Needs, first: Moves, rows: Rows) -> tuple[S
             read_by[p] |= more
     else:
         raise StepUnusable("copies kept failing verification", tuple(bad.values()))
-    used = set(needs[pid]) | sent_by(sends, pid)
-    for key in [k for k in data if k not in used]:
-        del data[key]  # read for a plan that a failed copy changed
-    return data, sends, bad
+    used = set(needs[pid]) | sent_by(sends, pid)  # not what a plan a failed copy changed read
+    return {k: v for k, v in data.items() if k in used}, sends, bad
 
 
 def _move(
@@ -270,7 +254,7 @@ def _move(
         if keys and dst in rows and sends[(pid, dst)] == first.get((pid, dst)):
             row = rows.pop(dst)[0]  # read into already
         else:
-            row = wire.pack({k: data[k] for k in keys}, writers) if keys else _EMPTY
+            row = wire.pack({k: data[k] for k in keys}, writers)  # no keys: not sent, unread
         (got,) = send_rows(row, [pairs], name=at.name(f"move{j}"), timeout_s=at.req.timeout_s)
         del row
         for key, at_round in last.items():
@@ -300,9 +284,8 @@ def _gather_records(at: _Step, saved_count: int) -> tuple[tuple[pp.Record | None
     process holding a copy of it (its own, or one a peer sent it), and which process sent
     this process's own record. No round when nobody holds one."""
     holder: dict[int, int] = {}
-    for p, view in enumerate(at.req.views):
-        entry = view.steps.get(at.s)
-        for q in entry.per_process if entry else ():
+    for p in at.holders:
+        for q in at.req.views[p].steps[at.s].per_process:
             holder.setdefault(q, p)
     records: list[pp.Record | None] = [None] * saved_count
     if holder:

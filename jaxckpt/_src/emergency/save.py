@@ -3,7 +3,7 @@
 On the calling thread only what cannot wait (:meth:`LocalSaver.start`): host snapshots of
 every distinct shard this process holds (views on CPU) and the dispatch of the peer copies,
 device to device, with this process's per-process record beside them. The writer thread
-(:func:`finish`) waits for what the peers send, describes the leaves from their metadata and
+(:meth:`LocalSaver.finish`) waits for what the peers send, describes the leaves from their metadata and
 writes the step (:func:`local.write_step`). The restore side is
 :mod:`jaxckpt._src.emergency.restore`.
 """
@@ -24,7 +24,6 @@ from .. import multihost
 from .. import per_process as pp
 from .. import tree as tree_lib
 from ..boxes import Index, whole
-from ..manifest import LeafRecord
 from ..monitoring import Stopwatch
 from ..records import PY_TYPES, check_numpy, leaf_records, unsupported
 from ..sharding import layout
@@ -37,23 +36,25 @@ from .planner import SliceKey
 
 @dataclass
 class Pending:
-    """A local step between :meth:`LocalSaver.start` and :func:`finish`."""
+    """A local step between :meth:`LocalSaver.start` and :meth:`LocalSaver.finish`."""
 
-    flat: list[tuple[Any, Any]]
+    flat: list[tuple[tree_lib.PathJson, Any]]  # the tree, as ``tree.flatten`` gives it
     key_data: dict[int, jax.Array]  # PRNG keys' data, by leaf position
     slices: local.Slices
     writers: local.Writers  # the process that held each slice when saved
     doc: Callable[..., local.LocalStep]  # local.LocalStep, less what ``finish`` works out
-    peers: PeerCopies | None  # peer copies in flight to this process
     records: dict[int, pp.Record]  # per-process records kept with the step
-    records_tag: str  # where the senders' records are left for this process
-    senders: list[int]
+    senders: list[int]  # the processes whose peer copies this one receives
+    peers: PeerCopies | None = None  # peer copies in flight to this process
+    records_tag: str = ""  # where the senders' records are left for this process
 
 
 class LocalSaver:
-    """Starts local saves, keeping the host buffers they reuse from one save to the next."""
+    """Saves local steps into ``directory`` (step numbers ``digits`` wide), keeping the host
+    buffers they reuse from one save to the next; every wait is bounded by ``timeout_s``."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Location, timeout_s: float, digits: int) -> None:
+        self.directory, self.timeout_s, self.digits = directory, timeout_s, digits
         self.host = HostCopies()  # snapshots of NumPy leaves and accelerator shards
         self.received: PeerCopies | None = None  # the last peer copies: they receive the next
         self.pack_buffer: np.ndarray | None = None  # the packed peer-exchange row
@@ -67,13 +68,12 @@ class LocalSaver:
         shifts: tuple[int, ...],
         hosts: list[str],
         tag: Callable[[str], str],
-        timeout_s: float,
         fig: Stopwatch,
     ) -> Pending:
         """Snapshots ``state`` and dispatches its peer copies to ``p + j`` for each shift;
         ``tag`` names key-value exchanges (the same on every process)."""
-        flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
-        slices, on_devices, key_data = self._snapshot(flat)
+        flat = tree_lib.flatten(state)
+        slices, required, on_devices, key_data = self._snapshot(flat)
         pid, count = multihost.process_index(), multihost.process_count()
         senders = [(pid - j) % count for j in shifts]
         doc = functools.partial(
@@ -81,62 +81,88 @@ class LocalSaver:
             step=step,
             process_index=pid,
             process_count=count,
+            required=required,
             replication=len(shifts),
             hosts=hosts,
             sends_to=[(pid + j) % count for j in shifts],
             receives_from=senders,
         )
-        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, None, {}, "", [])
-        if record is not None:
-            out.records[pid] = record
+        records = {} if record is None else {pid: record}
+        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, records, senders)
         if shifts:
             with fig.phase("peer_exchange"):
                 # each receiver gets this process's record (or nothing): a few hundred bytes
                 # through the key-value store, taken by its writer thread
-                out.records_tag, out.senders = tag("per_process"), senders
+                out.records_tag = tag("per_process")
                 text = "" if record is None else json.dumps(record.to_json())
                 for j in shifts:
                     multihost.send_text(out.records_tag, (pid + j) % count, text)
                 out.peers, as_rows = send_shards(on_devices, shifts, reuse=self.received)
                 self.received = out.peers
                 if as_rows:  # the same leaves on every process
-                    self._exchange_rows(set(as_rows), out, shifts, tag("peers"), timeout_s)
+                    self._exchange_rows(set(as_rows), out, shifts, tag("peers"))
         return out
 
+    def finish(self, pending: Pending, fig: Stopwatch, write: bool = True) -> None:
+        """Takes what the peers sent (their shards and records) and writes the step (unless
+        ``write`` is False: a step already committed here is not written again)."""
+        p = pending
+        if p.peers is not None:  # the senders' records, then their shards
+            with fig.phase("peer_wait"):
+                for q in p.senders:
+                    text = multihost.receive_text(p.records_tag, q, self.timeout_s)
+                    if text:
+                        p.records[q] = pp.Record.from_json(json.loads(text), where=f"process {q}")
+                _keep_new(p, *p.peers.collect())  # waits for the transfers
+        if not write:
+            return
+        with fig.phase("write"):
+            records, meshes = leaf_records(p.flat, p.key_data)
+            doc = p.doc(
+                digest=local.tree_digest(records),
+                meshes=meshes,
+                leaves=tuple(records),
+                held=p.writers,
+                per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
+            )
+            local.write_step(self.directory, doc, p.slices, self.digits)
+            fig.bytes = sum(v.nbytes for v in p.slices.values())
+
     def _exchange_rows(
-        self, names: set[str], out: Pending, shifts: tuple[int, ...], name: str, timeout_s: float
+        self, names: set[str], out: Pending, shifts: tuple[int, ...], name: str
     ) -> None:
         """Peer copies of the leaves ``send_shards`` cannot move: packed into one byte row
         per process, exchanged and unpacked here (blocking)."""
-        pid = multihost.process_index()
         mine = {key: v for key, v in out.slices.items() if key.leaf in names}
-        row = wire.pack(mine, dict.fromkeys(mine, pid), reuse=self.pack_buffer)
+        row = wire.pack(mine, out.writers, reuse=self.pack_buffer)  # (all this process's)
         if self.pack_buffer is None or row.size > self.pack_buffer.size:
             self.pack_buffer = row  # a new, bigger (aligned) buffer: keep it for next time
         count = multihost.process_count()
         rounds = [tuple((p, (p + j) % count) for p in range(count)) for j in shifts]
-        for got in send_rows(row, rounds, name=name, timeout_s=timeout_s):
+        for got in send_rows(row, rounds, name=name, timeout_s=self.timeout_s):
             _keep_new(out, *wire.unpack(got))
 
     def _snapshot(
-        self, flat: list[tuple[Any, Any]]
-    ) -> tuple[local.Slices, dict[str, jax.Array], dict[int, jax.Array]]:
-        """Host snapshots of every distinct shard this process holds; the device arrays for
-        the peer copies; PRNG keys' data. Unsupported leaves raise here, before anything is
-        written."""
+        self, flat: list[tuple[tree_lib.PathJson, Any]]
+    ) -> tuple[local.Slices, dict[str, list[Index]], dict[str, jax.Array], dict[int, jax.Array]]:
+        """Host snapshots of every distinct shard this process holds; every slice of every
+        array leaf (``local.json``'s ``slices``); the device arrays for the peer copies; PRNG
+        keys' data. Unsupported leaves raise here, before anything is written."""
         slices: local.Slices = {}
+        required: dict[str, list[Index]] = {}
         on_devices: dict[str, jax.Array] = {}
         key_data: dict[int, jax.Array] = {}
-        for i, (keypath, leaf) in enumerate(flat):
+        for i, (path, leaf) in enumerate(flat):
             if type(leaf) in PY_TYPES:
                 continue  # kept in the record
-            name = tree_lib.path_name(tree_lib.path_to_json(keypath))  # its record's name
+            name = tree_lib.path_name(path)  # its record's name
             if isinstance(leaf, (np.ndarray, np.generic)):
                 host = np.asarray(leaf)
                 check_numpy(host, name)
                 if host.size:  # copied: NumPy arrays can change after save returns
                     key = SliceKey(name, whole(host.shape))
                     slices[key] = self.host.snapshot(key, host, host.dtype.newbyteorder("="))
+                    required[name] = [key.box]
                 continue
             if not isinstance(leaf, jax.Array):
                 raise unsupported(leaf, name)
@@ -147,48 +173,13 @@ class LocalSaver:
             if not math.prod(shape):
                 continue
             on_devices[name] = arr
-            for k, index in layout(arr.sharding, shape).held_at:  # one device per index
+            lay = layout(arr.sharding, shape)
+            required[name] = list(lay.indices)
+            for k, index in lay.held_at:  # one device per index
                 key = SliceKey(name, index)
                 slices[key] = self.host.snapshot(key, arr.addressable_data(k))
         self.host.run_copies()  # all D2H copies were started above
-        return slices, on_devices, key_data
-
-
-def finish(
-    directory: Location,
-    pending: Pending,
-    *,
-    digits: int,
-    timeout_s: float,
-    fig: Stopwatch,
-    write: bool = True,
-) -> None:
-    """Takes what the peers sent (their shards and records) and writes the step (unless
-    ``write`` is False: a step already committed here is not written again)."""
-    p = pending
-    for sender in p.senders:
-        with fig.phase("peer_wait"):
-            text = multihost.receive_text(p.records_tag, sender, timeout_s)
-        if text:
-            p.records[sender] = pp.Record.from_json(json.loads(text), where=f"process {sender}")
-    if p.peers is not None:
-        with fig.phase("peer_wait"):
-            _keep_new(p, *p.peers.collect())  # waits for the transfers
-    if not write:
-        return
-    with fig.phase("write"):
-        paths = [(tree_lib.path_to_json(kp), leaf) for kp, leaf in p.flat]
-        records, meshes = leaf_records(paths, p.key_data)
-        doc = p.doc(
-            digest=local.tree_digest(records),
-            meshes=meshes,
-            leaves=tuple(records),
-            held=p.writers,
-            required=_required(records, p.flat, p.key_data),
-            per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
-        )
-        local.write_step(directory, doc, p.slices, digits)
-        fig.bytes = sum(v.nbytes for v in p.slices.values())
+        return slices, required, on_devices, key_data
 
 
 def _keep_new(p: Pending, slices: local.Slices, writers: local.Writers) -> None:
@@ -196,19 +187,3 @@ def _keep_new(p: Pending, slices: local.Slices, writers: local.Writers) -> None:
     for key, data in slices.items():
         if key not in p.slices:
             p.slices[key], p.writers[key] = data, writers[key]
-
-
-def _required(
-    records: list[LeafRecord], flat: list[tuple[Any, Any]], key_data: dict[int, jax.Array]
-) -> dict[str, list[Index]]:
-    """Every slice of every array leaf (``local.json``'s ``slices``)."""
-    out: dict[str, list[Index]] = {}
-    for i, (rec, (_, leaf)) in enumerate(zip(records, flat, strict=True)):
-        if not rec.has_array or not math.prod(rec.shape):
-            continue
-        if rec.kind == "numpy":
-            out[rec.name] = [whole(rec.shape)]
-        else:
-            arr = key_data.get(i, leaf)
-            out[rec.name] = list(layout(arr.sharding, arr.shape).indices)
-    return out

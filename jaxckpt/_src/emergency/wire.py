@@ -55,8 +55,7 @@ def pack_layout(specs: Layout, reuse: np.ndarray | None = None) -> tuple[np.ndar
     else:
         buf = arrays.aligned_empty((start + end,), np.dtype(np.uint8))
     buf[:start] = 0
-    buf[:8] = np.frombuffer(struct.pack("<Q", len(header)), np.uint8)
-    buf[8 : 8 + len(header)] = np.frombuffer(header, np.uint8)
+    buf[: 8 + len(header)] = np.frombuffer(struct.pack("<Q", len(header)) + header, np.uint8)
     views: Slices = {}
     for (_, _, _, off, _, _), (key, (dtype, shape, _)) in zip(entries, specs.items(), strict=True):
         n = math.prod(shape) * dtype.itemsize
