@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 from numpy.typing import DTypeLike
 
 from .. import arrays
 from ..boxes import Index, extent, from_slices, intersect, whole, within
-from ..leaf_plan import Want, place_key
+from ..leaf_plan import Want, whole_on_host
 from ..placement import Placement
 from .local import Slices
 from .planner import BadCopy, PeerSlice, Rejected, SliceKey
@@ -88,11 +87,7 @@ def assemble(w: Want, required: list[Index], data: Slices) -> Any:
     want = w.dtype or saved
     if rec.kind == "prng_key" or w.sharding is None:
         full = fill(whole(shape), required, data, rec.name, saved).astype(want, copy=False)
-        if rec.kind == "prng_key":
-            # jax annotates the key data as an Array but takes any array (stub gap)
-            key = jax.random.wrap_key_data(full, impl=rec.prng_impl)  # type: ignore[arg-type]
-            return key if w.sharding is None else place_key(full, w, rec)
-        return full[()] if rec.kind == "numpy" and rec.scalar else full
+        return whole_on_host(w, full)
     out = Placement(w.sharding, shape, want)
     for index in out.indices:  # ``data`` is dropped after the restore: buffers may be adopted
         out.put(index, fill(index, required, data, rec.name, saved).astype(want, copy=False))
