@@ -227,3 +227,20 @@ def test_info_and_verify_see_per_process_records(mesh42, tmp_path):
     res = cli("verify", path)
     assert res.returncode == 1 and "per_process[0]" in res.stdout, res.stdout
     assert "fails its checksum" in res.stdout, res.stdout
+
+
+def test_ls_reads_local_steps_and_names_a_damaged_local_json(mesh42, tmp_path):
+    """`ls` on an emergency local directory: each step's size from its checked local.json; a
+    damaged one is an error naming the file (exit 2), never a traceback."""
+    opts = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=100)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts) as mgr:
+        mgr.save(1, _state(mesh42))
+    step = tmp_path / "l" / "00000001"
+    res = cli("ls", tmp_path / "l")
+    assert res.returncode == 0 and "local" in res.stdout, res.stderr
+    doc = json.loads((step / "local.json").read_text())
+    del doc["leaves"]
+    (step / "local.json").write_text(json.dumps(doc))
+    res = cli("ls", tmp_path / "l")
+    assert res.returncode == 2, res.stderr
+    assert "local.json" in res.stderr and "leaves" in res.stderr and "Traceback" not in res.stderr

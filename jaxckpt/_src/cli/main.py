@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ... import errors
-from ..emergency.local import LOCAL_FILE
+from ..emergency.local import LOCAL_FILE, parse_step
 from ..manifest import COMMIT_FILE, LeafRecord, Manifest, read_manifest
 from ..sharding import spec_from_json
 from ..storage import Location, location
@@ -90,9 +90,9 @@ def ls(args: argparse.Namespace) -> int:
             print(f"{name:>10}  {'-':<25} {'-':>12}  {'-':<7} (uncommitted leftover)")
             continue
         text = loc.read_bytes(LOCAL_FILE)
-        if text is not None:  # an emergency local step
-            doc = json.loads(text)
-            size = sum(r.get("nbytes", 0) for r in doc["leaves"])
+        if text is not None:  # an emergency local step (checked: a damaged one is an error)
+            doc = parse_step(text, where=f"{loc.url}/{LOCAL_FILE}")
+            size = sum(r.nbytes for r in doc.leaves)
             print(f"{int(name):>10}  {'-':<25} {_size(size):>12}  {'local':<7} -")
             continue
         m = read_manifest(loc)
