@@ -108,7 +108,8 @@ def prepare(
     compression: str | None = None,
     chunk_bytes: int | None = None,
 ) -> Prepared:
-    """Checks a save's arguments and describes ``tree`` (see :func:`save`); writes nothing."""
+    """Checks a save's arguments and describes ``tree`` (see :func:`save`); writes nothing
+    and reads no storage (``commit`` checks the path is free)."""
     loc = location(path)
     if compression not in (None, "zstd"):
         raise OptionsError(
@@ -118,10 +119,6 @@ def prepare(
         raise OptionsError(f"{loc.url}: chunk_bytes={chunk_bytes!r}; pass None or a positive size")
     check_json(custom_metadata, "custom_metadata", loc)
     check_json(metrics, "metrics", loc)
-    if loc.exists(COMMIT_FILE):
-        raise CheckpointExistsError(
-            f"{loc.url} already holds a committed checkpoint; choose a new path or delete it first"
-        )
     record = pp.encode(per_process, where=loc.url)
     clock = Stopwatch("save", loc.url)
     with clock.phase("describe"):
@@ -150,6 +147,11 @@ class _Writer:
 def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
     """Writes a prepared save on every process and commits it; blocks until committed."""
     loc, leaves, clock = prepared.loc, prepared.staged.leaves, prepared.clock
+    # checked here, not in prepare: a manager's calling thread never waits on storage
+    if loc.exists(COMMIT_FILE):
+        raise CheckpointExistsError(
+            f"{loc.url} already holds a committed checkpoint; choose a new path or delete it first"
+        )
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
     clock.bytes = sum(w.nbytes for w in writes)
     pid, count = multihost.process_index(), multihost.process_count()

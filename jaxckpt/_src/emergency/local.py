@@ -168,16 +168,26 @@ def _by_leaf(f: Fields, v: Any, at: str, shapes: dict[str, list[int]]) -> dict[s
 def _index(f: Fields, shape: list[int], key: Any, at: str) -> Index:
     """The global index that an index key (``0:16,0:8``, ``-`` for 0-d) inside ``shape``
     names; only the form ``to_text`` writes is one."""
+    got = _box(f.text(key, at), tuple(shape))
+    if isinstance(got, str):
+        f.bad(at, got, key)
+    return got
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _box(key: str, shape: tuple[int, ...]) -> Index | str:
+    """``_index``'s box, or why there is none (cached: a step names the same few slices for
+    many leaves, and a restore reads several steps)."""
     try:
-        index = from_text(f.text(key, at))
+        index = from_text(key)
     except ValueError:
         index = None
     if index is None or to_text(index) != key:
-        f.bad(at, "has an index that is not 'a:b,c:d'", key)
+        return "has an index that is not 'a:b,c:d'"
     if len(index) != len(shape) or any(
         not 0 <= a < b <= n for (a, b), n in zip(index, shape, strict=False)
     ):
-        f.bad(at, f"has an index outside the leaf's shape {shape}", key)
+        return f"has an index outside the leaf's shape {list(shape)}"
     return index
 
 

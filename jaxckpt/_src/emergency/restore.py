@@ -159,9 +159,9 @@ class _Step:
 def _agree_on_doc(at: _Step) -> LocalStep:
     """The step's ``local.json`` as its lowest holder has it, sent to every process."""
     elected = at.holders[0]
-    mine = at.mine.to_json() if at.mine is not None and at.pid == elected else None
-    doc = at.gather("doc", mine)[elected]
-    return LocalStep.from_json(doc, where=f"process {elected}'s step {at.s}")
+    mine = at.mine if at.pid == elected else None
+    doc = at.gather("doc", None if mine is None else mine.to_json())[elected]
+    return mine or LocalStep.from_json(doc, where=f"process {elected}'s step {at.s}")
 
 
 def _gather_needs(at: _Step, wants: list[Want], doc: LocalStep) -> Needs:
