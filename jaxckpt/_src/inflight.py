@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 READ_BUDGET_BYTES = 128 << 20  # host memory for slices read but not yet used
 
@@ -59,12 +59,6 @@ class InFlight(Generic[H]):
         """Stops the worker threads (after an error too: none outlives the caller)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> InFlight[H]:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _advance(self) -> None:
         """Uses the oldest read (or hands it to a free thread), else waits for a thread."""

@@ -188,27 +188,22 @@ class CheckpointManager:
             )
             if background and not isinstance(state, Staged):
                 prepared = prepared.snapshot(self._host)
-            what = f"saving step {step} to {self.directory.url}"
-            if background:
-                self._writer.submit(what, self._write, step, prepared)
-            else:
-                self._writer.run_now(what, self._write, step, prepared)
+            run = self._writer.submit if background else self._writer.run_now
+            run(f"saving step {step} to {self.directory.url}", self._write, step, prepared)
         self.last_save_blocking_s = clock.done().phases["blocking"]
         return True
 
     def _over_budget(self, staged: Staged) -> bool:
         budget = self.options.staging_budget_bytes
-        if budget is None:
-            return False
         total = sum(leaf.write.nbytes for leaf in staged.leaves if leaf.write is not None)
-        if total > budget:
-            log.warning(
-                "jaxckpt: %d bytes to stage exceed staging_budget_bytes=%d; saving synchronously",
-                total,
-                budget,
-            )
-            return True
-        return False
+        if budget is None or total <= budget:
+            return False
+        log.warning(
+            "jaxckpt: %d bytes to stage exceed staging_budget_bytes=%d; saving synchronously",
+            total,
+            budget,
+        )
+        return True
 
     def _write(self, step: int, prepared: saving.Prepared) -> None:
         self.last_save_figures = saving.commit(prepared, self.options.timeout_s)

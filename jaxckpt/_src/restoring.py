@@ -10,6 +10,7 @@ threads copy them onto their devices (``placement.Placement``) -> the tree (``re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -129,7 +130,7 @@ def _read_all(
     else:  # an Orbax checkpoint: its own layout, the same reads
         db, opener = source.item, source.opener(ctx)
     stores = {w.record.name: opener(w.record.name) for w in reading if w.record.nbytes}
-    with InFlight[Any](budget, threads=2) as reads:  # closed on errors too: no thread outlives
+    with contextlib.closing(InFlight[Any](budget, threads=2)) as reads:  # no thread outlives
         reader = _Reader(reads, db, manifest.meshes)
         finishers = [_plan_leaf(w, stores.get(w.record.name), reader) for w in reading]
         reads.drain()
