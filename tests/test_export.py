@@ -396,3 +396,18 @@ def test_parameters_keep_their_bytes_in_a_two_process_export(tmp_path):
 
     worker = os.path.join(os.path.dirname(__file__), "workers", "hostile_job.py")
     multiproc.run(worker, 2, args=["export", str(tmp_path)], timeout_s=240).check()
+
+
+def test_signature_keeps_the_fields_a_newer_minor_version_adds(exported, tmp_path):
+    """A reader ignores fields it does not know when serving; signature() still shows them."""
+    path = _copy(exported, tmp_path)
+    sig_file = os.path.join(path, "signature.json")
+    with open(sig_file) as f:
+        doc = json.load(f)
+    doc["added_later"] = {"note": 1}
+    doc["params"]["added_later"] = True
+    with open(sig_file, "w") as f:
+        json.dump(doc, f)
+    got = jaxckpt.export.signature(path)
+    assert got == doc
+    jaxckpt.export.load(path)  # and it still serves

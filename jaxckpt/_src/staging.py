@@ -134,7 +134,7 @@ def describe(
     return Staged(leaves, meshes, compression, 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Part:
     """The part ``region`` (global coordinates) of one shard ``data`` whose box is
     ``index``, or (``index`` None) a whole NumPy leaf. Called, it gives the data to write."""
@@ -147,7 +147,13 @@ class Part:
     def __call__(self) -> np.ndarray:
         if self.index is None:
             return np.array(self.data, order="C", copy=not self.data.flags.c_contiguous)
-        return np.asarray(self.data)[within(self.region, self.index)]
+        return np.asarray(self.data)[self._slices()]
+
+    def _slices(self) -> tuple[slice, ...]:
+        """The part's slices of the shard (none: it is the whole shard, the usual case)."""
+        if self.index is None or self.region == self.index:
+            return ()
+        return within(self.region, self.index)
 
     def on_host(self, host: HostCopies) -> Callable[[], np.ndarray]:
         """The part copied into a host buffer that ``host`` reuses across saves (the copy
@@ -155,8 +161,8 @@ class Part:
         if self.index is None:  # NumPy leaves can be mutated: always copied
             buf = host.snapshot((self.leaf, None), self.data)
             return lambda: buf
-        data, part = self.data, within(self.region, self.index)
-        if self.region != self.index and data.platform() != "cpu":  # copy only this part
+        data, part = self.data, self._slices()
+        if part and data.platform() != "cpu":  # copy only this part
             data, part = data[part], ()
         snap = host.snapshot((self.leaf, self.region), data)[part]
         return lambda: snap

@@ -42,8 +42,16 @@ def path_name(path: PathJson) -> str:
     """``[["k","params"],["a","w"]]`` -> ``"params/w"``; the root leaf is ``"_root"``."""
     if not path:
         return "_root"
+    return "/".join(_quoted(str(key)) for _, key in path)
+
+
+def _quoted(key: str) -> str:
+    """``key`` percent-quoted ("%" for ""); ASCII names and numbers, which need no quoting,
+    skip ``quote`` (a save names every leaf, on the calling thread of an async one)."""
+    if key.isascii() and (key.isidentifier() or key.isdigit()):
+        return key
     # surrogatepass: a str key may hold a lone surrogate, which UTF-8 proper refuses
-    return "/".join(quote(str(key), safe=_SAFE, errors="surrogatepass") or "%" for _, key in path)
+    return quote(key, safe=_SAFE, errors="surrogatepass") or "%"
 
 
 def leaves(tree: Any) -> list[Any]:

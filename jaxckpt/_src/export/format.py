@@ -369,13 +369,18 @@ def write(loc: Location, params: Any, blobs: dict[str, bytes], sig: Signature) -
 
 
 def signature(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``signature.json`` of the export at ``path``, checked for format and version."""
-    return read_signature(location(path)).to_json()
+    """The ``signature.json`` of the export at ``path`` as written (with any fields a newer
+    minor version added), once it checks out for format and version."""
+    return _read(location(path))[0]
 
 
 def read_signature(loc: Location) -> Signature:
     """The export's :class:`Signature`; damage is an ExportError, a newer major format
     version an ExportVersionError, each naming the file."""
+    return _read(loc)[1]
+
+
+def _read(loc: Location) -> tuple[dict[str, Any], Signature]:
     text = loc.read_bytes(SIGNATURE_FILE)
     if text is None:
         raise CheckpointNotFoundError(
@@ -384,7 +389,8 @@ def read_signature(loc: Location) -> Signature:
         )
     where = f"{loc.url}/{SIGNATURE_FILE}"
     try:
-        return Signature.from_json(parse_json(text, where=where, what=SIGNATURE_FILE), where)
+        doc = parse_json(text, where=where, what=SIGNATURE_FILE)
+        return doc, Signature.from_json(doc, where)
     except FormatVersionError as e:
         raise ExportVersionError(str(e)) from e
     except ManifestError as e:
