@@ -129,19 +129,12 @@ def prepare(
 
 @dataclass(frozen=True)
 class _Writer:
-    """What each process tells process 0 in the save's agreement round."""
+    """What each process tells process 0 in the save's agreement round (as JSON)."""
 
     host: str
     save_id: str  # process 0's names the temporary directory and the barriers
     nbytes: int
     has_record: bool  # wrote a per-process value
-
-    def to_text(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_text(cls, text: str) -> _Writer:
-        return cls(**json.loads(text))
 
 
 def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
@@ -169,9 +162,9 @@ def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
             _summary(loc, leaves),
             timeout_s,
             what=loc.url,
-            extra=me.to_text(),
+            extra=json.dumps(dataclasses.asdict(me)),
         )
-        save_id = _Writer.from_text(agreed.first).save_id
+        save_id = _Writer(**json.loads(agreed.first)).save_id
         work = steps.work_dir(loc, save_id)
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
@@ -186,7 +179,7 @@ def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
             if pid == 0:
                 if count > 1:
                     arrays.merge(work, count)
-                got = [_Writer.from_text(e) for e in agreed.all or []]
+                got = [_Writer(**json.loads(e)) for e in agreed.all or []]
                 manifest = manifest_of(
                     leaves,
                     prepared.staged.meshes,
