@@ -14,7 +14,6 @@ import numpy as np
 
 from ..errors import UnsupportedLeafError
 from . import arrays, multihost
-from . import tree as tree_lib
 from .manifest import LeafRecord, nan_bits
 from .sharding import sharding_to_json, write_split
 
@@ -23,6 +22,7 @@ PY_TYPES = {bool: "bool", int: "int", float: "float", str: "str", type(None): "N
 
 def leaf_record(
     path: list,
+    name: str,
     leaf: Any,
     meshes: list[dict],
     key_data: jax.Array | None = None,
@@ -35,7 +35,6 @@ def leaf_record(
     been donated since; ``key_data``: the key's data, taken while it was alive. The chunks
     and their writers follow ``sharding.write_split`` (``salt``: the leaf's position).
     """
-    name = tree_lib.path_name(path)
     if type(leaf) in PY_TYPES:
         bits = nan_bits(leaf) if type(leaf) is float else None
         typ = PY_TYPES[type(leaf)]
@@ -112,13 +111,16 @@ def unsupported(leaf: Any, name: str) -> UnsupportedLeafError:
 
 
 def leaf_records(
-    flat: list[tuple[list, Any]], key_data: dict[int, jax.Array] | None = None
+    named: list[tuple[list, str, Any]], key_data: dict[int, jax.Array] | None = None
 ) -> tuple[list[LeafRecord], list[dict]]:
-    """The records of a flattened tree (``tree.flatten``) and its meshes, from metadata only
-    (see ``leaf_record``; ``key_data`` by leaf position)."""
+    """The records of a flattened tree (``tree.flatten_named``) and its meshes, from
+    metadata only (see ``leaf_record``; ``key_data`` by leaf position)."""
     meshes: list[dict] = []
     key_data = key_data or {}
-    out = [leaf_record(p, leaf, meshes, key_data.get(i))[0] for i, (p, leaf) in enumerate(flat)]
+    out = [
+        leaf_record(p, name, leaf, meshes, key_data.get(i))[0]
+        for i, (p, name, leaf) in enumerate(named)
+    ]
     return out, meshes
 
 

@@ -51,14 +51,15 @@ class StagedLeaf:
 
 def _describe(
     path: list,
+    name: str,
     leaf: Any,
     meshes: list[dict],
     compression: str | None,
     chunk_bytes: int | None,
     salt: int,
 ) -> StagedLeaf:
-    record, arr = leaf_record(path, leaf, meshes, chunk_bytes=chunk_bytes, salt=salt)
-    name, pid = record.name, multihost.process_index()
+    record, arr = leaf_record(path, name, leaf, meshes, chunk_bytes=chunk_bytes, salt=salt)
+    pid = multihost.process_index()
     if record.kind == "python":
         return StagedLeaf(record, None)
     shape, stored = tuple(record.shape), record.stored_dtype or str(arr.dtype)
@@ -128,8 +129,8 @@ def describe(
         return tree
     meshes: list[dict] = []
     leaves = tuple(
-        _describe(p, leaf, meshes, compression, chunk_bytes, salt)
-        for salt, (p, leaf) in enumerate(tree_lib.flatten(tree))
+        _describe(p, name, leaf, meshes, compression, chunk_bytes, salt)
+        for salt, (p, name, leaf) in enumerate(tree_lib.flatten_named(tree))
     )
     return Staged(leaves, meshes, compression, 0)
 

@@ -8,6 +8,7 @@ as a ``/``-joined string, percent-escaped, and doubles as the array's key in sto
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from urllib.parse import quote
 
@@ -60,9 +61,31 @@ def leaves(tree: Any) -> list[Any]:
 
 
 def flatten(tree: Any) -> list[tuple[PathJson, Any]]:
-    """Flattens ``tree`` into ``[(path, leaf)]``; ``None`` counts as a leaf."""
+    """Flattens ``tree`` into ``[(path, leaf)]``; ``None`` counts as a leaf. The paths are
+    shared between calls (read them, never change them)."""
+    return [(path, leaf) for path, _, leaf in flatten_named(tree)]
+
+
+def flatten_named(tree: Any) -> list[tuple[PathJson, str, Any]]:
+    """``flatten`` with each leaf's name: ``[(path, name, leaf)]``. Both are cached by key
+    path, since a save converts and names every leaf on its calling thread, and a training
+    loop saves the same structure each time (3 ms a save for 170 leaves otherwise)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
-    return [(path_to_json(p), leaf) for p, leaf in flat]
+    return [(*_path_and_name(p), leaf) for p, leaf in flat]
+
+
+def _path_and_name(path: tuple) -> tuple[PathJson, str]:
+    try:
+        return _cached_path_and_name(path)
+    except TypeError:  # a custom node's key that cannot be hashed
+        as_json = path_to_json(path)
+        return as_json, path_name(as_json)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _cached_path_and_name(path: tuple) -> tuple[PathJson, str]:
+    as_json = path_to_json(path)
+    return as_json, path_name(as_json)
 
 
 def unflatten_like(target: Any, leaves: list[Any]) -> Any:

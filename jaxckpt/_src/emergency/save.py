@@ -38,7 +38,7 @@ from .planner import SliceKey
 class Pending:
     """A local step between :meth:`LocalSaver.start` and :meth:`LocalSaver.finish`."""
 
-    flat: list[tuple[tree_lib.PathJson, Any]]  # the tree, as ``tree.flatten`` gives it
+    named: list[tuple[tree_lib.PathJson, str, Any]]  # the tree (``tree.flatten_named``)
     key_data: dict[int, jax.Array]  # PRNG keys' data, by leaf position
     slices: local.Slices
     writers: local.Writers  # the process that held each slice when saved
@@ -72,8 +72,8 @@ class LocalSaver:
     ) -> Pending:
         """Snapshots ``state`` and dispatches its peer copies to ``p + j`` for each shift;
         ``tag`` names key-value exchanges (the same on every process)."""
-        flat = tree_lib.flatten(state)
-        slices, required, on_devices, key_data = self._snapshot(flat)
+        named = tree_lib.flatten_named(state)
+        slices, required, on_devices, key_data = self._snapshot(named)
         pid, count = multihost.process_index(), multihost.process_count()
         senders = [(pid - j) % count for j in shifts]
         doc = functools.partial(
@@ -88,7 +88,7 @@ class LocalSaver:
             receives_from=senders,
         )
         records = {} if record is None else {pid: record}
-        out = Pending(flat, key_data, slices, dict.fromkeys(slices, pid), doc, records, senders)
+        out = Pending(named, key_data, slices, dict.fromkeys(slices, pid), doc, records, senders)
         if shifts:
             with fig.phase("peer_exchange"):
                 # each receiver gets this process's record (or nothing): a few hundred bytes
@@ -117,7 +117,7 @@ class LocalSaver:
         if not write:
             return
         with fig.phase("write"):
-            records, meshes = leaf_records(p.flat, p.key_data)
+            records, meshes = leaf_records(p.named, p.key_data)
             doc = p.doc(
                 digest=local.tree_digest(records),
                 meshes=meshes,
@@ -143,7 +143,7 @@ class LocalSaver:
             _keep_new(out, *wire.unpack(got))
 
     def _snapshot(
-        self, flat: list[tuple[tree_lib.PathJson, Any]]
+        self, named: list[tuple[tree_lib.PathJson, str, Any]]
     ) -> tuple[local.Slices, dict[str, list[Index]], dict[str, jax.Array], dict[int, jax.Array]]:
         """Host snapshots of every distinct shard this process holds; every slice of every
         array leaf (``local.json``'s ``slices``); the device arrays for the peer copies; PRNG
@@ -152,10 +152,9 @@ class LocalSaver:
         required: dict[str, list[Index]] = {}
         on_devices: dict[str, jax.Array] = {}
         key_data: dict[int, jax.Array] = {}
-        for i, (path, leaf) in enumerate(flat):
+        for i, (_, name, leaf) in enumerate(named):
             if type(leaf) in PY_TYPES:
                 continue  # kept in the record
-            name = tree_lib.path_name(path)  # its record's name
             if isinstance(leaf, (np.ndarray, np.generic)):
                 host = np.asarray(leaf)
                 check_numpy(host, name)
