@@ -113,3 +113,7 @@ class SafetensorsLeafError(SafetensorsError, UnsupportedLeafError):
 
 class RunLogError(CheckpointError):
     """A run log (``<dir>/runlog/``) is absent, unreadable or holds no readable event."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """An optional package a feature needs is not installed (the message names it)."""
