@@ -27,9 +27,9 @@ class Clock:
 
 
 def train(d, job: str, start: float, first: int, last: int, saves: set[int], *,
-          restore: tuple[str, float] | None = None, end: bool = True) -> float:  # fmt: skip
+          restore: tuple[str, float] | None = None, end: bool = True, beat: int = 10) -> float:  # fmt: skip
     """Logs one job as a manager would: start, an optional restore of ``first``, a heartbeat
-    every 10 steps of 1 s each, saves (blocking 2 s, logged as they commit 3 s later), and an
+    every ``beat`` steps of 1 s each, saves (blocking 2 s, logged as they commit 3 s later), and an
     ``end`` if it closes. Returns the time it stopped."""
     clock = Clock(start)
     log = RunLog([location(d)], 0, heartbeat_s=0, job=job, clock=clock)
@@ -46,7 +46,7 @@ def train(d, job: str, start: float, first: int, last: int, saves: set[int], *,
             now, clock.t = clock.t, t
             log.append("save", saved, tier="local", blocking_s=BLOCK, write_s=WRITE, bytes=100)
             clock.t = now
-        if step % 10 == 0:
+        if step % beat == 0:
             log.heartbeat(step)
         if step in saves:
             clock.t += BLOCK
@@ -98,6 +98,16 @@ def test_a_failure_costs_rework_restart_and_restore(failed_run):
     assert "ETTR 76.9 %" in text and "no failures" not in text
     row = next(ln.split() for ln in text.splitlines() if ln.strip().startswith("job-1"))
     assert row[:4] == ["job-1", "120", "100", "20"] and row[-1] == "peer"
+
+
+@pytest.mark.parametrize("beat", [10, 1000])
+def test_step_time_leaves_the_saves_blocking_out(tmp_path, beat):
+    """A save every 10 steps: every interval holds a save's 2 s. With heartbeats (beat=10) and
+    without (1000: the steps are known from the saves alone, logged 5 s after their call)."""
+    train(tmp_path, "job-1", 0.0, 0, 100, set(range(10, 100, 10)), beat=beat)
+    g = jaxckpt.goodput(tmp_path)
+    assert g.step_s == pytest.approx(1.0)
+    assert g.save_overhead_s == 9 * BLOCK and g.productive_s == pytest.approx(100.0)
 
 
 def test_a_job_that_restored_nothing_lost_every_step(tmp_path):
