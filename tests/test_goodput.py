@@ -89,7 +89,7 @@ def test_a_failure_costs_rework_restart_and_restore(failed_run):
     assert [(c.tier, c.count, c.seconds) for c in g.restores] == [("peer", 1, 4.0)]
     (best,) = g.intervals
     want = intervals.best_interval_s(BLOCK, 260.0, 34.0)
-    assert best.tier == "local" and best.steps == max(1, round(want))
+    assert best.tier == "local" and best.steps == max(1, math.floor(want + 0.5))
     assert best.predicted_ettr == pytest.approx(intervals.ettr(best.steps, BLOCK, 260.0, 34.0))
     assert best.used_steps == 50
     assert best.used_ettr == pytest.approx(intervals.ettr(50.0, BLOCK, 260.0, 34.0))

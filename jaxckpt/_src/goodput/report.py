@@ -264,7 +264,7 @@ def _interval(
     used = round(statistics.median(gaps)) if gaps else None
     try:
         best = intervals.best_interval_s(cost.blocking_s, mtbf_s, restart_s)
-        steps = max(1, round(best / step_s))
+        steps = max(1, math.floor(best / step_s + 0.5))  # halves up, as intervals.choose
         predicted = intervals.ettr(steps * step_s, cost.blocking_s, mtbf_s, restart_s)
         used_ettr = (
             intervals.ettr(used * step_s, cost.blocking_s, mtbf_s, restart_s) if used else None
