@@ -10,6 +10,7 @@ logged. Writing never raises: a failed write is logged once and the run goes on.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -64,9 +65,11 @@ class RunLog:
     ) -> None:
         self.process, self.heartbeat_s, self.job, self._clock = process, heartbeat_s, job, clock
         self._dirs = [d.join(DIRECTORY) for d in directories]
+        self._remote = any(not d.is_local for d in self._dirs)
         self._fds: dict[str, int] = {}
         self._lines: list[bytes] = []  # this job's lines, for the object-store rewrite
-        self._lock = threading.Lock()
+        self._lock, self._remote_lock = threading.Lock(), threading.Lock()
+        self._written = 0  # lines in the objects written so far
         self._last = -float("inf")
         self._warned = self._closed = False
 
@@ -75,32 +78,41 @@ class RunLog:
         with self._lock:
             if self._closed:
                 return
-            now = self._clock()
-            self._last = now
-            base = {"v": LOG_VERSION, "t": now, "event": event, "job": self.job}
-            doc = base | {"process": self.process, "step": step}
+            now = self._last = self._clock()
+            doc = {"v": LOG_VERSION, "t": now, "event": event, "job": self.job}
+            doc |= {"process": self.process, "step": step}
             doc |= {k: v for k, v in fields.items() if k not in _BASE}
             line = (json.dumps(doc, separators=(",", ":"), default=str) + "\n").encode()
-            if any(not d.is_local for d in self._dirs):
-                self._lines.append(line)
             for d in self._dirs:
-                try:
-                    if d.is_local:
-                        fd = self._fds.get(d.url)
-                        fd = self._open(d) if fd is None else fd
-                        os.write(fd, line)
-                        if event in _DURABLE:
-                            os.fsync(fd)
-                    elif event in _DURABLE:
-                        d.write_bytes(
-                            f"process-{self.process}.{self.job}.jsonl", b"".join(self._lines)
-                        )
-                except Exception as e:  # noqa: BLE001 - a log write never fails a save
-                    if not self._warned:
-                        self._warned = True
-                        log.warning(
-                            "jaxckpt: cannot write the run log in %s (%s); going on", d.url, e
-                        )
+                if d.is_local:
+                    self._guard(d, functools.partial(self._write_local, d, line, event in _DURABLE))
+            if not self._remote:
+                return
+            self._lines.append(line)
+            lines = len(self._lines)
+        if event in _DURABLE:  # the object stores, off the lock: a heartbeat never waits on them
+            with self._remote_lock:
+                if lines > self._written:  # a rewrite holding more lines went first
+                    self._written, data = lines, b"".join(self._lines[:lines])
+                    name = f"process-{self.process}.{self.job}.jsonl"
+                    for d in self._dirs:
+                        if not d.is_local:
+                            self._guard(d, functools.partial(d.write_bytes, name, data))
+
+    def _guard(self, d: Location, write: Callable[[], object]) -> None:
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - a log write never fails a save
+            if not self._warned:
+                self._warned = True
+                log.warning("jaxckpt: cannot write the run log in %s (%s); going on", d.url, e)
+
+    def _write_local(self, d: Location, line: bytes, durable: bool) -> None:
+        fd = self._fds.get(d.url)
+        fd = self._open(d) if fd is None else fd
+        os.write(fd, line)
+        if durable:
+            os.fsync(fd)
 
     def _open(self, d: Location) -> int:
         """The append descriptor of ``d``'s file; a torn last line is ended first."""
