@@ -174,3 +174,12 @@ def test_command_prints_the_report_json_and_plot(failed_run, tmp_path):
 def test_command_without_a_log_names_the_path(tmp_path):
     res = cli(tmp_path)
     assert res.returncode == 2 and f"{tmp_path}/runlog" in res.stderr, res.stderr
+
+
+def test_plot_without_matplotlib_names_the_package(failed_run, tmp_path, monkeypatch):
+    from jaxckpt._src.goodput.plot import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if it were not installed
+    with pytest.raises(errors.MissingDependencyError, match="pip install matplotlib"):
+        plot(failed_run, tmp_path / "t.png")
+    assert not (tmp_path / "t.png").exists()

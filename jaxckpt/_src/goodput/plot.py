@@ -50,5 +50,6 @@ def plot(run: str | os.PathLike, out_png: str | os.PathLike, *, process: int = 0
     ax.set_ylabel("step")
     ettr = "-" if report.ettr is None else f"{100 * report.ettr:.1f} %"
     ax.set_title(f"{report.path} (process {process}): ETTR {ettr}, {report.failures} failure(s)")
-    ax.legend(loc="upper left", fontsize="small")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize="small")
     fig.savefig(os.fspath(out_png), dpi=100)

@@ -113,7 +113,7 @@ def goodput(run: str | os.PathLike, *, process: int = 0) -> Goodput:
             f"the last job ({jobs[-1][0].job}) has no end: still running, or it died and "
             "nothing restarted it (not counted as a failure)"
         )
-    if step_s is None:
+    if step_s is None and losses:
         notes.append("step time unknown (fewer than two steps logged in a job): rework counted 0")
     events = log.events
     wall_s = events[-1].t - events[0].t
@@ -296,7 +296,7 @@ def _lines(g: Goodput) -> list[str]:
     rework, restart = sum(x.rework_s for x in losses), sum(x.restart_s for x in losses)
     step = "-" if g.step_s is None else f"{g.step_s:.4g} s"
     out = [
-        f"run log {g.path} (process {g.process}): {g.jobs} job(s), last step {g.last_step}",
+        f"run log {g.path} (process {g.process}): {g.jobs} job(s), last step {'-' if g.last_step is None else g.last_step}",
         f"  wall time       {_s(g.wall_s)}",
         f"  productive      {_s(g.productive_s)}   ETTR {_pct(g.ettr)}",
         f"  save overhead   {_s(g.save_overhead_s)}   ({sum(c.count for c in g.saves)} saves, blocking)",
