@@ -10,6 +10,8 @@ from . import export as export
 from . import safetensors as safetensors
 from ._src.emergency.manager import EmergencyCheckpointManager as EmergencyCheckpointManager
 from ._src.emergency.recovery import RecoveryReport as RecoveryReport
+from ._src.goodput import Goodput as Goodput
+from ._src.goodput import goodput as goodput
 from ._src.manager import CheckpointManager as CheckpointManager
 from ._src.manifest import FORMAT_VERSION as FORMAT_VERSION
 from ._src.manifest import ArrayInfo as ArrayInfo
@@ -34,12 +36,14 @@ __all__ = [
     "EmergencyCheckpointManager",
     "EmergencyOptions",
     "Figures",
+    "Goodput",
     "Options",
     "RecoveryReport",
     "Staged",
     "FORMAT_VERSION",
     "errors",
     "export",
+    "goodput",
     "safetensors",
     "metadata",
     "per_process",

@@ -109,3 +109,11 @@ class SafetensorsShapeError(SafetensorsError, ShapeMismatchError):
 
 class SafetensorsLeafError(SafetensorsError, UnsupportedLeafError):
     """A leaf ``jaxckpt.safetensors.save`` cannot write (not an array, or a PRNG key)."""
+
+
+class RunLogError(CheckpointError):
+    """A run log (``<dir>/runlog/``) is absent, unreadable or holds no readable event."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """An optional package a feature needs is not installed (the message names it)."""

@@ -42,7 +42,7 @@ def test_no_module_uses_another_modules_underscore_names():
     assert not offences, offences
 
 
-FEATURES = ("emergency", "safetensors", "export", "cli")  # the folders under _src/
+FEATURES = ("emergency", "safetensors", "export", "cli", "goodput")  # the folders under _src/
 
 
 def _imported_modules(package: tuple[str, ...], source: str) -> set[str]:

@@ -5,6 +5,7 @@
     jaxckpt verify PATH [--all]    read every chunk, check every CRC32C (exit 1 on damage)
     jaxckpt diff A B [--atol X --rtol Y]   per-leaf differences (exit 1 when they differ)
     jaxckpt convert SRC DST [--to jaxckpt|safetensors]   Orbax/safetensors <-> jaxckpt
+    jaxckpt goodput RUN [--process N] [--json] [--plot out.png]   ETTR, failures, costs
 
 Paths may be local, ``s3://`` or ``gs://``. A user mistake prints one line and exits 2.
 (argparse: four subcommands need no dependency; the progress bar is tqdm's when it is
@@ -48,9 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("b")
     p.add_argument("--atol", type=float, default=0.0)
     p.add_argument("--rtol", type=float, default=0.0)
+    p = sub.add_parser("goodput", help="ETTR, failures and costs from a run's log")
+    p.add_argument("run", help="a manager's directory (it holds runlog/)")
+    p.add_argument("--process", type=int, default=0, help="whose view of the run (default 0)")
+    p.add_argument("--json", action="store_true", help="machine-readable (docs/CLI.md)")
+    p.add_argument("--plot", metavar="OUT.png", help="draw the timeline (needs matplotlib)")
     args = parser.parse_args(argv)
     try:
-        commands = {"ls": ls, "info": info, "verify": verify, "diff": diff, "convert": convert}
+        commands = {"ls": ls, "info": info, "verify": verify, "diff": diff, "convert": convert,
+                    "goodput": goodput}  # fmt: skip
         return commands[args.command](args)
     except (errors.CheckpointError, OSError, ValueError) as e:
         print(f"jaxckpt {args.command}: {_one_line(e)}", file=sys.stderr)
@@ -228,6 +235,15 @@ def convert(args: argparse.Namespace) -> int:
         conv.to_jaxckpt(args.src, args.dst)
     print(f"converted {location(args.src).url} -> {location(args.dst).url} ({args.to})")
     return 0
+
+
+# --- goodput -----------------------------------------------------------------------------------
+
+
+def goodput(args: argparse.Namespace) -> int:
+    from .goodput import command
+
+    return command(args)
 
 
 # --- diff --------------------------------------------------------------------------------------
