@@ -258,7 +258,8 @@ def worker_async(args) -> dict:
     if args.lib == "jaxckpt":
         import jaxckpt
 
-        mgr = jaxckpt.CheckpointManager(args.path, jaxckpt.Options(max_to_keep=1))
+        opts = jaxckpt.Options(max_to_keep=1, run_log=not args.no_run_log)
+        mgr = jaxckpt.CheckpointManager(args.path, opts)
 
         def save(step):
             mgr.save(step, state)
@@ -388,7 +389,8 @@ def worker(op: str, **kw) -> dict:
 
 
 def run_worker(args, op: str, **kw) -> dict:
-    common = {"size_gb": args.size_gb, "workdir": args.workdir, "chunk_bytes": args.chunk_bytes}
+    common = {"size_gb": args.size_gb, "workdir": args.workdir, "chunk_bytes": args.chunk_bytes,
+              "no_run_log": args.no_run_log}  # fmt: skip
     return harness.run_worker(__file__, op=op, **common, **kw)
 
 
@@ -573,6 +575,9 @@ def main() -> None:
         help="also run jaxckpt with save(chunk_bytes=N) and print its effect on each restore",
     )
     ap.add_argument("--json", help="also write the raw measurements to this JSON file")
+    ap.add_argument(
+        "--no-run-log", action="store_true", help="managers keep no run log (its cost: on vs off)"
+    )
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")

@@ -26,7 +26,7 @@ import harness
 from harness import median
 
 
-def worker(root: str, mib: int, s3: str | None, repeats: int) -> dict:
+def worker(root: str, mib: int, s3: str | None, repeats: int, run_log: bool = True) -> dict:
     """One process: its median seconds of every save, restore and training step measured."""
     import time
 
@@ -78,7 +78,11 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> dict:
                 out[f"  {part}{' ' * (6 - len(part))}({key.split(': ')[-1]})"] = at
 
     opts = jaxckpt.EmergencyOptions(
-        local_interval_steps=1, remote_interval_steps=10**9, replication=1, timeout_s=600
+        local_interval_steps=1,
+        remote_interval_steps=10**9,
+        replication=1,
+        timeout_s=600,
+        run_log=run_log,
     )
     local_dir = os.path.join(root, f"host{pid}")
     em = jaxckpt.EmergencyCheckpointManager(local_dir, os.path.join(root, "em_remote"), opts)
@@ -98,7 +102,8 @@ def worker(root: str, mib: int, s3: str | None, repeats: int) -> dict:
     if s3:
         remotes["S3"] = s3
     for name, where in remotes.items():
-        mgr = jaxckpt.CheckpointManager(where, jaxckpt.Options(async_save=True, max_to_keep=2))
+        mgr_opts = jaxckpt.Options(async_save=True, max_to_keep=2, run_log=run_log)
+        mgr = jaxckpt.CheckpointManager(where, mgr_opts)
         timed_save(f"manager async save ({name})", mgr, repeats)
         mgr.close()
     # The first restore in a process pays first-touch page faults for fresh memory, whatever
@@ -166,6 +171,9 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=2, choices=[2, 4])
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--repeats", type=int, default=5, help="timed saves / restores (median)")
+    ap.add_argument(
+        "--no-run-log", action="store_true", help="managers keep no run log (its cost: on vs off)"
+    )
     args = ap.parse_args()
     env, server, s3 = {}, None, None
     if not args.no_s3:
@@ -199,7 +207,7 @@ def main() -> None:
         with harness.scratch("jaxckpt_bench_em_", parent=None) as root:
             results = harness.run_job(
                 __file__, args.processes, devices=8 // args.processes, timeout_s=1800, env=env,
-                root=root, mib=args.mib, s3=s3, repeats=args.repeats,
+                root=root, mib=args.mib, s3=s3, repeats=args.repeats, run_log=not args.no_run_log,
             )  # fmt: skip
     finally:
         if server is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Any
 
 import jax
@@ -23,9 +24,11 @@ from ..errors import (
     CheckpointNotFoundError,
 )
 from . import monitoring, multihost, readers, saving, steps
+from .cadence import Blocking, Cadence, start_run
 from .manifest import read_manifest
 from .options import Options
 from .restoring import restore
+from .runlog import RunLog
 from .staging import HostCopies, Staged
 from .storage import Location, location
 from .writer import Writer
@@ -70,6 +73,27 @@ class CheckpointManager:
             # (see ``storage.being_written``).
             steps.clean_leftovers(self.directory, grace_s=self.options.timeout_s)
         self.reload()
+        # the run log (a figure of each save and restore; jaxckpt.goodput reads it) and the
+        # save interval, fixed or chosen from what the log and this job measure
+        opts = self.options
+        self._log, history = start_run([self.directory], ["dir"], opts.heartbeat_s, opts.run_log)
+        self._cadence = Cadence(
+            "dir",
+            opts.save_interval_steps,
+            mtbf_hours=opts.mtbf_hours,
+            min_steps=opts.min_interval_steps,
+            max_steps=opts.max_interval_steps,
+            history=history,
+            log=self._log,
+            timeout_s=opts.timeout_s,
+        )
+        self._reached: int | None = None  # the highest step given to save()
+        self._tier, self._owns_log = "dir", True  # this manager's tier in the run log
+
+    def log_into(self, log: RunLog | None, tier: str) -> None:
+        """Logs this manager's saves and restores into ``log`` as ``tier`` (the remote
+        tier of an EmergencyCheckpointManager, whose log it is)."""
+        self._log, self._tier, self._owns_log = log, tier, False
 
     # --- listing -------------------------------------------------------------------------
 
@@ -126,7 +150,7 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """True when the interval policy asks for ``step`` and it is not saved yet."""
-        return step % self.options.save_interval_steps == 0 and step not in self._metrics
+        return self._cadence.due(step) and step not in self._metrics
 
     def reached_preemption(self, step: int) -> bool:
         """True at the step all processes agreed on after one got a preemption notice.
@@ -163,6 +187,9 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"the manager of {self.directory.url} is closed")
         self._writer.raise_error()
+        self._reached = max(step, self._reached or step)
+        if self._log is not None:
+            self._log.heartbeat(step)
         if not force and not self.should_save(step):
             return False
         if step in self._metrics:
@@ -189,8 +216,13 @@ class CheckpointManager:
             if background and not isinstance(state, Staged):
                 prepared = prepared.snapshot(self._host)
             run = self._writer.submit if background else self._writer.run_now
-            run(f"saving step {step} to {self.directory.url}", self._write, step, prepared)
+            # the time this save blocks the caller, for the run log (run now: until written)
+            blocking = Blocking(clock.started, time.perf_counter() if background else None)
+            run(
+                f"saving step {step} to {self.directory.url}", self._write, step, prepared, blocking
+            )
         self.last_save_blocking_s = clock.done().phases["blocking"]
+        self._cadence.saved(step, self.last_save_blocking_s)
         return True
 
     def _over_budget(self, staged: Staged) -> bool:
@@ -205,9 +237,18 @@ class CheckpointManager:
         )
         return True
 
-    def _write(self, step: int, prepared: saving.Prepared) -> None:
-        self.last_save_figures = saving.commit(prepared, self.options.timeout_s)
+    def _write(self, step: int, prepared: saving.Prepared, blocking: Blocking) -> None:
+        fig = self.last_save_figures = saving.commit(prepared, self.options.timeout_s)
         self._metrics[step] = prepared.metrics
+        if self._log is not None:
+            self._log.append(
+                "save",
+                step,
+                tier=self._tier,
+                blocking_s=blocking.seconds(),
+                write_s=fig.total_s,
+                bytes=fig.bytes,
+            )
         self._apply_retention()
 
     def wait_until_finished(self) -> None:
@@ -274,6 +315,7 @@ class CheckpointManager:
         """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`."""
         self.wait_until_finished()
         step = self._step_or_latest(step)
+        started = time.perf_counter()
         out = restore(
             self.step_path(step).url,
             target=target,
@@ -282,6 +324,10 @@ class CheckpointManager:
         )
         self.last_restore_figures = monitoring.last("restore")
         self._restored_step = step
+        seconds = time.perf_counter() - started
+        self._cadence.restored(step, seconds)
+        if self._log is not None:
+            self._log.append("restore", step, tier=self._tier, seconds=seconds)
         return out
 
     def _step_or_latest(self, step: int | None) -> int:
@@ -309,7 +355,11 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        self._writer.close(self.directory.url)
+        try:
+            self._writer.close(self.directory.url)
+        finally:
+            if self._log is not None and self._owns_log:
+                self._log.close(self._reached)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -39,6 +39,8 @@ class Options:
     mtbf_hours: mean time between failures of one host, in hours (the job's is this over
         the process count, refined by the failures in the run log); needed by ``"auto"``.
     run_log: append the run's events to ``<directory>/runlog/`` (``jaxckpt goodput``).
+    heartbeat_s: the log notes the step reached at most this often (a finer account of
+        the steps a failure loses; 0: at every ``save`` call).
     max_to_keep: committed steps kept (the newest ones, or the best ones with ``best_fn``);
         None keeps all. The newest step is never deleted.
     keep_period: steps that are multiples of it are kept forever, in addition to the
@@ -77,9 +79,11 @@ class Options:
     min_interval_steps: int = 1
     max_interval_steps: int = 10_000
     run_log: bool = True
+    heartbeat_s: float = 30.0
 
     def __post_init__(self) -> None:
         _interval(self, "save_interval_steps", "min_interval_steps", "max_interval_steps")
+        _at_least(self, 0, "heartbeat_s")
         _at_least(
             self, 1, "read_budget_bytes", "chunk_bytes", "max_to_keep", "keep_period", none=True
         )
@@ -130,6 +134,7 @@ class EmergencyOptions:
         [``remote_min_interval_steps``, ``remote_max_interval_steps``] for the remote one.
     mtbf_hours: mean time between failures of one host, in hours; needed by ``"auto"``.
     run_log: append the run's events to ``runlog/`` in both directories.
+    heartbeat_s: the log notes the step reached at most this often (0: every ``save``).
     local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
     replication: how many other processes (on other hosts where the layout allows) keep a
         copy of each process's local shards.
@@ -153,9 +158,11 @@ class EmergencyOptions:
     remote_min_interval_steps: int = 1
     remote_max_interval_steps: int = 100_000
     run_log: bool = True
+    heartbeat_s: float = 30.0
 
     def __post_init__(self) -> None:
         _interval(self, "local_interval_steps", "min_interval_steps", "max_interval_steps")
+        _at_least(self, 0, "heartbeat_s")
         _interval(
             self, "remote_interval_steps", "remote_min_interval_steps", "remote_max_interval_steps"
         )

@@ -22,9 +22,11 @@ folder's README.md walks through both protocols.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -33,6 +35,7 @@ from jax.sharding import Mesh
 from ...errors import CheckpointError, CheckpointNotFoundError
 from .. import multihost, steps
 from .. import per_process as pp
+from ..cadence import Blocking, Cadence, start_run
 from ..manager import CheckpointManager
 from ..monitoring import Figures, Stopwatch
 from ..options import EmergencyOptions, Options
@@ -89,8 +92,25 @@ class EmergencyCheckpointManager:
                 timeout_s=opts.timeout_s,
                 compression=opts.compression,
                 step_digits=opts.step_digits,
+                run_log=False,  # this manager logs both tiers
             ),
         )
+        # the run log, in both tiers' directories (a replaced host keeps the remote one),
+        # and each tier's save interval, fixed or chosen from measurement
+        dirs = [self.local_directory, self.remote.directory]
+        self._log, history = start_run(dirs, ["local", "remote"], opts.heartbeat_s, opts.run_log)
+        self.remote.log_into(self._log, "remote")
+        tier = functools.partial(
+            Cadence, mtbf_hours=opts.mtbf_hours, history=history, log=self._log,
+            timeout_s=opts.timeout_s,
+        )  # fmt: skip
+        self._cadences = (
+            tier("local", opts.local_interval_steps, min_steps=opts.min_interval_steps,
+                 max_steps=opts.max_interval_steps),
+            tier("remote", opts.remote_interval_steps, min_steps=opts.remote_min_interval_steps,
+                 max_steps=opts.remote_max_interval_steps),
+        )  # fmt: skip
+        self._reached: int | None = None  # the highest step given to save()
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(steps.committed(self.local_directory))
         # writes the local steps, keeping the host buffers it reuses
@@ -149,8 +169,8 @@ class EmergencyCheckpointManager:
 
     def should_save(self, step: int) -> tuple[bool, bool]:
         """(local, remote): which tiers the interval policy asks for at ``step``."""
-        o = self.options
-        return step % o.local_interval_steps == 0, step % o.remote_interval_steps == 0
+        local, remote = self._cadences
+        return local.due(step), remote.due(step)
 
     def save(
         self,
@@ -170,6 +190,9 @@ class EmergencyCheckpointManager:
         if self._closed:
             raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
         self._writer.raise_error()
+        self._reached = max(step, self._reached or step)
+        if self._log is not None:
+            self._log.heartbeat(step)
         do_local, do_remote = self.should_save(step)
         do_local, do_remote = do_local or force, do_remote or force
         if not (do_local or do_remote):
@@ -182,7 +205,11 @@ class EmergencyCheckpointManager:
         if do_local:
             with fig.phase("local"):
                 self._save_local(step, state, fig, record)
-        self.last_save_figures = fig.done()
+        self.last_save_figures = done = fig.done()
+        dids = (do_local, do_remote)
+        for cadence, tier, did in zip(self._cadences, ("local", "remote"), dids, strict=True):
+            if did:
+                cadence.saved(step, done.phases.get(tier, 0.0))
         return True
 
     def _tag(self, what: str) -> str:
@@ -192,6 +219,7 @@ class EmergencyCheckpointManager:
     def _save_local(self, step: int, state: Any, fig: Stopwatch, record: pp.Record | None) -> None:
         """On the calling thread only snapshots and the peer copies' dispatch; the rest on
         the writer thread (see :mod:`jaxckpt._src.emergency.save`)."""
+        since = time.perf_counter()
         self._writer.wait(self.local_directory.url)  # host buffers are reused
         shifts, hosts = self._peer_shifts()
         pending = self._saver.start(
@@ -199,9 +227,10 @@ class EmergencyCheckpointManager:
         )
         what = f"saving local step {step} to {self.local_directory.url}"
         if self.options.async_save:
-            self._writer.submit(what, self._write, step, pending)
+            blocking = Blocking(since, time.perf_counter())
+            self._writer.submit(what, self._write, step, pending, blocking)
         else:
-            self._writer.run_now(what, self._write, step, pending)
+            self._writer.run_now(what, self._write, step, pending, Blocking(since, None))
 
     def _peer_shifts(self) -> tuple[tuple[int, ...], list[str]]:
         """Where the peer copies go (see ``peers.peer_shifts``) and every process's host;
@@ -224,10 +253,20 @@ class EmergencyCheckpointManager:
             self._shifts = (shifts, hosts)
         return self._shifts
 
-    def _write(self, step: int, pending: local_save.Pending) -> None:
+    def _write(self, step: int, pending: local_save.Pending, blocking: Blocking) -> None:
         fig = Stopwatch("emergency_write", self.local_directory.url)
-        self._saver.finish(pending, fig, write=step not in self._local_steps)
+        written = step not in self._local_steps
+        self._saver.finish(pending, fig, write=written)
         self._local_steps.add(step)
+        if self._log is not None and written:
+            self._log.append(
+                "save",
+                step,
+                tier="local",
+                blocking_s=blocking.seconds(),
+                write_s=time.perf_counter() - fig.started,
+                bytes=fig.bytes,
+            )
         keep = self.options.local_max_to_keep
         if keep is not None:
             for old in sorted(self._local_steps)[:-keep]:
@@ -251,6 +290,7 @@ class EmergencyCheckpointManager:
         ``last_report``. Every process must call it.
         """
         o = self.options
+        started = time.perf_counter()
         self.wait_until_finished()
         self.remote.reload()
         # The host copies of the state being replaced are of no further use; freeing them
@@ -277,6 +317,15 @@ class EmergencyCheckpointManager:
             )
             self.last_restore_figures = fig.done()
             self._restored = (s, records)
+            if self._log is not None:  # (a remote restore is logged by the remote manager)
+                tier = "peer" if report.from_peers else "local"
+                self._log.append(
+                    "restore",
+                    s,
+                    tier=tier,
+                    seconds=time.perf_counter() - started,
+                    sources={"peer": len(report.from_peers)},
+                )
             break
         else:
             remote_steps = views[0].remote
@@ -296,6 +345,8 @@ class EmergencyCheckpointManager:
             report, rejected=tuple(rejected), bad_copies=(*bad_copies, *report.bad_copies)
         )
         log.info("jaxckpt: restored %s", self.last_report)
+        for cadence in self._cadences:  # saves count from here; a restart's cost
+            cadence.restored(self.last_report.step, time.perf_counter() - started)
         return state
 
     def per_process(
@@ -336,6 +387,8 @@ class EmergencyCheckpointManager:
             self._writer.close(self.local_directory.url)
         finally:
             self.remote.close()
+            if self._log is not None:
+                self._log.close(self._reached)
 
     def __enter__(self) -> EmergencyCheckpointManager:
         return self

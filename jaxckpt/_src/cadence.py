@@ -1,0 +1,195 @@
+"""Which steps a tier saves: a fixed interval, or ``"auto"``, chosen from measurement.
+
+A fixed interval saves the multiples of it, as always. ``"auto"`` saves every ``interval``
+steps after the last save, the interval being the one that maximizes the expected goodput
+(:mod:`jaxckpt._src.intervals`) given the step time, the save's blocking time and the
+restart cost measured here, and the job's MTBF (``mtbf_hours`` per host, divided by the
+process count; learned from the run log with that as prior). It is re-decided after the
+first saves and then every ``REDECIDE_EVERY`` saves, from inputs agreed between processes
+(each takes the worst of every process's figures), so every process saves the same steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass
+
+import jax
+
+from ..errors import RunLogError
+from . import intervals, multihost, runlog
+from .runlog import Event, RunLog
+from .storage import Location
+
+REDECIDE_EVERY = 8
+"""Saves between two decisions, once the first ``REDECIDE_EVERY`` saves have each decided."""
+
+_instances = itertools.count()  # names of the agreement rounds (cadences start in order)
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """How long a save blocked its caller: from ``since`` to ``until`` (a background save:
+    when it was handed to the writer), or to when ``seconds`` is asked (a save written on
+    the calling thread, asked once written)."""
+
+    since: float
+    until: float | None
+
+    def seconds(self) -> float:
+        return (self.until or time.perf_counter()) - self.since
+
+
+@dataclass(frozen=True)
+class History:
+    """What the run log says about earlier jobs of this run: time up, failures, restarts."""
+
+    uptime_s: float = 0.0
+    failures: int = 0
+    restarts_s: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, events: tuple[Event, ...] | list[Event]) -> History:
+        """From the events of one process's log (a job that ends without ``end`` and is
+        followed by another job failed; its restart runs to the next job's ``restore``)."""
+        jobs: dict[str, list[Event]] = {}
+        for e in sorted(events, key=lambda e: e.t):
+            jobs.setdefault(e.job, []).append(e)
+        runs = list(jobs.values())
+        uptime = sum(run[-1].t - run[0].t for run in runs)
+        failures, restarts = 0, []
+        for run, after in itertools.pairwise(runs):
+            if any(e.event == "end" for e in run):
+                continue
+            failures += 1
+            back = next((e for e in after if e.event == "restore"), None)
+            if back is not None:
+                restarts.append(back.t - run[-1].t)
+        return cls(uptime, failures, tuple(restarts))
+
+
+class Cadence:
+    """Decides, for one tier, whether a step is due; every process must give it the same
+    steps (``due`` at every ``save`` call, ``saved`` after every save of this tier)."""
+
+    def __init__(
+        self,
+        tier: str,
+        interval: int | str,
+        *,
+        mtbf_hours: float | None = None,
+        min_steps: int = 1,
+        max_steps: int = 10_000,
+        history: History | None = None,
+        log: RunLog | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.tier, self.auto = tier, interval == "auto"
+        self.interval = min_steps if self.auto else int(interval)
+        self.min_steps, self.max_steps = min_steps, max_steps
+        self.history = history or History()
+        self.measured = intervals.Measurements()
+        for r in self.history.restarts_s:
+            self.measured.restore(r)
+        self.prior_s = (
+            intervals.job_mtbf_s(mtbf_hours, multihost.process_count()) if mtbf_hours else None
+        )
+        self.choice: intervals.Choice | None = None
+        self._log, self._timeout_s = log, timeout_s
+        self._last: int | None = None
+        self._saves = 0
+        self._name = f"jaxckpt/cadence/{next(_instances)}/{tier}"
+        self._started = time.time()
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is one this tier saves (also records when it was reached)."""
+        if not self.auto:
+            return step % self.interval == 0
+        self.measured.step(step, time.perf_counter())
+        return self._last is None or step - self._last >= self.interval
+
+    def restored(self, step: int, seconds: float) -> None:
+        """A restore of ``step`` took ``seconds``: part of the restart cost; saves count
+        from it."""
+        self._last = step
+        self.measured.restore(seconds)
+
+    def saved(self, step: int, blocking_s: float) -> None:
+        """``step`` was saved, blocking the caller ``blocking_s``; maybe decides again."""
+        self._last = step
+        if not self.auto:
+            return
+        self.measured.save(blocking_s)
+        self._saves += 1
+        if self._saves <= REDECIDE_EVERY or self._saves % REDECIDE_EVERY == 0:
+            self._decide()
+
+    def _mtbf_s(self) -> float:
+        assert self.prior_s is not None  # options refuse "auto" without mtbf_hours
+        uptime = self.history.uptime_s + time.time() - self._started
+        return intervals.learned_mtbf_s(self.prior_s, uptime, self.history.failures)
+
+    def _decide(self) -> None:
+        mine = self.measured.costs(self._mtbf_s())
+        text = json.dumps(
+            None if mine is None else [mine.step_s, mine.save_s, mine.restart_s, mine.mtbf_s]
+        )
+        got = [
+            json.loads(v)
+            for v in multihost.all_gather(
+                f"{self._name}/{self._saves}",
+                text,
+                self._timeout_s,
+                what="agreeing on the save interval",
+            )
+        ]
+        if any(g is None for g in got):
+            return  # not measured enough everywhere yet: keep the interval
+        worst = [max(g[i] for g in got) for i in range(3)]
+        costs = intervals.Costs(worst[0], worst[1], worst[2], min(g[3] for g in got))
+        choice = intervals.choose(costs, self.min_steps, self.max_steps)
+        changed = choice.steps != self.interval
+        self.interval, self.choice = choice.steps, choice
+        jax.monitoring.record_scalar(
+            f"/jaxckpt/goodput/{self.tier}/interval_steps", float(choice.steps)
+        )
+        jax.monitoring.record_scalar(
+            f"/jaxckpt/goodput/{self.tier}/predicted_ettr", choice.predicted_ettr
+        )
+        if changed and self._log is not None:
+            self._log.append(
+                "interval",
+                self._last,
+                tier=self.tier,
+                steps=choice.steps,
+                predicted_ettr=choice.predicted_ettr,
+                step_s=costs.step_s,
+                save_s=costs.save_s,
+                restart_s=costs.restart_s,
+                mtbf_s=costs.mtbf_s,
+            )
+
+
+def start_run(
+    directories: list[Location], tiers: list[str], heartbeat_s: float, enabled: bool = True
+) -> tuple[RunLog | None, History]:
+    """Opens this process's run log in ``directories``, reads what earlier jobs of the
+    run left in the first one, and logs this job's start (with the step they reached).
+    Not ``enabled``: no log, and no history to learn from."""
+    if not enabled:
+        return None, History()
+    pid = multihost.process_index()
+    try:
+        before = runlog.read(directories[0], pid).events
+    except RunLogError:  # a new run (or a log nobody can read: it is only figures)
+        before = ()
+    log = RunLog(directories, pid, heartbeat_s=heartbeat_s)
+    log.append(
+        "start",
+        processes=multihost.process_count(),
+        previous_step=runlog.previous_step(before),
+        tiers=tiers,
+    )
+    return log, History.of(before)

@@ -1,0 +1,120 @@
+"""Which steps a tier saves: fixed intervals, "auto" ones chosen from measurement and
+agreed between processes, and the run log the managers keep (read back by goodput)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import multiproc
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt._src import intervals, runlog
+from jaxckpt._src.cadence import Cadence, History
+from jaxckpt._src.runlog import Event
+
+HERE = os.path.dirname(__file__)
+LOOP = os.path.join(HERE, "workers", "goodput_loop.py")
+
+
+def ev(event: str, t: float, job: str, step: int | None = None, **fields) -> Event:
+    return Event(event, t, job, 0, step, fields)
+
+
+def test_history_counts_failures_uptime_and_restarts():
+    events = [
+        ev("start", 0, "a"), ev("save", 50, "a", 10), ev("step", 100, "a", 12),  # dies
+        ev("start", 130, "b"), ev("restore", 140, "b", 10), ev("end", 200, "b", 30),
+        ev("start", 300, "c"), ev("step", 310, "c", 31),  # a clean restart, then running
+    ]  # fmt: skip
+    h = History.of(events)
+    assert h.failures == 1
+    assert h.uptime_s == 100 + 70 + 10
+    assert h.restarts_s == (40.0,)  # from the failed job's last event to the restore
+    assert History.of([]) == History()
+
+
+def test_fixed_interval_saves_the_multiples():
+    c = Cadence("dir", 4)
+    assert [s for s in range(1, 20) if c.due(s)] == [4, 8, 12, 16]
+
+
+def test_auto_waits_for_measurements_then_follows_its_choice():
+    c = Cadence("dir", "auto", mtbf_hours=1.0, min_steps=2, max_steps=50)
+    assert c.interval == 2 and c.due(1)  # nothing measured: the first step is due
+    c.saved(1, 0.0)
+    assert not c.due(2) and c.due(3)
+    c.saved(3, 0.0)  # two step times by now (a save that cost nothing): decided
+    assert c.choice is not None and c.interval == c.choice.steps
+    assert 2 <= c.interval <= 50
+    assert c.due(3 + c.interval) and not c.due(2 + c.interval)
+
+
+def test_a_manager_with_auto_saves_at_the_interval_it_logged(tmp_path):
+    opts = jaxckpt.Options(save_interval_steps="auto", mtbf_hours=0.05, heartbeat_s=0)
+    state = {"w": np.arange(4096, dtype=np.float32)}
+    saved = []
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        for step in range(1, 80):
+            if mgr.save(step, state):
+                saved.append(step)
+    log = runlog.read(tmp_path)
+    chosen = [e for e in log.events if e.event == "interval"]
+    assert chosen, [e.event for e in log.events]
+    last = chosen[-1].fields
+    costs = intervals.Costs(last["step_s"], last["save_s"], last["restart_s"], last["mtbf_s"])
+    assert intervals.choose(costs, 1, 10_000).steps == last["steps"]
+    after = [s for s in saved if s > chosen[-1].step]
+    assert all(b - a == last["steps"] for a, b in zip(after, after[1:], strict=False))
+    assert [e.step for e in log.events if e.event == "save"] == saved
+    assert log.events[0].event == "start" and log.events[-1].event == "end"
+    assert log.events[-1].step == 79
+
+
+def test_run_log_off_writes_nothing(tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path, jaxckpt.Options(run_log=False)) as mgr:
+        mgr.save(1, {"x": np.zeros(3)})
+    assert not (tmp_path / "runlog").exists()
+
+
+@pytest.mark.slow
+def test_processes_agree_on_the_auto_interval(tmp_path):
+    res = multiproc.run(LOOP, 2, args=["agree", str(tmp_path)], timeout_s=180).check()
+    got = [json.loads(o.split("SAVED ", 1)[1].splitlines()[0]) for o in res.outputs]
+    assert got[0]["saved"] == got[1]["saved"] and got[0]["steps"] == got[1]["steps"]
+    assert got[0]["step_s"] == got[1]["step_s"] >= 0.016  # the slower process's steps
+    assert len(got[0]["saved"]) < 60
+
+
+@pytest.mark.slow
+def test_goodput_of_a_run_with_a_kill(tmp_path):
+    """Process 0 dies by SIGKILL right after step 23's save call (the last local step, 20,
+    is committed: synchronous saves); the job is torn down, host 1 is replaced (its disk
+    wiped), and the relaunched job restores step 20: 3 steps lost in process 0's log."""
+    job = multiproc.start(LOOP, 2, args=["train", str(tmp_path), "23", "100"])
+    out0, _ = job.procs[0].communicate(timeout=180)
+    assert job.procs[0].returncode == -9 and "KILLED AT 23" in out0, out0
+    job.procs[1].kill()  # its peer is dead: a real launcher tears the job down
+    job.procs[1].communicate(timeout=60)
+    shutil.rmtree(tmp_path / "host1")
+    res = multiproc.run(LOOP, 2, args=["train", str(tmp_path), "0", "30"], timeout_s=180)
+    res.check()
+    restored = [json.loads(o.split("RESTORED ", 1)[1].splitlines()[0]) for o in res.outputs]
+    assert restored == [{"step": 20, "tier": "local"}, {"step": 20, "tier": "peer"}]
+
+    g = jaxckpt.goodput(tmp_path / "host0")
+    assert g.jobs == 2 and g.failures == 1 and g.last_step == 30
+    (loss,) = g.losses
+    assert (loss.reached_step, loss.restored_step, loss.steps_lost) == (23, 20, 3)
+    assert loss.tier == "local" and loss.restart_s > 0 and loss.restore_s > 0
+    assert 0 < g.ettr < 1 and g.mtbf_s == pytest.approx(g.wall_s)
+    # process 1's log survived the wiped disk in the remote directory: it restored from peers
+    g1 = jaxckpt.goodput(tmp_path / "remote", process=1)
+    assert g1.failures == 1 and g1.losses[0].tier == "peer"
+    # the command says the same
+    cmd = [sys.executable, "-m", "jaxckpt", "goodput", str(tmp_path / "host0"), "--json"]
+    doc = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    assert doc["failures"] == 1 and doc["losses"][0]["steps_lost"] == 3
