@@ -34,6 +34,11 @@ def ckpt_dir(tmp_path):
     return tmp_path / "ckpt"
 
 
+def listing(directory) -> list[str]:
+    """A manager directory's entries, less its run log (``runlog/``, format 1.6)."""
+    return sorted(n for n in os.listdir(directory) if n != "runlog")
+
+
 def sharded(x, mesh, spec):
     return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 

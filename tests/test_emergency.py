@@ -11,7 +11,7 @@ import jax
 import multiproc
 import numpy as np
 import pytest
-from conftest import assert_tree_equal, sharded
+from conftest import assert_tree_equal, listing, sharded
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -96,8 +96,8 @@ def test_step_digits_and_figures(tmp_path, mesh42):
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
         mgr.save(2, make_state(mesh42, 2))
         mgr.wait_until_finished()
-        assert sorted(os.listdir(tmp_path / "l")) == ["0002"]
-        assert sorted(os.listdir(tmp_path / "r")) == ["0002"]
+        assert listing(tmp_path / "l") == ["0002"]
+        assert listing(tmp_path / "r") == ["0002"]
         assert set(mgr.last_save_figures.phases) == {"remote", "local"}
         assert set(mgr.last_write_figures.phases) == {"write"}
         assert mgr.last_write_figures.bytes > 64 * 32 * 4
@@ -135,7 +135,7 @@ def test_uncommitted_and_tmp_leftovers_are_removed(tmp_path, mesh42):
     (ldir / "00000002" / "COMMITTED").unlink()  # a step whose commit never happened
     (ldir / "00000003.tmp-abcd").mkdir()
     with jaxckpt.EmergencyCheckpointManager(ldir, tmp_path / "r", opts()) as mgr:
-        assert sorted(os.listdir(ldir)) == ["00000001"]
+        assert listing(ldir) == ["00000001"]
         assert mgr.local_steps() == [1] and mgr.latest_step() == 1
         assert_tree_equal(mgr.restore(), make_state(mesh42, 1))
 
@@ -209,7 +209,7 @@ def test_bad_leaves_raise_in_save_and_write_nothing(tmp_path, mesh42):
             with pytest.raises(UnsupportedLeafError, match="leaf 'bad'"):
                 mgr.save(1, {"ok": make_state(mesh42, 1)["w"], "bad": bad})
         mgr.wait_until_finished()
-        assert mgr.local_steps() == [] and os.listdir(tmp_path / "l") == []
+        assert mgr.local_steps() == [] and listing(tmp_path / "l") == []
 
 
 def test_numpy_leaves_are_snapshots_in_native_order(tmp_path, mesh42):
@@ -274,7 +274,7 @@ def reports(res):
 
 
 def steps(d):
-    return sorted(os.listdir(d))
+    return listing(d)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from conftest import assert_tree_equal, sharded
+from conftest import assert_tree_equal, listing, sharded
 
 import jaxckpt
 from jaxckpt import errors
@@ -34,7 +34,7 @@ def test_async_save_restore_and_listing(mesh42, tmp_path):
         assert_tree_equal(mgr.restore(), _state(mesh42, 2))
         assert_tree_equal(mgr.restore(1, target=_state(mesh42, 0)), _state(mesh42, 1))
         assert mgr.metadata(1)["w"].shape == (64, 32)
-    assert sorted(os.listdir(tmp_path)) == ["00000000", "00000001", "00000002"]
+    assert listing(tmp_path) == ["00000000", "00000001", "00000002"]
     # a fresh manager sees the same committed steps
     with jaxckpt.CheckpointManager(tmp_path) as mgr:
         assert mgr.all_steps() == [0, 1, 2]
@@ -132,7 +132,7 @@ def test_max_to_keep_and_keep_period(tmp_path):
             mgr.save(s, {"s": np.int32(s)})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [0, 4, 8, 9]
-    assert sorted(os.listdir(tmp_path)) == ["00000000", "00000004", "00000008", "00000009"]
+    assert listing(tmp_path) == ["00000000", "00000004", "00000008", "00000009"]
 
 
 def test_best_n_by_metric_keeps_newest(tmp_path):
@@ -208,7 +208,7 @@ def test_close_with_save_in_flight_finishes_it(mesh42, tmp_path):
     mgr.save(1, big)
     mgr.close()
     assert not any(t.name == "jaxckpt-writer" for t in threading.enumerate())
-    assert sorted(os.listdir(tmp_path)) == ["00000001"]
+    assert listing(tmp_path) == ["00000001"]
     assert_tree_equal(jaxckpt.restore(tmp_path / "00000001", target=big), big)
     with pytest.raises(errors.CheckpointError, match="closed"):
         mgr.save(2, big)
@@ -221,7 +221,7 @@ def test_leftovers_are_cleaned_and_never_listed(tmp_path):
     (tmp_path / "00000003.tmp-abc" / "arrays").mkdir(parents=True)  # crashed mid-write
     with jaxckpt.CheckpointManager(tmp_path) as mgr:
         assert mgr.all_steps() == [1]
-        assert sorted(os.listdir(tmp_path)) == ["00000001"]
+        assert listing(tmp_path) == ["00000001"]
         mgr.save(2, {"a": 22})
         mgr.wait_until_finished()
         assert mgr.restore(2) == {"a": 22}
@@ -299,7 +299,7 @@ def test_sigkill_at_random_moments_never_exposes_a_partial_step(tmp_path):
         with jaxckpt.CheckpointManager(directory, jaxckpt.Options(max_to_keep=3)) as mgr:
             steps = mgr.all_steps()
             assert steps, f"trial {trial}: nothing committed"
-            leftovers = [n for n in os.listdir(directory) if not n.isdigit()]
+            leftovers = [n for n in listing(directory) if not n.isdigit()]
             assert leftovers == [], f"trial {trial}: leftovers not cleaned: {leftovers}"
             assert all((directory / f"{s:08d}" / "COMMITTED").exists() for s in steps)
             newest = mgr.latest_step()
@@ -352,7 +352,7 @@ def test_manager_on_s3(s3_url, mesh42):
     with jaxckpt.CheckpointManager(s3_url, opts) as mgr:
         assert mgr.all_steps() == [2, 3]
         assert_tree_equal(mgr.restore(2, target=_state(mesh42, 0)), _state(mesh42, 2))
-        assert sorted(mgr.directory.list_children()) == ["00000002", "00000003"]
+        assert sorted(mgr.directory.list_children()) == ["00000002", "00000003", "runlog"]
 
 
 @pytest.mark.slow
@@ -377,8 +377,8 @@ def test_interrupted_saves_on_s3_never_show(s3_url):
         with jaxckpt.CheckpointManager(s3_url, jaxckpt.Options(max_to_keep=3)) as mgr:
             newest = mgr.latest_step()
             assert newest is not None
-            assert all(name.isdigit() for name in mgr.directory.list_children())
-            committed = mgr.directory.list_children()
+            committed = [n for n in mgr.directory.list_children() if n != "runlog"]
+            assert all(name.isdigit() for name in committed)
             assert [int(n) for n in committed] == mgr.all_steps()
             assert_tree_equal(mgr.restore(), expected(newest) | {"step": newest})
 
@@ -396,7 +396,7 @@ def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(os.listdir(tmp_path)) == ["00000004"]
+    assert listing(tmp_path) == ["00000004"]
     np.testing.assert_array_equal(
         jaxckpt.restore(tmp_path / "00000004")["w"], np.ones((1024, 1024), np.float32)
     )
