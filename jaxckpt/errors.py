@@ -109,3 +109,8 @@ class SafetensorsShapeError(SafetensorsError, ShapeMismatchError):
 
 class SafetensorsLeafError(SafetensorsError, UnsupportedLeafError):
     """A leaf ``jaxckpt.safetensors.save`` cannot write (not an array, or a PRNG key)."""
+
+
+class SaveCancelledError(CheckpointError):
+    """A save stopped by ``cancel()`` (this process's, or another process's of the job)
+    before it committed; nothing of it is listed."""

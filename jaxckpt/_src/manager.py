@@ -33,6 +33,7 @@ from .writer import Writer
 __all__ = ["BackgroundSaveError", "CheckpointManager"]
 
 log = logging.getLogger("jaxckpt")
+CANCEL_TIMEOUT_S = 1.0  # how long cancel() waits for the cancelled save to stop
 
 
 class CheckpointManager:
@@ -304,11 +305,25 @@ class CheckpointManager:
 
     # --- lifetime ------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Finishes the save in flight, stops the writer thread, raises a pending error."""
+    def cancel(self, timeout_s: float = CANCEL_TIMEOUT_S) -> bool:
+        """Stops the save in flight (a preemption notice leaves seconds; a remote save may
+        take minutes); every process of the job calls it. Returns within about
+        ``timeout_s``: True if a save was cancelled (it is never committed, even if its
+        thread is still inside a storage write when this returns, and its error is not
+        raised later), False if none was in flight or its commit had already won (then it
+        is committed). Its leftovers are removed now on a local disk, else when a manager
+        next starts. The manager can save again at once (the cancelled job ends first)."""
+        # the run log's `cancel` event goes here (tier "dir", seconds)
+        return self._writer.cancel(timeout_s)
+
+    def close(self, cancel: bool = False) -> None:
+        """Finishes the save in flight (or ``cancel``s it), stops the writer thread, raises
+        a pending error."""
         if self._closed:
             return
         self._closed = True
+        if cancel:
+            self.cancel()
         self._writer.close(self.directory.url)
 
     def __enter__(self) -> CheckpointManager:
