@@ -115,6 +115,7 @@ class Writer:
         self._error: BaseException | None = None
         self._jobs: list[Cancel] = []  # submitted and not finished, oldest first
         self._last_cancelled = False
+        self._running: Cancel | None = None
         self._changed = threading.Condition()  # a job finished
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -151,7 +152,7 @@ class Writer:
             item = None  # drop the job's data (host copies) before going idle
 
     def _run(self, job: Cancel, fn: Callable[..., Any], args: tuple) -> None:
-        _here.job = job
+        _here.job = self._running = job
         try:
             fn(*args)
         except BaseException as e:  # kept and re-raised in the caller's thread
@@ -161,7 +162,7 @@ class Writer:
                 self._error = BackgroundSaveError(f"{job.what} failed: {e}")
                 self._error.__cause__ = e
         finally:
-            _here.job = None
+            _here.job = self._running = None
             with self._changed:
                 self._last_cancelled = job.cancelled
                 self._jobs.remove(job)
@@ -184,14 +185,16 @@ class Writer:
         return self._wait_for(lambda: all(j.cancelled for j in self._jobs), 2 * self.timeout_s)
 
     def cancel(self, timeout_s: float) -> bool:
-        """Cancels the jobs in flight and waits up to ``timeout_s`` for them to stop; True if
-        one was cancelled (it never commits, even if it still runs after this returns:
-        TensorStore's writes in flight are not interrupted), False if there was none or
-        its commit won (it commits). A job a peer cancelled, ended or not, counts."""
+        """Cancels the jobs in flight and waits up to ``timeout_s`` for the running one to
+        stop; True if one was cancelled (it never commits, even if it still runs after this
+        returns: TensorStore's writes in flight are not interrupted), False if there was
+        none or its commit won (it commits). A job a peer cancelled, ended or not, counts;
+        one this process cancelled before does not (nor is it waited for again)."""
         with self._changed:
-            jobs = list(self._jobs)
+            jobs = [job for job in self._jobs if not job.asked]  # not cancelled here before
         cancelled = [job for job in jobs if job.cancel()]
-        self._wait_for(lambda: not self._jobs, timeout_s)  # a commit that won, too
+        # the one running (a commit that won, too); queued ones stop as they start
+        self._wait_for(lambda: self._running not in jobs, timeout_s)
         if isinstance(self._error, BackgroundSaveError) and isinstance(
             self._error.__cause__, SaveCancelledError
         ):  # a peer cancelled the last job before this process asked
