@@ -7,16 +7,16 @@ import time
 from urllib.parse import urlparse
 
 import jax
+import multiproc
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from slowproxy import SlowProxy
 
 import jaxckpt
-import multiproc
-from jaxckpt.errors import SaveCancelledError
 from jaxckpt._src.writer import Cancel
-from slowproxy import SlowProxy
+from jaxckpt.errors import SaveCancelledError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BOUND_S = 2.0
