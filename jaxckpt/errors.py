@@ -117,3 +117,8 @@ class RunLogError(CheckpointError):
 
 class MissingDependencyError(CheckpointError, ImportError):
     """An optional package a feature needs is not installed (the message names it)."""
+
+
+class SaveCancelledError(CheckpointError):
+    """A save stopped by ``cancel()`` (this process's, or another process's of the job)
+    before it committed; nothing of it is listed."""

@@ -36,6 +36,7 @@ from .writer import Writer
 __all__ = ["BackgroundSaveError", "CheckpointManager"]
 
 log = logging.getLogger("jaxckpt")
+CANCEL_TIMEOUT_S = 1.0  # how long cancel() waits for the cancelled save to stop
 
 
 class CheckpointManager:
@@ -350,11 +351,30 @@ class CheckpointManager:
 
     # --- lifetime ------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Finishes the save in flight, stops the writer thread, raises a pending error."""
+    def cancel(self, timeout_s: float = CANCEL_TIMEOUT_S) -> bool:
+        """Stops the save in flight (a preemption notice leaves seconds; a remote save may
+        take minutes); every process of the job calls it. Returns within about
+        ``timeout_s``: True if a save was cancelled (it is never committed, even if its
+        thread is still inside a storage write when this returns, and its error is not
+        raised later), False if none was in flight or its commit had already won (then it
+        is committed). Its leftovers are removed now on a local disk, else when a manager
+        next starts. The manager can save again at once (the cancelled job ends first)."""
+        started = time.perf_counter()
+        cancelled = self._writer.cancel(timeout_s)
+        if cancelled and self._log is not None:
+            self._log.append(
+                "cancel", self._reached, tier=self._tier, seconds=time.perf_counter() - started
+            )
+        return cancelled
+
+    def close(self, cancel: bool = False) -> None:
+        """Finishes the save in flight (or ``cancel``s it), stops the writer thread, raises
+        a pending error."""
         if self._closed:
             return
         self._closed = True
+        if cancel:
+            self.cancel()
         try:
             self._writer.close(self.directory.url)
         finally:

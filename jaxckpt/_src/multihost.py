@@ -2,8 +2,11 @@
 
 All use of JAX's coordination-service client lives here. With one process every call is a
 cheap no-op, so single-host code pays nothing. Every wait has a timeout; a timeout raises
-:class:`CoordinationError` naming the processes that did not arrive. Time spent in
-coordination is accumulated in :data:`STATS` (see :func:`coordination_stats`).
+:class:`CoordinationError` naming the processes that did not arrive. A wait given a
+``check`` (a save that can be cancelled) polls the key-value store in slices and calls
+``check`` between them, so a cancel stops it within a slice: JAX's ``wait_at_barrier``
+cannot be interrupted. Time spent in coordination is accumulated in :data:`STATS` (see
+:func:`coordination_stats`).
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from ..errors import CoordinationError
+from ..errors import CoordinationError, SaveCancelledError
 
 _counter = itertools.count()
+WAIT_SLICE_S = 0.25  # an interruptible wait calls its check this often
+Check = Callable[[], None]  # raises (SaveCancelledError) to stop an interruptible wait
 
 # Cheap counters: seconds and calls spent in barriers and key-value traffic. ``protocol_s``
 # is the coordination's own latency: for each barrier, release minus the last process's
@@ -114,13 +119,17 @@ def _missing(error: Exception) -> list[int]:
     return sorted({int(t) for t in itertools.takewhile(str.isdigit, tokens)})
 
 
-def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
+def barrier(name: str, timeout_s: float, *, what: str = "", check: Check | None = None) -> None:
     """Waits until every process reaches ``name``; raises CoordinationError on timeout.
 
     ``what`` (e.g. the checkpoint path) is named in the error, with the processes that never
-    arrived (as the coordination service reports them).
+    arrived (as the coordination service reports them). With ``check``, an interruptible
+    barrier of key-value calls (see :func:`_interruptible_barrier`).
     """
     if process_count() == 1:
+        return
+    if check is not None:
+        _interruptible_barrier(name, timeout_s, what, check)
         return
     client = _client()
     try:
@@ -148,18 +157,83 @@ def barrier(name: str, timeout_s: float, *, what: str = "") -> None:
         ) from e
 
 
+def _interruptible_barrier(name: str, timeout_s: float, what: str, check: Check) -> None:
+    """A barrier that ``check`` can stop: each process marks its arrival and counts itself
+    in; the last one opens it, and the others wait for that key in slices. Three key-value
+    calls a process, and a listing only on timeout (to name who never arrived)."""
+    client = _client()
+    with _timed("barrier"):
+        client.key_value_set(f"{name}/at/{process_index()}", "")
+        if client.key_value_increment(f"{name}/count", 1) == process_count():
+            client.key_value_set(f"{name}/open", "")
+            return
+        try:
+            wait_key(f"{name}/open", timeout_s, check)
+            return
+        except CoordinationError:
+            arrived = {
+                int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(f"{name}/at/")
+            }
+    missing = sorted(set(range(process_count())) - arrived)
+    raise CoordinationError(
+        f"{what + ': ' if what else ''}barrier {name!r}: process(es) {missing} of "
+        f"{process_count()} never arrived within {timeout_s:g}s (this is process "
+        f"{process_index()}). Those processes died, hang or are saving something else; check "
+        "their logs. Nothing was committed; restart the job to restore the previous checkpoint"
+    )
+
+
+def wait_key(key: str, timeout_s: float, check: Check) -> str:
+    """The value of ``key`` once some process sets it, waiting at most ``timeout_s``
+    (CoordinationError) in slices of :data:`WAIT_SLICE_S`, with ``check()`` between them."""
+    client = _client()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check()
+        left = deadline - time.monotonic()
+        try:
+            return str(
+                client.blocking_key_value_get(key, max(1, int(min(WAIT_SLICE_S, left) * 1000)))
+            )
+        except Exception as e:  # the client raises JaxRuntimeError
+            if "DEADLINE_EXCEEDED" not in str(e) or time.monotonic() >= deadline:
+                raise CoordinationError(
+                    f"nobody set {key!r} within {timeout_s:g}s (this is process "
+                    f"{process_index()}): {str(e).splitlines()[0] if str(e) else e!r}"
+                ) from e
+
+
+def count(key: str, add: int = 0) -> int:
+    """Adds ``add`` to the counter ``key`` (atomically, on the coordination service) and
+    returns its new value (0 for a counter never added to)."""
+    client = _client()
+    if add:
+        return int(client.key_value_increment(key, add))
+    try:
+        return int(client.key_value_try_get(key))
+    except Exception as e:  # NOT_FOUND
+        if "NOT_FOUND" in str(e):
+            return 0
+        raise
+
+
 def send_text(name: str, to: int, text: str) -> None:
     """Leaves ``text`` for process ``to`` under ``name`` (:func:`receive_text` takes it)."""
     _client().key_value_set(f"{name}/{process_index()}->{to}", text)
 
 
-def receive_text(name: str, sender: int, timeout_s: float) -> str:
+def receive_text(name: str, sender: int, timeout_s: float, check: Check | None = None) -> str:
     """What ``sender`` left for this process under ``name``; the key is deleted once read,
-    so the coordination service keeps nothing per save."""
+    so the coordination service keeps nothing per save. ``check``: see :func:`wait_key`."""
     key = f"{name}/{sender}->{process_index()}"
     client = _client()
     try:
-        text = client.blocking_key_value_get(key, int(timeout_s * 1000))
+        if check is not None:
+            text = wait_key(key, timeout_s, check)
+        else:
+            text = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    except SaveCancelledError:
+        raise
     except Exception as e:
         raise CoordinationError(
             f"process {sender} sent nothing under {name!r} within {timeout_s:g}s (this is "
@@ -176,14 +250,16 @@ def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> li
     return _exchange(name, value, timeout_s, what, everyone=True)
 
 
-def _exchange(name: str, value: str, timeout_s: float, what: str, everyone: bool) -> list[str]:
+def _exchange(
+    name: str, value: str, timeout_s: float, what: str, everyone: bool, check: Check | None = None
+) -> list[str]:
     """Sets this process's ``value`` under ``name``, waits for every process at a barrier,
     and returns every process's value in process order: on every process if ``everyone``,
     else on process 0 only (the others get [])."""
     client = _client()
     with _timed("kv"):
         client.key_value_set(f"{name}/value/{process_index()}", value)
-    barrier(name, timeout_s, what=what)
+    barrier(name, timeout_s, what=what, check=check)
     if not everyone and process_index() != 0:
         return []
     with _timed("kv"):
@@ -203,7 +279,13 @@ class Agreement:
 
 
 def agree(
-    name: str, description: dict, timeout_s: float, *, what: str = "", extra: str = ""
+    name: str,
+    description: dict,
+    timeout_s: float,
+    *,
+    what: str = "",
+    extra: str = "",
+    check: Check | None = None,
 ) -> Agreement:
     """Raises CoordinationError on every process unless all give the same ``description``.
 
@@ -217,7 +299,7 @@ def agree(
     digest = hashlib.sha256(full.encode()).hexdigest()[:16]
     summary = {k: v for k, v in description.items() if k in ("path", "leaves")}
     message = json.dumps({"h": digest, "x": extra, **summary})
-    values = _exchange(name, message, timeout_s, what, everyone=False)
+    values = _exchange(name, message, timeout_s, what, everyone=False, check=check)
     client = _client()
     if process_index() == 0:
         got = [json.loads(v) for v in values]
@@ -228,9 +310,14 @@ def agree(
     else:
         try:
             with _timed("kv"):
+                key = f"{name}/verdict"
                 verdict = json.loads(
-                    client.blocking_key_value_get(f"{name}/verdict", int(timeout_s * 1000))
+                    wait_key(key, timeout_s, check)
+                    if check is not None
+                    else client.blocking_key_value_get(key, int(timeout_s * 1000))
                 )
+        except SaveCancelledError:
+            raise
         except Exception as e:
             raise CoordinationError(
                 f"{what + ': ' if what else ''}process 0 published no verdict for {name!r} "

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
-from . import arrays, multihost, steps
+from . import arrays, multihost, steps, writer
 from . import per_process as pp
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
@@ -137,9 +137,28 @@ class _Writer:
     has_record: bool  # wrote a per-process value
 
 
-def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
-    """Writes a prepared save on every process and commits it; blocks until committed."""
+def commit(
+    prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S, cancel: writer.Cancel | None = None
+) -> Figures:
+    """Writes a prepared save on every process and commits it; blocks until committed.
+
+    ``cancel`` (default: that of the manager's job running this, ``writer.current``) is
+    checked between phases and while waiting for the other processes; process 0 claims the
+    commit right before the rename and the marker, so a cancel either wins (nothing is
+    committed; SaveCancelledError) or loses (the step commits). On a local disk process 0
+    removes the temporary directory when cancelled; on object stores the step's objects
+    stay until the next manager's ``steps.clean_leftovers``.
+    """
     loc, leaves, clock = prepared.loc, prepared.staged.leaves, prepared.clock
+    cancel = cancel or writer.current()
+    check = cancel.poll if cancel is not None else None
+    # first, so that every process takes the same name even if it stops below
+    name = multihost.unique_name("save")
+    pid, count = multihost.process_index(), multihost.process_count()
+    if cancel is not None:
+        if count > 1:
+            cancel.bind(f"{name}/decision")
+        cancel.check()
     # checked here, not in prepare: a manager's calling thread never waits on storage
     if loc.exists(COMMIT_FILE):
         raise CheckpointExistsError(
@@ -147,7 +166,6 @@ def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
         )
     writes = [leaf.write for leaf in leaves if leaf.write is not None]
     clock.bytes = sum(w.nbytes for w in writes)
-    pid, count = multihost.process_index(), multihost.process_count()
     me = _Writer(
         multihost.host_name(), uuid.uuid4().hex[:12], clock.bytes, prepared.record is not None
     )
@@ -158,24 +176,35 @@ def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
         # every process? Who runs where, and process 0's id for this save (temporary
         # directory and barrier names, so a restarted job never meets a stale one).
         agreed = multihost.agree(
-            multihost.unique_name("save"),
+            name,
             _summary(loc, leaves),
             timeout_s,
             what=loc.url,
             extra=json.dumps(dataclasses.asdict(me)),
+            check=check,
         )
         save_id = _Writer(**json.loads(agreed.first)).save_id
         work = steps.work_dir(loc, save_id)
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
         with clock.phase("write"):
+            if cancel is not None:
+                cancel.check()
+                if cancel.follows_cancel and not db.is_local and pid > 0:
+                    # the cancelled save of this step may have written here after process 0
+                    # cleared the step's objects: a leftover database would refuse ``create``
+                    db.remove()
             arrays.write(db, writes)
+            if cancel is not None:
+                cancel.check()
             if prepared.record is not None:
                 work.join(pp.DIRECTORY).write_bytes(
                     pp.file_name(pid), json.dumps(prepared.record.to_json()).encode()
                 )
         with clock.phase("commit"):
-            multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url)
+            if cancel is not None:
+                cancel.check()
+            multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url, check=check)
             if pid == 0:
                 if count > 1:
                     arrays.merge(work, count)
@@ -191,8 +220,10 @@ def commit(prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S) -> Figures:
                 with_records = [p for p, w in enumerate(got) if w.has_record]
                 manifest = dataclasses.replace(manifest, per_process=with_records or None)
                 work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
+                if cancel is not None:
+                    cancel.claim()  # the commit point: leaving ``committing`` publishes
     with clock.phase("commit"):
-        multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url)
+        multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url, check=check)
     return clock.done()
 
 

@@ -36,7 +36,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError
 from .. import multihost, steps
 from .. import per_process as pp
 from ..cadence import Blocking, Cadence, start_run
-from ..manager import CheckpointManager
+from ..manager import CANCEL_TIMEOUT_S, CheckpointManager
 from ..monitoring import Figures, Stopwatch
 from ..options import EmergencyOptions, Options
 from ..storage import location
@@ -378,11 +378,29 @@ class EmergencyCheckpointManager:
 
     # --- lifetime ------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Finishes both tiers' saves in flight and stops the writer threads."""
+    def cancel(self, timeout_s: float = CANCEL_TIMEOUT_S) -> bool:
+        """Stops both tiers' saves in flight within about ``timeout_s``, so that the rest
+        of a preemption's grace goes to ``save(step, state, force=True)`` of the current
+        step (its local write; the remote save it starts too is not waited for). Every
+        process calls it. True if a save was cancelled; see
+        :meth:`CheckpointManager.cancel` for the guarantees."""
+        start = time.monotonic()
+        local = self._writer.cancel(timeout_s / 2)  # waits for peers, then a quick write
+        if local and self._log is not None:  # (the remote manager logs its own)
+            self._log.append(
+                "cancel", self._reached, tier="local", seconds=time.monotonic() - start
+            )
+        remote = self.remote.cancel(max(0.0, timeout_s - (time.monotonic() - start)))
+        return local or remote
+
+    def close(self, cancel: bool = False) -> None:
+        """Finishes both tiers' saves in flight (or ``cancel``s them) and stops the writer
+        threads."""
         if self._closed:
             return
         self._closed = True
+        if cancel:
+            self.cancel()
         try:
             self._writer.close(self.local_directory.url)
         finally:

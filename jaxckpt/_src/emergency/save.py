@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import multihost
+from .. import multihost, writer
 from .. import per_process as pp
 from .. import tree as tree_lib
 from ..boxes import Index, whole
@@ -97,25 +97,38 @@ class LocalSaver:
                 text = "" if record is None else json.dumps(record.to_json())
                 for j in shifts:
                     multihost.send_text(out.records_tag, (pid + j) % count, text)
+                # the last peer copies receive these; reused again once ``finish`` collected
+                # them (a cancelled save's may still be in flight when the next one starts)
                 out.peers, as_rows = send_shards(on_devices, shifts, reuse=self.received)
-                self.received = out.peers
+                self.received = None
                 if as_rows:  # the same leaves on every process
                     self._exchange_rows(set(as_rows), out, shifts, tag("peers"))
         return out
 
     def finish(self, pending: Pending, fig: Stopwatch, write: bool = True) -> None:
         """Takes what the peers sent (their shards and records) and writes the step (unless
-        ``write`` is False: a step already committed here is not written again)."""
-        p = pending
+        ``write`` is False: a step already committed here is not written again).
+
+        A cancel of the writer's job (``writer.current``) stops the wait for the peers'
+        records; the transfers are still collected (every process dispatched them), and the
+        step is written only if the cancel came after the write began."""
+        p, cancel = pending, writer.current()
         if p.peers is not None:  # the senders' records, then their shards
             with fig.phase("peer_wait"):
-                for q in p.senders:
-                    text = multihost.receive_text(p.records_tag, q, self.timeout_s)
-                    if text:
-                        p.records[q] = pp.Record.from_json(json.loads(text), where=f"process {q}")
-                _keep_new(p, *p.peers.collect())  # waits for the transfers
+                try:
+                    for q in p.senders:
+                        check = cancel.check if cancel is not None else None
+                        text = multihost.receive_text(p.records_tag, q, self.timeout_s, check)
+                        if text:
+                            where = f"process {q}"
+                            p.records[q] = pp.Record.from_json(json.loads(text), where=where)
+                finally:
+                    _keep_new(p, *p.peers.collect())  # waits for the transfers
+                    self.received = p.peers
         if not write:
             return
+        if cancel is not None:
+            cancel.claim()
         with fig.phase("write"):
             records, meshes = leaf_records(p.named, p.key_data)
             doc = p.doc(
