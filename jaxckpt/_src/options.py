@@ -4,25 +4,41 @@ from TOML files."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 from ..errors import OptionsError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["EmergencyOptions", "Options", "OptionsError"]
+__all__ = ["AUTO", "EmergencyOptions", "Options", "OptionsError", "is_auto"]
+
+AUTO = "auto"
+"""An interval chosen from measured costs and an MTBF (``jaxckpt._src.intervals``)."""
+
+
+def is_auto(value: object) -> TypeGuard[Literal["auto"]]:
+    """Whether an interval option is ``"auto"`` rather than a number of steps."""
+    return isinstance(value, str) and value == AUTO
 
 
 @dataclass(frozen=True)
 class Options:
     """Policies of a :class:`CheckpointManager`.
 
-    save_interval_steps: save when ``step % save_interval_steps == 0`` (``force`` overrides).
+    save_interval_steps: save when ``step % save_interval_steps == 0`` (``force`` overrides),
+        or ``"auto"``: an interval that maximizes the expected effective training time
+        ratio given the measured step, save and restore times and the MTBF, re-chosen as the
+        measurements change, within [``min_interval_steps``, ``max_interval_steps``].
+    mtbf_hours: mean time between failures of one host, in hours (the job's is this over
+        the process count, refined by the failures in the run log); needed by ``"auto"``.
+    run_log: append the run's events to ``<directory>/runlog/`` (``jaxckpt goodput``).
     max_to_keep: committed steps kept (the newest ones, or the best ones with ``best_fn``);
         None keeps all. The newest step is never deleted.
     keep_period: steps that are multiples of it are kept forever, in addition to the
@@ -43,7 +59,7 @@ class Options:
         restore (None: ``restoring.READ_BUDGET_BYTES``, 128 MiB).
     """
 
-    save_interval_steps: int = 1
+    save_interval_steps: int | Literal["auto"] = 1
     max_to_keep: int | None = None
     keep_period: int | None = None
     best_fn: Callable[[dict], float] | None = None
@@ -57,9 +73,13 @@ class Options:
     compression: str | None = None
     chunk_bytes: int | None = None
     read_budget_bytes: int | None = None
+    mtbf_hours: float | None = None
+    min_interval_steps: int = 1
+    max_interval_steps: int = 10_000
+    run_log: bool = True
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "save_interval_steps")
+        _interval(self, "save_interval_steps", "min_interval_steps", "max_interval_steps")
         _at_least(
             self, 1, "read_budget_bytes", "chunk_bytes", "max_to_keep", "keep_period", none=True
         )
@@ -105,7 +125,11 @@ class EmergencyOptions:
     """Policies of an :class:`EmergencyCheckpointManager`.
 
     local_interval_steps / remote_interval_steps: save to that tier when ``step`` is a
-        multiple (``force=True`` saves both tiers).
+        multiple (``force=True`` saves both tiers), or ``"auto"`` (see ``Options``): chosen
+        within [``min_interval_steps``, ``max_interval_steps``] for the local tier and
+        [``remote_min_interval_steps``, ``remote_max_interval_steps``] for the remote one.
+    mtbf_hours: mean time between failures of one host, in hours; needed by ``"auto"``.
+    run_log: append the run's events to ``runlog/`` in both directories.
     local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
     replication: how many other processes (on other hosts where the layout allows) keep a
         copy of each process's local shards.
@@ -114,8 +138,8 @@ class EmergencyOptions:
     step_digits: zero padding of both tiers' step directory names (``00001000``).
     """
 
-    local_interval_steps: int = 10
-    remote_interval_steps: int = 1000
+    local_interval_steps: int | Literal["auto"] = 10
+    remote_interval_steps: int | Literal["auto"] = 1000
     local_max_to_keep: int | None = 2
     remote_max_to_keep: int | None = 3
     replication: int = 0
@@ -123,9 +147,18 @@ class EmergencyOptions:
     timeout_s: float = 600.0
     compression: str | None = None
     step_digits: int = 8
+    mtbf_hours: float | None = None
+    min_interval_steps: int = 1
+    max_interval_steps: int = 10_000
+    remote_min_interval_steps: int = 1
+    remote_max_interval_steps: int = 100_000
+    run_log: bool = True
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "local_interval_steps", "remote_interval_steps")
+        _interval(self, "local_interval_steps", "min_interval_steps", "max_interval_steps")
+        _interval(
+            self, "remote_interval_steps", "remote_min_interval_steps", "remote_max_interval_steps"
+        )
         _at_least(self, 1, "local_max_to_keep", "remote_max_to_keep", none=True)
         _at_least(self, 0, "replication")
 
@@ -144,6 +177,29 @@ def _at_least(options: Any, least: int, *names: str, none: bool = False) -> None
         if not (none and value is None) and value < least:
             allowed = f">= {least} or None" if none else f">= {least}"
             raise OptionsError(f"{name} must be {allowed}, got {value}")
+
+
+def _interval(options: Any, name: str, low: str, high: str) -> None:
+    """Checks an interval field (a step count >= 1, or ``"auto"`` with an ``mtbf_hours`` to
+    work from) and the bounds ``low`` <= ``high`` of its ``"auto"`` choice."""
+    _at_least(options, 1, low)
+    if getattr(options, high) < getattr(options, low):
+        raise OptionsError(
+            f"{high} must be >= {low} ({getattr(options, low)}), got {getattr(options, high)}"
+        )
+    mtbf, value = options.mtbf_hours, getattr(options, name)
+    if mtbf is not None and not (
+        isinstance(mtbf, numbers.Real) and not isinstance(mtbf, bool) and 0 < float(mtbf) < math.inf
+    ):
+        raise OptionsError(f"mtbf_hours must be a number of hours > 0 or None, got {mtbf!r}")
+    if is_auto(value):
+        if mtbf is None:
+            raise OptionsError(
+                f"{name}='auto' needs mtbf_hours: pass the mean time between failures "
+                "of one host in hours (e.g. mtbf_hours=1000), or a number of steps"
+            )
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise OptionsError(f"{name} must be a number of steps >= 1 or 'auto', got {value!r}")
 
 
 def option_file(path: str | os.PathLike) -> dict:
