@@ -1,42 +1,47 @@
 """Goodput under injected failures: measured ETTR against the interval model, 2 processes.
 
-usage: python bench/goodput.py [--quick] [--mtbf-s 12] [--failures 4] [--seed 0]
-                               [--intervals 1,5,25,100,auto] [--no-wipe] [--plot docs/goodput.png]
+usage: python bench/goodput.py [--quick] [--intervals 1,5,25,100,auto] [--mtbf-s 10]
+                               [--failures 5] [--seed 5] [--no-wipe] [--plot docs/goodput.png]
 
 For each local save interval (steps, or "auto"), a 2-process jax.distributed job on 127.0.0.1
 (bench/goodput_worker.py: a Flax MLP with Optax AdamW, a Grain pipeline per process, an
-EmergencyCheckpointManager with replication=1 and the iterator state saved with each step)
-trains until one of its processes is SIGKILLed; the other is killed too (a real job restarts
-whole), the killed process's local directory is wiped (a replaced host: its shards and
+EmergencyCheckpointManager with replication=1 and each process's iterator state saved with
+each step) trains until one of its processes is SIGKILLed; the other is killed too (a real
+job restarts whole), the victim's local directory is wiped (a replaced host: its shards and
 iterator state come back from its peer's copy; ``--no-wipe`` keeps it) and the job is
 relaunched. ``--failures`` kills per interval, after delays drawn once from a seeded
 exponential (mean ``--mtbf-s``), each counted from the job's first training step (start-up is
-a restart cost, not luck), with the same delays and victims for every interval.
+a restart cost, not luck): the same delays and victims for every interval. Relaunches use
+jax's persistent compilation cache, as a production job would (``--no-compile-cache``).
 
 Measured from outside the library (the workers' clocks around steps and ``save`` calls, the
-launcher's clock around kills; both are this machine's ``time.time()``):
-  step_s   median step time of the first job's baseline phase (no saves, no failures);
-  save_s   median time ``save`` blocked the training loop, over the saves that wrote;
-  restart  median seconds from a kill to the relaunched job's first training step (killing
-           the survivor, wiping, starting, restoring, the first save, the first step);
-  window   from the first job's first step after its baseline to the last job's first step:
-           ``failures`` whole cycles of (run, failure, restart), so the rework of every
-           failure is inside it and nothing after the last restart dilutes it;
-  ETTR     (step at the window's end - step at its start) x step_s / the window's seconds:
-           each step counted once at its pure cost, over wall time.
-Predicted: ``jaxckpt._src.intervals.ettr(interval_s = save spacing x step_s, save_s, mtbf_s,
-restart_s)`` with the run's own measurements. That model (Daly's complete one) lets failures
-strike a restart too (its e^(R/M) factor); here they never do (delays start at a first step),
-so over a cycle the job runs M (the observed mean run time to a failure, which is the same
-for every interval: the realized delays, not their mean, so no Poisson noise of a short run)
-then restarts for R. Passing mtbf_s = M and restart_s = M ln(1 + R/M) makes the library's
-formula this process's expectation exactly (renewal-reward: E[work per cycle] / (M + R));
-the column ``M=wall/f`` shows the formula with the naive mtbf_s = wall / failures, restart_s = R.
-"auto": ``EmergencyOptions(local_interval_steps="auto", mtbf_hours=M x processes / 3600)``
-(per-host MTBF; the library divides by the process count).
+launcher's around kills; all ``time.time()`` of this one machine):
+  step     median step of the first job's baseline phase (no saves, no failures);
+  save     seconds ``save`` blocked the training loop (the slower process), saves that wrote;
+  restart  kill to the relaunched job's first training step: killing the survivor, wiping,
+           starting, joining, restoring, saving the restored step again (a replaced host
+           gets its local copy back; the peer exchange compiles), the first step;
+  run      mean seconds from a job's first step to its failure (the realized delays);
+  window   from the first job's first step after its baseline (a checkpoint) to the last
+           job's first step: whole cycles of (run, failure, restart), so every failure's
+           rework is inside it and no unfailed tail dilutes it;
+  ETTR     (step at the window's end - step at its start) x step / the window's seconds:
+           each step counted once, at its pure cost.
+Predicted: ``jaxckpt._src.intervals.ettr(interval_s = steps between saves x step, save_s,
+mtbf_s, restart_s)``, with means for save and restart (what the wall pays; medians printed
+too). That model (Daly's complete one) lets failures strike a restart too (its e^(R/M)
+factor); here none does, so a cycle is a run of mean M then a restart R. Passing mtbf_s = M
+(observed: the realized delays over the failures, which removes the Poisson noise of a short
+run) and restart_s = M ln(1 + R/M) makes the library's formula this process's expectation
+exactly (renewal-reward: E[work per cycle] / (M + R)); column ``M=wall/f`` shows the formula
+with mtbf_s = wall / failures and restart_s = R instead. Save cost in the model is blocking
+time only: the ``in window`` step column shows what background writes add to each step.
+"auto": ``EmergencyOptions(local_interval_steps="auto", mtbf_hours=--mtbf-s x processes /
+3600)`` (a per-host MTBF: the library divides it by the process count).
 
-Targets: measured ETTR within 3 points of predicted for each interval; "auto" within 1 point of
-the best fixed interval and at least 5 points above the worst.
+Targets: measured ETTR within 3 points of predicted for each interval; "auto" within 1 point
+of the best fixed interval and at least 5 points above the worst; every resume restored the
+step, the model's step counter and the data position alike, a wiped host from its peer.
 """
 
 from __future__ import annotations

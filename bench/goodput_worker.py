@@ -4,17 +4,19 @@ that trains until it is killed.
 A Flax MLP (``--width`` wide) with Optax AdamW on a (4, 2) mesh, fed by a Grain pipeline on
 each process (examples/train_flax.py's records, shuffling and global batches), checkpointed
 by an ``EmergencyCheckpointManager`` (replication=1, local tier only: the remote interval is
-huge) with each process's iterator state as its ``per_process=`` value.
+huge, and only the first job's forced save writes there) with each process's iterator state as its ``per_process=`` value.
 
-A fresh job first times ``baseline_steps`` steps without saves (the pure step time), saves
-its step (``force=True``) and trains on. A relaunched job restores the newest step (a wiped
-host's shards and iterator state from its peer's copy), checks that the restored step, the
-model's step counter and the data position agree, saves that step again (the first save
-compiles the peer exchange, a restart cost; and a replaced host gets its local copy back) and
-trains on. Every process appends what it measures, by its own clocks, to
-``<root>/events-p<i>.jsonl`` (one ``os.write`` of a whole line: a SIGKILL loses at most that
-line); process 0 also writes ``<root>/first-<life>.json`` when its first training step is done,
-which the launcher waits for to start the failure clock.
+A fresh job first times at least ``baseline_steps`` steps without saves (the pure step
+time), up to a save step, saves it (``force=True``: the window starts from a checkpoint) and
+restores it at once (the step of a restored state compiles into the persistent cache then,
+not in the first relaunch). A relaunched job restores the newest step (a wiped host's shards
+and iterator state from its peer's copy), records whether the restored step, the model's step
+counter and the data position agree, saves that step again (a replaced host gets its local
+copy back; the peer exchange compiles, a restart cost) and trains on. Every process appends
+what it measures, by its own clocks, to ``<root>/events-p<i>.jsonl`` (one ``os.write`` of a
+whole line: a SIGKILL loses at most that line); process 0 also writes
+``<root>/first-<life>.json`` when its first training step is done: the launcher starts the
+failure clock there.
 """
 
 from __future__ import annotations
