@@ -10,11 +10,13 @@ import jax
 import multiproc
 import numpy as np
 import pytest
+from conftest import listing
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from slowproxy import SlowProxy
 
 import jaxckpt
+from jaxckpt._src import runlog
 from jaxckpt._src.writer import Cancel
 from jaxckpt.errors import SaveCancelledError
 
@@ -61,7 +63,9 @@ def test_cancel_an_async_save_on_a_local_dir(ckpt_dir, mesh8):
     assert mgr.all_steps() == [1]
     np.testing.assert_array_equal(mgr.restore()["w"], np.asarray(state["w"]))
     mgr.close()
-    assert sorted(os.listdir(ckpt_dir)) == ["00000001"]  # nothing of the cancelled save
+    assert listing(ckpt_dir) == ["00000001"]  # nothing of the cancelled save
+    events = [(e.event, e.step) for e in runlog.read(ckpt_dir).events]
+    assert events == [("start", None), ("cancel", 1), ("save", 1), ("restore", 1), ("end", 1)]
 
 
 def test_close_with_cancel(ckpt_dir, mesh8):
@@ -72,7 +76,7 @@ def test_close_with_cancel(ckpt_dir, mesh8):
     assert time.monotonic() - start < BOUND_S
     with jaxckpt.CheckpointManager(ckpt_dir) as again:
         assert again.all_steps() == []
-    assert os.listdir(ckpt_dir) == []
+    assert listing(ckpt_dir) == []
 
 
 def test_a_cancel_and_a_commit_are_decided_once():
@@ -127,4 +131,7 @@ def test_cancel_a_slow_remote_save_in_a_two_process_job(tmp_path, s3_url):
     assert any("/00000005/" in k for k in leftovers)  # process 0's part of the cancelled save
     with jaxckpt.CheckpointManager(remote_a) as mgr:  # the next start clears it
         assert mgr.all_steps() == []
-    assert _objects(remote_a) == []
+    assert [k for k in _objects(remote_a) if "/runlog/" not in k] == []
+    for pid in (0, 1):  # each process's run log (an object per job on S3) has the cancel
+        events = runlog.read(remote_a, pid).events
+        assert [e.step for e in events if e.event == "cancel"] == [5], events
