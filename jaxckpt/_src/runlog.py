@@ -31,7 +31,11 @@ log = logging.getLogger("jaxckpt")
 JOB = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"  # this process's job id
 LOG_VERSION = 1
 DIRECTORY = "runlog"
-_DURABLE = frozenset({"save", "restore", "cancel", "end"})  # written out to object stores
+_DURABLE = frozenset({"save", "restore", "cancel", "end"})  # fsynced; written out to object stores
+OBJECT_EVERY_S = 60.0
+"""A save event rewrites the job's object at most this often (a local save may come every
+step, and the rewrite of a long job's log is a PUT of all its lines); the other durable
+events always do. The local file has every line at once."""
 _BASE = ("v", "t", "event", "job", "process", "step")
 _REACHED = frozenset({"save", "step", "end"})
 
@@ -70,6 +74,7 @@ class RunLog:
         self._lines: list[bytes] = []  # this job's lines, for the object-store rewrite
         self._lock, self._remote_lock = threading.Lock(), threading.Lock()
         self._written = 0  # lines in the objects written so far
+        self._put = -float("inf")  # when the objects were last rewritten
         self._last = -float("inf")
         self._warned = self._closed = False
 
@@ -90,7 +95,10 @@ class RunLog:
                 return
             self._lines.append(line)
             lines = len(self._lines)
-        if event in _DURABLE:  # the object stores, off the lock: a heartbeat never waits on them
+            put = event in _DURABLE and (event != "save" or now - self._put >= OBJECT_EVERY_S)
+            if put:
+                self._put = now
+        if put:  # the object stores, off the lock: a heartbeat never waits on them
             with self._remote_lock:
                 if lines > self._written:  # a rewrite holding more lines went first
                     self._written, data = lines, b"".join(self._lines[:lines])
