@@ -159,7 +159,13 @@ class Clock:
 
 
 class PeakRss:
-    """Peak RSS over the RSS at entry: a sampling thread plus the kernel's VmHWM mark."""
+    """Peak RSS over the RSS at entry: a sampling thread plus the kernel's VmHWM mark.
+
+    ``sampler_cpu``: the CPU seconds the sampling thread took, to subtract from a
+    ``Clock``'s figure taken inside the block.
+    """
+
+    sampler_cpu: float = 0.0
 
     def __init__(self, interval_s: float = 0.002):
         import psutil
@@ -183,6 +189,7 @@ class PeakRss:
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.sampler_cpu = time.thread_time()
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -403,6 +410,54 @@ def _fio_run(proc: subprocess.CompletedProcess, rw: str, direct: int, engine: st
     if job.get("error"):
         return FioRun(rw, direct, engine, None, f"error {job['error']}")
     return FioRun(rw, direct, engine, job[rw]["bw_bytes"] / GB)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The best way of one kind of raw measurement: its name, GB/s and CPU s per GB."""
+
+    way: str
+    gbps: float
+    cpu_per_gb: float
+
+
+def best_ways(raw: dict[str, dict[str, list[dict]]], nbytes: int) -> dict[str, Limit]:
+    """Each kind's best way (``raw``: {kind: {way: [Clock.record(), ...]}}), by median
+    time, GB/s and CPU s per GB over ``nbytes``; kinds with no measurement are left out."""
+    out = {}
+    for kind, ways in raw.items():
+        found = [
+            Limit(way, gbps(nbytes, [r["seconds"] for r in recs]),
+                  median(r["cpu"] for r in recs) / (nbytes / GB))
+            for way, recs in ways.items()
+        ]  # fmt: skip
+        if found:
+            out[kind] = max(found, key=lambda lim: lim.gbps)
+    return out
+
+
+def print_ways(raw: dict[str, dict[str, list[dict]]], nbytes: int, names: dict[str, str]) -> None:
+    """Every way of each kind in ``names`` (kind: what to call it), and the best one."""
+    best = best_ways(raw, nbytes)
+    for kind, name in names.items():
+        rates = {w: gbps(nbytes, [r["seconds"] for r in rs]) for w, rs in raw[kind].items()}
+        print(f"{name} (median GB/s): " + ", ".join(f"{w} {v:.3f}" for w, v in rates.items()))
+        if kind in best:
+            b = best[kind]
+            print(f"  limit = best: {b.gbps:.3f} GB/s ({b.way}), {b.cpu_per_gb:.3f} CPU s/GB")
+
+
+def print_fio(runs: list[FioRun] | None, skipped: bool = False) -> None:
+    """``fio``'s figures, or why there are none."""
+    if runs is None:
+        print("fio: " + ("skipped" if skipped else "not installed (apt-get install fio)"))
+        return
+    print("fio, sequential 1 MiB blocks of a file of the state's size (GB/s; reads cold):")
+    for engine in dict.fromkeys(r.engine for r in runs):
+        for direct in (0, 1):
+            got = [r for r in runs if r.engine == engine and r.direct == direct]
+            figs = [f"{r.rw} {r.gbps:.3f}" if r.gbps else f"{r.rw} failed ({r.error})" for r in got]
+            print(f"  {engine:<9}{'O_DIRECT' if direct else 'buffered':<10}" + ", ".join(figs))
 
 
 # --- reporting -----------------------------------------------------------------------------
