@@ -9,9 +9,10 @@ Run from the repository root (the full run of record is ``--size-gb 1``, a few m
     python bench/compare.py --direct-read both     # jaxckpt's direct reads vs TensorStore's
     python bench/compare.py --chunk-bytes 16777216 # and chunk_bytes=16 MiB vs default
 
-Needs a CRC32C package for the verified-read limit (``pip install google-crc32c``, or
-``crc32c``), and uses ``fio`` as a second raw reference where it is installed
-(``apt-get install fio``; ``--no-fio`` skips it).
+Needs a CRC32C package for the verified-read limit: ``crc32c`` (jaxckpt's own dependency,
+hardware-accelerated; ``google-crc32c`` also works); uses ``fio`` as a second raw reference
+where it is installed (``apt-get install fio``; ``--no-fio`` skips it). bench/gpu.py is the
+same comparison on one GPU (device <-> host copies against plain JAX).
 
 What it does: builds a train-state-like pytree (params + Adam mu + nu, ~170 float32 arrays,
 total about ``--size-gb`` GB) on a (4, 2) ('data', 'model') mesh of 8 virtual CPU devices

@@ -212,22 +212,23 @@ READ_BLOCK = 16 << 20  # raw reads read at most this many bytes per call
 
 
 def crc32c() -> tuple[str, Callable[[bytes], int]]:
-    """The CRC32C function of the installed package (google-crc32c preferred, else crc32c)
-    and its name, with "(software)" where it is not hardware-accelerated."""
+    """The CRC32C function of the installed package and its name, with "(software)" where it
+    is not hardware-accelerated: ``crc32c`` (jaxckpt's own dependency, the one its direct
+    read path checks chunks with), else ``google-crc32c``."""
+    try:
+        import crc32c as crc
+
+        return "crc32c" + ("" if crc.hardware_based else " (software)"), crc.crc32c
+    except ImportError:
+        pass
     try:
         import google_crc32c
 
         soft = "" if google_crc32c.implementation == "c" else " (software)"
         return "google-crc32c" + soft, google_crc32c.value
     except ImportError:
-        pass
-    try:
-        import crc32c as crc
-
-        return "crc32c" + ("" if crc.hardware_based else " (software)"), crc.crc32c
-    except ImportError:
         raise RuntimeError(
-            "no CRC32C package for the verified-read limit: pip install google-crc32c"
+            "no CRC32C package for the verified-read limit: pip install crc32c"
         ) from None
 
 
