@@ -64,7 +64,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from state import (  # noqa: E402, F401  (bench/verify.py and emergency.py use them from here)
+from train_state import (  # noqa: E402, F401  (bench/verify.py and emergency.py use them from here)
     abstract_state,
     build_state,
     count_files,

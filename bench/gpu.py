@@ -5,7 +5,7 @@ usage: python bench/gpu.py [--size-gb 2] [--repeats 3] [--dir /tmp] [--json out.
 
 One process, the first device jax finds (on a CPU-only machine it says so and runs anyway:
 the figures are then not GPU figures, since a CPU "device" buffer is host memory and most
-copies below become views). The state is bench/state.py's train state at ``--size-gb``,
+copies below become views). The state is bench/train_state.py's train state at ``--size-gb``,
 all of it on that one device. ``--repeats`` times, in an order that alternates, it times:
 
 * device -> host: ``jax.device_get`` of the state into fresh NumPy arrays, against
@@ -37,7 +37,7 @@ from typing import Any
 import harness
 import jax
 import numpy as np
-import state as st
+import train_state as st
 from harness import GB
 
 import jaxckpt
