@@ -1,10 +1,13 @@
 """What the benchmarks share: worker processes (one, or a jax.distributed job on 127.0.0.1)
-that hand back one ``RESULT <json>`` line, page-cache dropping, medians and GB/s, peak RSS,
-tables and PASS/FAIL words, and the results JSON under bench/results/.
+that hand back one ``RESULT <json>`` line, page-cache dropping and warming, medians and GB/s,
+peak RSS, CPU seconds, tables and PASS/FAIL words, and the results JSON under bench/results/;
+and the machine's limits every library is judged against: raw writes + fsync, raw reads,
+verified reads (a read plus a hardware CRC32C of every byte) and ``fio`` (``raw_io``,
+``read_files``, ``cold_reads``, ``fio``).
 
 A script with workers ends in ``harness.entry(main, worker)``: ``worker(**kwargs)`` runs in
 the processes ``run_worker`` / ``run_job`` start and returns what they collect.
-Nothing here imports jax: a script sets its devices (``cpu_devices``) before it does.
+Nothing here imports jax (NumPy only): a script sets its devices (``cpu_devices``) before it does.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -21,7 +25,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -58,10 +65,14 @@ def result(output: str) -> dict:
     return json.loads([ln for ln in output.splitlines() if ln.startswith(TAG)][-1][len(TAG) :])
 
 
-def run_worker(script: str, timeout_s: float = 3600, **kwargs) -> dict:
-    """``script``'s worker run with ``kwargs`` in a fresh process: what it returned."""
+def run_worker(
+    script: str, timeout_s: float = 3600, env: dict[str, str] | None = None, **kwargs
+) -> dict:
+    """``script``'s worker run with ``kwargs`` in a fresh process, ``env`` added to its
+    environment: what it returned."""
     cmd = [sys.executable, script, "--worker", json.dumps(kwargs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    full_env = {**os.environ, **env} if env else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env)
     if proc.returncode != 0 or TAG not in proc.stdout:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise RuntimeError(f"worker {cmd[3]} failed (exit {proc.returncode})")
@@ -117,8 +128,44 @@ def rotated(items: Sequence, by: int) -> list:
     return [*items[by:], *items[:by]]
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all its threads (ended ones too):
+    utime and stime, fields 14 and 15 of /proc/self/stat, in clock ticks."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+class Clock:
+    """Wall seconds and CPU seconds (``cpu_seconds``) of a ``with`` block."""
+
+    seconds: float = 0.0
+    cpu: float = 0.0
+
+    def __enter__(self) -> Clock:
+        self._cpu, self._t0 = cpu_seconds(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._t0
+        self.cpu = cpu_seconds() - self._cpu
+
+    def record(self) -> dict[str, float]:
+        """What a worker hands back: {"seconds": wall, "cpu": user + sys}."""
+        return {"seconds": self.seconds, "cpu": self.cpu}
+
+
 class PeakRss:
-    """Peak RSS over the RSS at entry: a sampling thread plus the kernel's VmHWM mark."""
+    """Peak RSS over the RSS at entry: a sampling thread plus the kernel's VmHWM mark.
+
+    ``sampler_cpu``: the CPU seconds the sampling thread took, to subtract from a
+    ``Clock``'s figure taken inside the block.
+    """
+
+    sampler_cpu: float = 0.0
 
     def __init__(self, interval_s: float = 0.002):
         import psutil
@@ -142,6 +189,7 @@ class PeakRss:
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.sampler_cpu = time.thread_time()
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -155,6 +203,262 @@ class PeakRss:
     @property
     def over(self) -> int:
         return self.peak - self.baseline
+
+
+# --- the machine's limits ------------------------------------------------------------------
+
+RAW_THREADS = (2, 4, 8)  # raw ways besides one file on one thread: one file per array
+READ_BLOCK = 16 << 20  # raw reads read at most this many bytes per call
+
+
+def crc32c() -> tuple[str, Callable[[bytes], int]]:
+    """The CRC32C function of the installed package and its name, with "(software)" where it
+    is not hardware-accelerated: ``crc32c`` (jaxckpt's own dependency, the one its direct
+    read path checks chunks with), else ``google-crc32c``."""
+    try:
+        import crc32c as crc
+
+        return "crc32c" + ("" if crc.hardware_based else " (software)"), crc.crc32c
+    except ImportError:
+        pass
+    try:
+        import google_crc32c
+
+        soft = "" if google_crc32c.implementation == "c" else " (software)"
+        return "google-crc32c" + soft, google_crc32c.value
+    except ImportError:
+        raise RuntimeError(
+            "no CRC32C package for the verified-read limit: pip install crc32c"
+        ) from None
+
+
+def files_under(path: str) -> list[str]:
+    """Every file under ``path`` (or ``path`` itself), in a stable order."""
+    if os.path.isfile(path):
+        return [path]
+    return sorted(os.path.join(root, n) for root, _, names in os.walk(path) for n in names)
+
+
+def drop_cold(path: str) -> None:
+    """Every file under ``path`` fsynced, then evicted from the page cache: the next read
+    comes from the disk (``posix_fadvise(DONTNEED)`` only evicts clean pages)."""
+    for name in files_under(path):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm_page_cache(path: str) -> None:
+    """Every file under ``path`` read once, so the next read is served by the page cache."""
+    read_files(files_under(path), threads=4)
+
+
+def write_file(path: str, arrays: Sequence) -> None:
+    """``arrays`` (anything with the buffer protocol) written to ``path`` and fsynced."""
+    with open(path, "wb") as f:
+        for a in arrays:
+            f.write(memoryview(a).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_files(
+    paths: Sequence[str], threads: int = 1, check: Callable[[bytes], int] | None = None
+) -> int:
+    """Every byte of ``paths`` read into fresh memory in blocks of ``READ_BLOCK``, spread
+    over ``threads`` threads, each block passed to ``check`` (a CRC) if given: bytes read."""
+    blocks = [
+        (p, off, min(READ_BLOCK, size - off))
+        for p, size in ((p, os.path.getsize(p)) for p in paths)
+        for off in range(0, size, READ_BLOCK)
+    ]
+
+    def read(block: tuple[str, int, int]) -> int:
+        path, offset, n = block
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, n, offset)
+            while len(data) < n:  # a short read: rare, but allowed
+                more = os.pread(fd, n - len(data), offset + len(data))
+                if not more:
+                    raise OSError(f"{path} ended at {offset + len(data)}, {n} bytes expected")
+                data += more
+        finally:
+            os.close(fd)
+        if check is not None:
+            check(data)
+        return n
+
+    if threads == 1:
+        return sum(map(read, blocks))
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(read, blocks))
+
+
+def _filled(n: int, block: np.ndarray) -> np.ndarray:
+    out = np.empty(n, np.uint8)
+    for start in range(0, n, block.size):
+        out[start : start + block.size] = block[: n - start]
+    return out
+
+
+def raw_io(path: str, sizes: Sequence[int], rotate: int = 0) -> dict[str, dict[str, dict]]:
+    """The limits for a state of arrays of ``sizes`` bytes: NumPy write + fsync, read, and
+    verified read (read + CRC32C) of the same bytes, several ways, from the page cache.
+
+    The ways: one file on one thread, or one file per array on 2, 4 or 8 threads; their
+    order rotates with ``rotate`` so none always comes first, and a plain and a verified
+    read alternate. Returns {"write" | "read" | "verified": {way: Clock.record()}}.
+    """
+    block = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    arrays = [_filled(n, block) for n in sizes]
+    os.makedirs(path)
+    one = [os.path.join(path, "one.bin")]
+    per_array = [os.path.join(path, f"a{i}.bin") for i in range(len(sizes))]
+    ways = rotated([1, *RAW_THREADS], rotate)
+    name = {n: "1 file" if n == 1 else f"{len(sizes)} files, {n} threads" for n in ways}
+    out: dict[str, dict[str, dict]] = {"write": {}, "read": {}, "verified": {}}
+    for n in ways:
+        for p in per_array if n > 1 else []:
+            if os.path.exists(p):
+                os.remove(p)
+        with Clock() as clock:
+            if n == 1:
+                write_file(one[0], arrays)
+            else:
+                with ThreadPoolExecutor(n) as pool:
+                    list(pool.map(lambda p, a: write_file(p, [a]), per_array, arrays))
+        out["write"][name[n]] = clock.record()
+    del arrays
+    warm_page_cache(path)
+    crc = crc32c()[1]
+    for i, n in enumerate(ways):
+        for kind in alternate(["read", "verified"], rotate + i):
+            gc.collect()
+            with Clock() as clock:
+                read_files(one if n == 1 else per_array, n, crc if kind == "verified" else None)
+            out[kind][name[n]] = clock.record()
+    shutil.rmtree(path)
+    return out
+
+
+def cold_reads(path: str, rotate: int = 0) -> dict[str, dict[str, dict]]:
+    """Plain and verified reads of the files under ``path`` (a checkpoint) from the disk, on
+    1, 2, 4 and 8 threads, the files fsynced and dropped from the page cache before each:
+    {"read" | "verified": {way: Clock.record()}}."""
+    paths, crc = files_under(path), crc32c()[1]
+    out: dict[str, dict[str, dict]] = {"read": {}, "verified": {}}
+    for i, n in enumerate(rotated([1, *RAW_THREADS], rotate)):
+        for kind in alternate(["read", "verified"], rotate + i):
+            gc.collect()
+            drop_cold(path)
+            with Clock() as clock:
+                read_files(paths, n, crc if kind == "verified" else None)
+            way = f"{len(paths)} file{'s' * (len(paths) > 1)}, {n} thread{'s' * (n > 1)}"
+            out[kind][way] = clock.record()
+    return out
+
+
+@dataclass(frozen=True)
+class FioRun:
+    """One fio job: a sequential ``rw`` ("read" | "write") of ``direct`` (0: through the page
+    cache, 1: O_DIRECT) I/O by ``engine``; its GB/s, or the error that stopped it."""
+
+    rw: str
+    direct: int
+    engine: str
+    gbps: float | None
+    error: str = ""
+
+
+def fio(path: str, nbytes: int) -> list[FioRun] | None:
+    """Sequential write (fsynced at the end) then read of a ``nbytes`` file at ``path`` by
+    fio, through the page cache and O_DIRECT, with psync and io_uring (where fio has it;
+    reads drop the file from the page cache first): None if fio is not installed."""
+    exe = shutil.which("fio")
+    if exe is None:
+        return None
+    engines = subprocess.run([exe, "--enghelp"], capture_output=True, text=True).stdout
+    size = max(1, nbytes >> 20) << 20  # whole 1 MiB blocks, as O_DIRECT wants
+    runs = []
+    for engine in ["psync"] + (["io_uring"] if "io_uring" in engines else []):
+        for direct in (0, 1):
+            for rw in ("write", "read"):
+                cmd = [exe, "--name=bench", f"--filename={path}", f"--size={size}", "--bs=1M"]
+                cmd += [f"--rw={rw}", f"--ioengine={engine}", f"--direct={direct}"]
+                cmd += ["--end_fsync=1"] if rw == "write" else ["--invalidate=1"]
+                cmd += ["--iodepth=16"] if engine == "io_uring" else []
+                proc = subprocess.run(
+                    [*cmd, "--output-format=json"], capture_output=True, text=True
+                )
+                runs.append(_fio_run(proc, rw, direct, engine))
+    if os.path.exists(path):
+        os.remove(path)
+    return runs
+
+
+def _fio_run(proc: subprocess.CompletedProcess, rw: str, direct: int, engine: str) -> FioRun:
+    """The GB/s fio reported (its JSON follows any notes it prints), or why there is none."""
+    text = proc.stdout
+    try:
+        job = json.loads(text[text.index("{") :])["jobs"][0]
+    except ValueError:
+        err = (proc.stderr or text).strip().splitlines()
+        return FioRun(rw, direct, engine, None, err[-1] if err else f"exit {proc.returncode}")
+    if job.get("error"):
+        return FioRun(rw, direct, engine, None, f"error {job['error']}")
+    return FioRun(rw, direct, engine, job[rw]["bw_bytes"] / GB)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The best way of one kind of raw measurement: its name, GB/s and CPU s per GB."""
+
+    way: str
+    gbps: float
+    cpu_per_gb: float
+
+
+def best_ways(raw: dict[str, dict[str, list[dict]]], nbytes: int) -> dict[str, Limit]:
+    """Each kind's best way (``raw``: {kind: {way: [Clock.record(), ...]}}), by median
+    time, GB/s and CPU s per GB over ``nbytes``; kinds with no measurement are left out."""
+    out = {}
+    for kind, ways in raw.items():
+        found = [
+            Limit(way, gbps(nbytes, [r["seconds"] for r in recs]),
+                  median(r["cpu"] for r in recs) / (nbytes / GB))
+            for way, recs in ways.items()
+        ]  # fmt: skip
+        if found:
+            out[kind] = max(found, key=lambda lim: lim.gbps)
+    return out
+
+
+def print_ways(raw: dict[str, dict[str, list[dict]]], nbytes: int, names: dict[str, str]) -> None:
+    """Every way of each kind in ``names`` (kind: what to call it), and the best one."""
+    best = best_ways(raw, nbytes)
+    for kind, name in names.items():
+        rates = {w: gbps(nbytes, [r["seconds"] for r in rs]) for w, rs in raw[kind].items()}
+        print(f"{name} (median GB/s): " + ", ".join(f"{w} {v:.3f}" for w, v in rates.items()))
+        if kind in best:
+            b = best[kind]
+            print(f"  limit = best: {b.gbps:.3f} GB/s ({b.way}), {b.cpu_per_gb:.3f} CPU s/GB")
+
+
+def print_fio(runs: list[FioRun] | None, skipped: bool = False) -> None:
+    """``fio``'s figures, or why there are none."""
+    if runs is None:
+        print("fio: " + ("skipped" if skipped else "not installed (apt-get install fio)"))
+        return
+    print("fio, sequential 1 MiB blocks of a file of the state's size (GB/s; reads cold):")
+    for engine in dict.fromkeys(r.engine for r in runs):
+        for direct in (0, 1):
+            got = [r for r in runs if r.engine == engine and r.direct == direct]
+            figs = [f"{r.rw} {r.gbps:.3f}" if r.gbps else f"{r.rw} failed ({r.error})" for r in got]
+            print(f"  {engine:<9}{'O_DIRECT' if direct else 'buffered':<10}" + ", ".join(figs))
 
 
 # --- reporting -----------------------------------------------------------------------------

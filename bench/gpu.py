@@ -1,0 +1,260 @@
+"""jaxckpt on one GPU: the bytes between the device, the host and the disk, against plain JAX
+and the raw disk (issue 21's "bytes at the machine's limit", on an accelerator).
+
+usage: python bench/gpu.py [--size-gb 2] [--repeats 3] [--dir /tmp] [--json out.json]
+
+One process, the first device jax finds (on a CPU-only machine it says so and runs anyway:
+the figures are then not GPU figures, since a CPU "device" buffer is host memory and most
+copies below become views). The state is bench/train_state.py's train state at ``--size-gb``,
+all of it on that one device. ``--repeats`` times, in an order that alternates, it times:
+
+* device -> host: ``jax.device_get`` of the state into fresh NumPy arrays, against
+  jaxckpt's staging (``staging.snapshot`` into ``HostCopies`` buffers: the first copy,
+  which allocates them, and later ones, which reuse them), a ``CheckpointManager`` async
+  save's blocking time, and an ``EmergencyCheckpointManager`` save's blocking time
+  (replication=0, local directory under /dev/shm where it has room, else under ``--dir``);
+* host -> device: ``jaxckpt.restore`` onto the device (the files in the page cache) against
+  ``jax.device_put`` of NumPy arrays of the same bytes;
+* the disk: ``jaxckpt.save`` and the async save's total against a raw NumPy write + fsync,
+  and the restore against raw and verified (CRC32C) reads of the same bytes
+  (``harness.raw_io``, bench/compare.py's limits).
+
+A warm-up of every operation runs before the clock (a first manager save is reported apart:
+it allocates the host buffers); the restored state is checked bit-exact once. GB/s of the
+state's logical bytes from the median time; the ratio is to the row's reference.
+Finishes within 10 minutes at 2 GB on one GPU; develop with ``--size-gb 0.05 --repeats 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import harness
+import jax
+import numpy as np
+import train_state as st
+from harness import GB
+
+import jaxckpt
+from jaxckpt._src import staging
+
+NO_GPU = "no GPU: running on CPU, figures are not GPU figures"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the table: an operation's median seconds, held against ``reference``
+    (another row's name, or a raw kind of ``harness.raw_io``), if any."""
+
+    name: str
+    seconds: list[float]
+    reference: str | None = None
+
+
+def device_summary() -> str:
+    """The device measured, in words (or ``NO_GPU``)."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return NO_GPU
+    limit = (dev.memory_stats() or {}).get("bytes_limit", 0)
+    return (
+        f"{dev.device_kind} ({dev.platform}, {limit / 2**30:.0f} GiB usable), jax {jax.__version__}"
+    )
+
+
+def local_root(parent: str, nbytes: int) -> str:
+    """Where the emergency manager keeps its local steps: /dev/shm if it has room for three
+    copies of the state, else ``parent``."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and shutil.disk_usage(shm).free > 3 * nbytes:
+        return shm
+    return parent
+
+
+def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]:
+    """Every operation, ``args.repeats`` times: the rows, the raw ways, and facts to print."""
+    dev = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array([dev]).reshape(1, 1), st.AXES)
+    state, crcs = st.build_state(args.size_gb, mesh)
+    target = st.abstract_state(args.size_gb, mesh)
+    shardings = jax.tree.map(lambda t: t.sharding, target)
+    jax.block_until_ready(state)
+    host = jax.device_get(state)  # fresh NumPy arrays of the same bytes, for device_put
+    sizes = [int(np.prod(s)) * np.dtype(t).itemsize for _, s, t, _ in st.layout(args.size_gb)]
+    nbytes = sum(sizes)
+    described, buffers = staging.describe(state), staging.HostCopies()
+    mgr = jaxckpt.CheckpointManager(
+        os.path.join(root, "managed"), jaxckpt.Options(max_to_keep=1, run_log=False)
+    )
+    shm = local_root(root, nbytes)
+    with harness.scratch("jaxckpt-gpu-local-", shm) as local:
+        em = jaxckpt.EmergencyCheckpointManager(
+            local,
+            os.path.join(root, "em-remote"),
+            jaxckpt.EmergencyOptions(
+                local_interval_steps=1, remote_interval_steps=10**9, local_max_to_keep=1,
+                replication=0, run_log=False,
+            ),
+        )  # fmt: skip
+        times: dict[str, list[float]] = {}
+
+        def clock(name: str, fn: Callable[[], Any]) -> None:
+            """``fn()``, and the device work it started, timed into ``times[name]``."""
+            with harness.Clock() as c:
+                jax.block_until_ready(fn())
+            times.setdefault(name, []).append(c.seconds)
+
+        def managed(m: Any, name: str, step: int) -> None:
+            """A manager's save: until it returns, and until it is written."""
+            with harness.Clock() as total:
+                with harness.Clock() as blocking:
+                    m.save(step, state)
+                m.wait_until_finished()
+            times.setdefault(f"{name}, blocking", []).append(blocking.seconds)
+            times.setdefault(f"{name}, total", []).append(total.seconds)
+
+        ckpt = os.path.join(root, "ckpt")
+        first = {}
+        # warm-ups: one-time costs (imports, pools, compiles, first allocations) off the clock
+        for m, name in ((mgr, "async save"), (em, "emergency save")):
+            with harness.Clock() as c:
+                m.save(1, state)
+            first[name] = c.seconds
+            m.wait_until_finished()
+        with harness.Clock() as c:
+            staging.snapshot(described, buffers)
+        first["staging"] = c.seconds
+        jax.block_until_ready(jax.device_put(host, shardings))
+        jaxckpt.save(ckpt, state)
+        restored = jax.block_until_ready(jaxckpt.restore(ckpt, target))
+        if st.leaf_crcs(restored) != crcs:
+            raise RuntimeError(f"the state restored from {ckpt} differs from the one saved")
+        del restored
+        shutil.rmtree(ckpt)
+
+        raw: dict[str, dict[str, list[dict]]] = {"write": {}, "read": {}, "verified": {}}
+        step = iter(range(2, 10**6))
+
+        def save_restore() -> None:
+            clock("jaxckpt.save", lambda: jaxckpt.save(ckpt, state))
+            harness.warm_page_cache(ckpt)
+            clock("jaxckpt.restore", lambda: jaxckpt.restore(ckpt, target))
+            shutil.rmtree(ckpt)
+
+        def raw_io(rep: int) -> None:
+            got = harness.raw_io(os.path.join(root, "raw"), sizes, rep)
+            for kind, ways in got.items():
+                for way, rec in ways.items():
+                    raw[kind].setdefault(way, []).append(rec)
+
+        ops = {
+            "device_get": lambda rep: clock("jax.device_get", lambda: jax.device_get(state)),
+            "staging": lambda rep: clock(
+                "staging, reused buffers", lambda: staging.snapshot(described, buffers)
+            ),
+            "device_put": lambda rep: clock(
+                "jax.device_put", lambda: jax.device_put(host, shardings)
+            ),
+            "save_restore": lambda rep: save_restore(),
+            "async": lambda rep: managed(mgr, "async save", next(step)),
+            "emergency": lambda rep: managed(em, "emergency save", next(step)),
+            "raw": raw_io,
+        }
+        for rep in range(args.repeats):
+            for name in harness.alternate(list(ops), rep):
+                harness.log(f"repeat {rep + 1}/{args.repeats}: {name}")
+                ops[name](rep)
+        em.close()
+    mgr.close()
+    rows = [
+        Row("d2h: jax.device_get", times["jax.device_get"]),
+        Row("d2h: staging, first (allocates)", [first["staging"]], "d2h: jax.device_get"),
+        Row(
+            "d2h: staging, reused buffers", times["staging, reused buffers"], "d2h: jax.device_get"
+        ),
+        Row("async save blocking, first", [first["async save"]], "d2h: jax.device_get"),
+        Row("async save blocking", times["async save, blocking"], "d2h: jax.device_get"),
+        Row("emergency save blocking, first", [first["emergency save"]], "d2h: jax.device_get"),
+        Row("emergency save blocking", times["emergency save, blocking"], "d2h: jax.device_get"),
+        Row("emergency save total", times["emergency save, total"]),
+        Row("jaxckpt.save", times["jaxckpt.save"], "write"),
+        Row("async save total", times["async save, total"], "write"),
+        Row("h2d: jax.device_put", times["jax.device_put"]),
+        Row("jaxckpt.restore", times["jaxckpt.restore"], "h2d: jax.device_put"),
+        Row("jaxckpt.restore", times["jaxckpt.restore"], "read"),
+        Row("jaxckpt.restore", times["jaxckpt.restore"], "verified"),
+    ]
+    facts = {"nbytes": nbytes, "leaves": len(sizes), "local": shm}
+    return rows, raw, facts
+
+
+REFERENCE_NAMES = {  # the raw kinds, and the rows others are held against
+    "write": "raw write + fsync",
+    "read": "raw read",
+    "verified": "verified read",
+    "d2h: jax.device_get": "jax.device_get",
+    "h2d: jax.device_put": "jax.device_put",
+}
+
+
+def report(args: argparse.Namespace, rows: list[Row], raw: dict, facts: dict) -> None:
+    nbytes = facts["nbytes"]
+    best = harness.best_ways(raw, nbytes)
+    rate = {r.name: harness.gbps(nbytes, r.seconds) for r in rows}
+    print(f"\ndevice: {device_summary()}")
+    print(
+        f"state: {nbytes / GB:.3f} GB in {facts['leaves']} arrays on one device; "
+        f"{args.repeats} repeats, GB/s of the state's bytes from median times (a first save: "
+        f"one run); emergency local steps under {facts['local']}; CRC32C: "
+        f"{harness.crc32c()[0]}; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}\n"
+    )
+    table = harness.Table(
+        (("operation", "<34"), ("GB/s", ">9.3f"), ("seconds", ">9.3f"))
+        + (("against", ">22"), ("its GB/s", ">9.3f"), ("ratio", ">7.2f"))
+    )
+    out_rows = []
+    for r in rows:
+        ref = r.reference
+        if ref is None:
+            ref_rate = None
+        elif ref in rate:
+            ref_rate = rate[ref]
+        else:
+            ref_rate = best[ref].gbps if ref in best else None
+        label = REFERENCE_NAMES.get(ref, ref) if ref else None
+        ratio = rate[r.name] / ref_rate if ref_rate else None
+        out_rows.append((r.name, rate[r.name], harness.median(r.seconds), label, ref_rate, ratio))
+    table.print(out_rows, rule=True)
+    print()
+    harness.print_ways(raw, nbytes, {kind: REFERENCE_NAMES[kind] for kind in raw})
+    if jax.devices()[0].platform != "gpu":
+        print(f"\n{NO_GPU}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gb", type=float, default=2.0, help="state size in GB (default 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
+    ap.add_argument("--dir", default="/tmp", help="where checkpoints and raw files go (a disk)")
+    ap.add_argument("--json", help="also write the measurements to this JSON file")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    if jax.devices()[0].platform != "gpu":
+        print(NO_GPU, flush=True)
+    with harness.scratch("jaxckpt-gpu-bench-", args.dir) as root:
+        rows, raw, facts = measure(args, root)
+    if args.json:
+        data = {"device": device_summary(), "size_gb": args.size_gb, **facts, "raw": raw}
+        data["rows"] = [dataclasses.asdict(r) for r in rows]
+        harness.write_json(args.json, data)
+    report(args, rows, raw, facts)
+
+
+if __name__ == "__main__":
+    main()
