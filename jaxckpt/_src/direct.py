@@ -74,14 +74,13 @@ def _whole_bytes(dtype: np.dtype) -> bool:
 def layout(store: ts.TensorStore) -> Layout | None:
     """The leaf's layout from its zarr metadata, or None when the direct path can't read it."""
     meta = store.spec().to_json().get("metadata", {})
+    dtype = store.dtype.numpy_dtype
     codecs = meta.get("codecs")
-    raw = [
-        {"name": "bytes", "configuration": {"endian": "little"}},
-        {"name": "crc32c"},
-    ]
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    one_byte = {"name": "bytes"}  # (TensorStore drops the byte order of 1-byte types)
+    raw = [little if dtype.itemsize > 1 else one_byte, {"name": "crc32c"}]
     grid = meta.get("chunk_grid", {})
     keys = meta.get("chunk_key_encoding", {})
-    dtype = store.dtype.numpy_dtype
     if (
         codecs != raw
         or grid.get("name") != "regular"
@@ -96,7 +95,7 @@ def layout(store: ts.TensorStore) -> Layout | None:
     return Layout(chunk_shape, dtype, separator)
 
 
-def _chunks(index: Index, lay: Layout) -> list[tuple[tuple[int, ...], int]] | None:
+def chunks_in(index: Index, lay: Layout) -> list[tuple[tuple[int, ...], int]] | None:
     """The chunks that make up slice ``index`` and each one's byte offset in the slice's
     buffer; None unless each lies whole inside the slice as one contiguous region."""
     if any(a % c or b % c for (a, b), c in zip(index, lay.chunk_shape, strict=True)):
@@ -159,7 +158,7 @@ def plan(db: Location, wanted: dict[Hashable, Wanted]) -> dict[Hashable, SliceRe
     database's directory."""
     parts: dict[Hashable, tuple[Wanted, list[tuple[str, int]]]] = {}
     for k, w in wanted.items():
-        found = _chunks(w.index, w.layout)
+        found = chunks_in(w.index, w.layout)
         if found:
             keys = [(chunk_key(w.name, g, w.layout.separator), off) for g, off in found]
             parts[k] = (w, keys)
@@ -172,16 +171,31 @@ def plan(db: Location, wanted: dict[Hashable, Wanted]) -> dict[Hashable, SliceRe
     for k, (w, keys) in parts.items():
         nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
         reads = [ChunkRead(key, where[key], off, nbytes) for key, off in keys if key in where]
-        if len(reads) == len(keys) and all(_plain(r, sizes) for r in reads):
+        for r in reads:
+            _check_inside(w.name, r, sizes)
+        if len(reads) == len(keys) and all(_plain(r) for r in reads):
             shape = tuple(b - a for a, b in w.index)
             out[k] = SliceRead(shape, w.layout.dtype, tuple(reads))
     return out
 
 
-def _plain(r: ChunkRead, sizes: dict[str, int]) -> bool:
-    """A value of its own, of the length the codecs give, inside its file."""
-    at = r.at
-    return not at.inline and at.stop - at.start == r.nbytes + _TRAILER and at.stop <= sizes[at.file]
+def _plain(r: ChunkRead) -> bool:
+    """A value of its own, of the length the codecs give."""
+    return not r.at.inline and r.at.stop - r.at.start == r.nbytes + _TRAILER
+
+
+def _check_inside(leaf: str, r: ChunkRead, sizes: dict[str, int]) -> None:
+    """Raises StorageError when the chunk's bytes end past its data file's end (TensorStore
+    would fail too, without naming the file)."""
+    if r.at.inline or r.at.stop <= sizes[r.at.file]:
+        return
+    size = sizes[r.at.file]
+    has = "is missing" if size < 0 else f"holds only {size} bytes"
+    raise StorageError(
+        f"leaf {leaf!r}: chunk {r.key!r} is bytes {r.at.start}-{r.at.stop - 1} of the data "
+        f"file {r.at.file}, which {has}: the checkpoint was truncated or damaged; restore "
+        "another step or re-save"
+    )
 
 
 def _file_sizes(db: Location, files: set[str]) -> dict[str, int]:
@@ -200,7 +214,7 @@ def _file_sizes(db: Location, files: set[str]) -> dict[str, int]:
         try:
             sizes[f] = os.stat(real).st_size
         except OSError:
-            sizes[f] = -1  # missing: TensorStore's read reports it
+            sizes[f] = -1  # missing
     return sizes
 
 
