@@ -5,6 +5,8 @@ A restore goes: the manifest (``readers.any_manifest``: jaxckpt's, or an Orbax c
 once with a finer sharding and moved afterwards (``read_once``) -> each leaf's slices, one
 per distinct device index, are read under a byte budget (``inflight.InFlight``) while two
 threads copy them onto their devices (``placement.Placement``) -> the tree (``result``).
+A local checkpoint's slices made of whole uncompressed chunks are read with ``preadv``
+straight into their buffers (``direct``); TensorStore reads the others.
 (Named ``restoring`` so that ``jaxckpt.restore`` stays the function, unshadowed.)
 """
 
