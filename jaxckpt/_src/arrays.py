@@ -214,11 +214,16 @@ def read_error(
     match = _CHUNK_KEY.search(text)
     key = match.group(1) if match else "?"
     if "Digest mismatch" in text or "DATA_LOSS" in text or "checksum" in text.lower():
-        return ChecksumError(
-            f"leaf {leaf!r}: chunk {key!r} failed its CRC32C check; it lives in {writers(key)}. "
-            f"The data on disk is corrupt: restore another step or re-save. ({text})"
-        )
+        return checksum_error(leaf, key, writers(key), text)
     return StorageError(f"leaf {leaf!r}: reading from {db.url} failed: {text}")
+
+
+def checksum_error(leaf: str, key: str, where: str, detail: str) -> ChecksumError:
+    """The error of a chunk whose CRC32C does not match, whichever path read it."""
+    return ChecksumError(
+        f"leaf {leaf!r}: chunk {key!r} failed its CRC32C check; it lives in {where}. "
+        f"The data on disk is corrupt: restore another step or re-save. ({detail})"
+    )
 
 
 def _slices(index: Index) -> tuple[slice, ...]:

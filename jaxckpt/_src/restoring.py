@@ -5,6 +5,8 @@ A restore goes: the manifest (``readers.any_manifest``: jaxckpt's, or an Orbax c
 once with a finer sharding and moved afterwards (``read_once``) -> each leaf's slices, one
 per distinct device index, are read under a byte budget (``inflight.InFlight``) while two
 threads copy them onto their devices (``placement.Placement``) -> the tree (``result``).
+A local checkpoint's slices made of whole uncompressed chunks are read with ``preadv``
+straight into their buffers (``direct``); TensorStore reads the others.
 (Named ``restoring`` so that ``jaxckpt.restore`` stays the function, unshadowed.)
 """
 
@@ -15,16 +17,16 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
-from ..errors import OptionsError
-from . import arrays, multihost, orbax, read_once
-from .boxes import Index, extent, volume
+from ..errors import OptionsError, StorageError
+from . import arrays, direct, multihost, orbax, read_once
+from .boxes import Index, extent, volume, whole
 from .inflight import READ_BUDGET_BYTES, InFlight
 from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
@@ -130,13 +132,38 @@ def _read_all(
     else:  # an Orbax checkpoint: its own layout, the same reads
         db, opener = source.item, source.opener(ctx)
     stores = {w.record.name: opener(w.record.name) for w in reading if w.record.nbytes}
-    with contextlib.closing(InFlight[Any](budget, threads=2)) as reads:  # no thread outlives
-        reader = _Reader(reads, db, manifest.meshes)
-        finishers = [_plan_leaf(w, stores.get(w.record.name), reader) for w in reading]
+    reader = _Reader(db, manifest.meshes)
+    finishers = [_plan_leaf(w, stores.get(w.record.name), reader) for w in reading]
+    plans = _direct_plan(db, reader.requests) if source is None and direct.enabled(loc) else {}
+    # no thread outlives the restore; the direct reads' threads stop after their users'
+    with (
+        contextlib.closing(direct.Reader()) as direct_reader,
+        contextlib.closing(InFlight[Any](budget, threads=2)) as reads,
+    ):
+        for i, request in enumerate(reader.requests):
+            reader.issue(reads, request, plans.get(i), direct_reader)
         reads.drain()
         fig.bytes += reads.total
     arrays.release_free_memory()
     return [f() for f in finishers]
+
+
+def _direct_plan(db: Location, requests: list[_Request]) -> dict[Hashable, direct.SliceRead]:
+    """The requests (by position) that the direct path reads: one B-tree walk for all."""
+    layouts: dict[str, direct.Layout | None] = {}
+    wanted: dict[Hashable, direct.Wanted] = {}
+    for i, r in enumerate(requests):
+        name = r.rec.name
+        if name not in layouts:
+            try:
+                layouts[name] = direct.layout(r.store_fut.result())
+            except Exception:  # TensorStore's read of this leaf raises it, naming the leaf
+                layouts[name] = None
+        lay = layouts[name]
+        if lay is not None:
+            index = whole(r.rec.shape) if r.index is None else r.index
+            wanted[i] = direct.Wanted(name, lay, index)
+    return direct.plan(db, wanted)
 
 
 def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
@@ -182,13 +209,24 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
 
 
 @dataclass(frozen=True)
-class _Reader:
-    """The reads of one checkpoint's leaves, under the budget of ``reads``; an error names
-    the leaf, the chunk's data file and byte range, and the process that wrote it."""
+class _Request:
+    """One slice to read (``index`` None: the whole leaf) and what to hand its data to."""
 
-    reads: InFlight[Any]
+    store_fut: Any
+    rec: LeafRecord
+    index: Index | None
+    consume: Callable[[np.ndarray], None]
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """The reads of one checkpoint's leaves, collected first (``add``), then started in
+    order under a byte budget (``issue``); an error names the leaf, the chunk's data file
+    and byte range, and the process that wrote it."""
+
     db: Location
     meshes: list[dict]
+    requests: list[_Request] = dataclasses.field(default_factory=list)
 
     def add(
         self,
@@ -197,13 +235,26 @@ class _Reader:
         index: Index | None,
         consume: Callable[[np.ndarray], None],
     ) -> None:
-        """Reads ``index`` of ``rec`` (None: all of it) and hands the data to ``consume``."""
+        """Asks for ``index`` of ``rec`` (None: all of it), to hand to ``consume``."""
+        self.requests.append(_Request(store_fut, rec, index, consume))
+
+    def issue(
+        self,
+        reads: InFlight[Any],
+        r: _Request,
+        plan: direct.SliceRead | None,
+        direct_reader: direct.Reader,
+    ) -> None:
+        """Starts ``r``'s read (directly when ``plan`` says how) once it fits the budget."""
+        rec, index = r.rec, r.index
         size: int = math.prod(rec.shape)
         nbytes = rec.nbytes if index is None else volume(index) * (rec.nbytes // max(1, size))
 
         def start() -> Any:
+            if plan is not None:
+                return direct_reader.start(plan)
             try:
-                store = store_fut.result()
+                store = r.store_fut.result()
                 return store.read() if index is None else arrays.read_slice(store, index)
             except Exception as e:
                 raise self.error(e, rec) from e
@@ -213,24 +264,31 @@ class _Reader:
                 data = fut.result()
             except Exception as e:
                 raise self.error(e, rec) from e
-            consume(data)
+            r.consume(data)
 
-        self.reads.add(nbytes, start, use)
+        reads.add(nbytes, start, use)
 
     def error(self, e: Exception, rec: LeafRecord) -> Exception:
-        def writers(key: str) -> str:
-            where = saved_writers(rec, self.meshes)
-            coords = key.rsplit("/c/", 1)[-1].split("/") if "/c/" in key else []
-            try:
-                proc = where.get(tuple(int(c) for c in coords))
-            except ValueError:
-                proc = None
-            at = arrays.locate(self.db, key)  # the data file and byte range, from the B-tree
-            by = "" if proc is None else f", written by process {proc}"
-            if at is not None:
-                return f"{at}{by}"
-            if proc is None:
-                return f"the OCDBT database under {self.db.url}"
-            return f"the OCDBT data files of process {proc} under {self.db.url}"
+        if isinstance(e, direct.Corrupt):
+            return arrays.checksum_error(rec.name, e.key, self.where(rec, e.key, e.at), str(e))
+        if isinstance(e, StorageError):  # the direct path's own (a truncated file)
+            return StorageError(f"leaf {rec.name!r}: {e}")
+        return arrays.read_error(
+            e, leaf=rec.name, db=self.db, writers=functools.partial(self.where, rec)
+        )
 
-        return arrays.read_error(e, leaf=rec.name, db=self.db, writers=writers)
+    def where(self, rec: LeafRecord, key: str, at: arrays.ChunkBytes | None = None) -> str:
+        """Where chunk ``key`` lives: its data file and byte range, and its writer."""
+        where = saved_writers(rec, self.meshes)
+        coords = key.rsplit("/c/", 1)[-1].split("/") if "/c/" in key else []
+        try:
+            proc = where.get(tuple(int(c) for c in coords))
+        except ValueError:
+            proc = None
+        at = at or arrays.locate(self.db, key)  # the data file and byte range, from the B-tree
+        by = "" if proc is None else f", written by process {proc}"
+        if at is not None:
+            return f"{at}{by}"
+        if proc is None:
+            return f"the OCDBT database under {self.db.url}"
+        return f"the OCDBT data files of process {proc} under {self.db.url}"

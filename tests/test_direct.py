@@ -1,0 +1,243 @@
+"""The direct read path: chunks read with preadv straight into the restored buffers.
+
+Proof that it ran comes from outside it: ``os.preadv`` wrapped to count calls, buffers and
+bytes (TensorStore reads files with its own C++ code, never through Python's ``os``).
+"""
+
+import itertools
+import os
+import shutil
+
+import jax
+import multiproc
+import numpy as np
+import pytest
+import tensorstore as ts
+from conftest import flip_a_chunk_byte, sharded
+from hostile import DTYPES, assert_same_bits, random_bits
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import errors
+from jaxckpt._src import arrays, direct
+from jaxckpt._src.storage import location
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
+
+
+class Preadv:
+    """Counts ``os.preadv`` calls, the buffers handed to them and the bytes read."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = self.buffers = self.bytes = 0
+        real = os.preadv
+
+        def counting(fd, buffers, offset, *rest):
+            self.calls += 1
+            self.buffers += len(buffers)
+            n = real(fd, buffers, offset, *rest)
+            self.bytes += n
+            return n
+
+        monkeypatch.setattr(os, "preadv", counting)
+
+
+@pytest.fixture
+def preadv(monkeypatch):
+    monkeypatch.delenv(direct.ENV, raising=False)
+    return Preadv(monkeypatch)
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)
+
+
+def _chunk_values(path) -> list[arrays.ChunkBytes]:
+    """Every chunk value of the checkpoint at ``path`` stored outside the B-tree."""
+    db = arrays.database_dir(location(str(path)), None)
+    kv = ts.KvStore.open(arrays.kvstore_spec(db), context=arrays.new_context()).result()
+    keys = {k.decode() for k in kv.list().result() if b"/c" in k}
+    return [v for v in arrays.chunk_bytes(kv.base, db, keys).values() if not v.inline]
+
+
+def _direct_dtype(dtype: np.dtype) -> bool:
+    """Stored with every bit of every byte its own: what the direct path reads."""
+    return dtype.kind != "b" and dtype.name not in ("int2", "int4", "float4_e2m1fn")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path):
+    """Random bit patterns of every dtype: onto the saved mesh (whole shards, read directly
+    where the dtype's bytes are stored as they are), and onto meshes that read two chunks
+    into one slice (direct) or cut through chunks (TensorStore)."""
+    x = random_bits((256, 64), dtype, np.random.default_rng(7))
+    tree = {"x": sharded(x, mesh42, ("data",)), "n": x[:64]}
+    jaxckpt.save(tmp_path / "c", tree)
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    assert_same_bits(x, np.asarray(out["x"]), f"{dtype} same mesh")
+    assert_same_bits(x[:64], out["n"], f"{dtype} numpy")
+    # 4 shards of 64 x 64 (the 'model' replicas read once each) and the NumPy leaf
+    expected = (x.nbytes + x[:64].nbytes + 5 * 4) if _direct_dtype(dtype) else 0
+    assert preadv.bytes == expected, (preadv.calls, preadv.bytes)
+
+    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), 0)]:
+        mesh = jax.make_mesh(shape, ("data", "model"))
+        target = {"x": NamedSharding(mesh, P("data")), "n": x[:64]}
+        before = preadv.bytes
+        out = jaxckpt.restore(tmp_path / "c", target=target)
+        assert_same_bits(x, np.asarray(out["x"]), f"{dtype} onto {shape}")
+        for shard in out["x"].addressable_shards:
+            assert_same_bits(x[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
+        if _direct_dtype(dtype):  # 2x4: two whole chunks a slice; 8x1: half a chunk
+            assert preadv.bytes - before == direct_bytes + x[:64].nbytes + 4
+
+
+def test_chunks_of_a_shard_are_coalesced(preadv, mesh42, tmp_path):
+    """Tall shards cut into row chunks (each a contiguous run of the slice): the chunks of a
+    shard that lie back to back in their data file come in one preadv of many buffers,
+    their CRC trailers included."""
+    x = np.random.default_rng(0).standard_normal((4096, 32)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=16 << 10)
+    db = arrays.database_dir(location(str(tmp_path / "c")), None)
+    kv = ts.KvStore.open(arrays.kvstore_spec(db), context=arrays.new_context()).result()
+    keys = {f"x/c/{i}/0" for i in range(32)}  # 4 shards of 256 KiB in 16 KiB chunks
+    where = arrays.chunk_bytes(kv.base, db, keys)
+    assert set(where) == keys and not any(v.inline for v in where.values())
+    runs = 0  # stretches of a shard's chunks stored back to back (TensorStore's order)
+    for shard in range(4):
+        at = sorted((where[f"x/c/{i}/0"] for i in range(8 * shard, 8 * shard + 8)),
+                    key=lambda v: (v.file, v.start))  # fmt: skip
+        runs += 1 + sum(a.file != b.file or a.stop != b.start for a, b in itertools.pairwise(at))
+    assert runs < len(keys)
+    out = jaxckpt.restore(tmp_path / "c")
+    np.testing.assert_array_equal(np.asarray(out["x"]), x)
+    assert preadv.bytes == x.nbytes + 4 * len(keys)
+    assert preadv.calls == runs
+    assert preadv.buffers == 2 * len(keys)
+
+
+def test_direct_read_can_be_switched_off(preadv, mesh42, tmp_path, monkeypatch):
+    x = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
+    monkeypatch.setenv(direct.ENV, "0")
+    np.testing.assert_array_equal(np.asarray(jaxckpt.restore(tmp_path / "c")["x"]), x)
+    assert preadv.calls == 0
+    monkeypatch.setenv(direct.ENV, "1")
+    np.testing.assert_array_equal(np.asarray(jaxckpt.restore(tmp_path / "c")["x"]), x)
+    assert preadv.bytes == x.nbytes + 4 * 4
+
+
+def test_zstd_chunks_are_read_by_tensorstore(preadv, mesh42, tmp_path):
+    x = np.random.default_rng(2).standard_normal((256, 64)).astype(np.float32)
+    tree = {"x": sharded(x, mesh42, ("data",)), "n": x}
+    jaxckpt.save(tmp_path / "c", tree, compression="zstd")
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    assert_same_bits(x, np.asarray(out["x"]))
+    assert_same_bits(x, out["n"])
+    assert preadv.calls == 0
+
+
+def test_small_values_inline_in_the_btree_are_read_by_tensorstore(preadv, tmp_path):
+    tree = {"small": np.arange(16, dtype=np.int32), "big": np.arange(4096, dtype=np.int32)}
+    jaxckpt.save(tmp_path / "c", tree)
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    np.testing.assert_array_equal(out["small"], tree["small"])
+    np.testing.assert_array_equal(out["big"], tree["big"])
+    assert preadv.bytes == tree["big"].nbytes + 4
+
+
+def test_which_slices_are_whole_contiguous_chunks():
+    """A slice is read directly when every chunk in it is whole and contiguous in its
+    buffer: whole chunks, runs of whole rows; not a strided chunk, a chunk the slice cuts,
+    nor an edge chunk zarr padded beyond the array (jaxckpt's own chunks divide the shards,
+    an Orbax checkpoint's need not)."""
+    lay = direct.Layout((4, 8), np.dtype(np.float32), "/")
+    assert direct.chunks_in(((4, 8), (0, 8)), lay) == [((1, 0), 0)]
+    assert direct.chunks_in(((0, 12), (8, 16)), lay) == [((0, 1), 0), ((1, 1), 128), ((2, 1), 256)]
+    assert direct.chunks_in(((0, 4), (0, 16)), lay) is None  # strided: rows of 8 in 16
+    assert direct.chunks_in(((0, 2), (0, 8)), lay) is None  # half a chunk
+    assert direct.chunks_in(((8, 10), (0, 8)), lay) is None  # an edge chunk (array of 10)
+    rows = direct.Layout((1, 1, 6), np.dtype(np.int8), ".")
+    assert direct.chunks_in(((0, 2), (3, 5), (0, 6)), rows) == [
+        ((0, 3, 0), 0), ((0, 4, 0), 6), ((1, 3, 0), 12), ((1, 4, 0), 18)
+    ]  # fmt: skip
+    assert direct.chunk_key("a/b", (1, 3, 0), ".") == "a/b/c.1.3.0"
+    assert direct.chunk_key("s", (), "/") == "s/c"
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_corrupt_chunk_raises_the_same_error_either_way(switch, mesh42, tmp_path, monkeypatch):
+    x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"layer": {"w": sharded(x, mesh42, ("data",))}})
+    flipped, offset = flip_a_chunk_byte(tmp_path / "c")
+    monkeypatch.setenv(direct.ENV, switch)
+    counter = Preadv(monkeypatch)
+    with pytest.raises(errors.ChecksumError, match=r"leaf 'layer/w': chunk 'layer/w/c/\d/0'") as e:
+        jaxckpt.restore(tmp_path / "c")
+    assert f"{flipped} (bytes " in str(e.value) and "process 0" in str(e.value)
+    assert "restore another step or re-save" in str(e.value)
+    assert (counter.calls > 0) == (switch == "1")
+
+
+def test_a_truncated_data_file_is_named(mesh42, tmp_path, preadv):
+    """The B-tree gives bytes past the end of a data file: the error names the leaf, the
+    chunk, the file and the range (TensorStore's names none but the database)."""
+    x = np.random.default_rng(3).standard_normal((256, 256)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"w": sharded(x, mesh42, ("data",))})
+    db = arrays.database_dir(location(str(tmp_path / "c")), None)
+    kv = ts.KvStore.open(arrays.kvstore_spec(db), context=arrays.new_context()).result()
+    where = arrays.chunk_bytes(kv.base, db, {k.decode() for k in kv.list().result()})
+    nodes = [v for v in where.values() if v.inline]  # the B-tree (zarr.json lives inline)
+    value = next(  # a chunk with no B-tree node after it in its file (the node stays whole)
+        v
+        for v in where.values()
+        if not v.inline and not any(n.file == v.file and n.start > v.start for n in nodes)
+    )
+    os.truncate(value.file, (value.start + value.stop) // 2)
+    with pytest.raises(errors.StorageError, match=r"leaf 'w': chunk 'w/c/\d/0' .*truncated"):
+        jaxckpt.restore(tmp_path / "c")
+
+
+def test_a_file_cut_short_while_reading_is_named(tmp_path):
+    """The file ends before the range the B-tree gave (it shrank after the plan)."""
+    path = tmp_path / "data"
+    path.write_bytes(b"\0" * 100)
+    at = arrays.ChunkBytes(str(path), 0, 132)
+    read = direct.SliceRead((32,), np.dtype(np.float32), (direct.ChunkRead("x/c/0", at, 0, 128),))
+    reader = direct.Reader()
+    try:
+        with pytest.raises(errors.StorageError, match=r"ends at byte 100.*truncated"):
+            reader.start(read).result()
+    finally:
+        reader.close()
+
+
+def test_a_data_file_outside_the_checkpoint_is_refused(mesh42, tmp_path):
+    """Data file names come from the B-tree: one that resolves outside the checkpoint's
+    arrays directory (here a symlink) is never read."""
+    x = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
+    value = _chunk_values(tmp_path / "c")[0].file
+    outside = tmp_path / "elsewhere"
+    shutil.move(value, outside)
+    os.symlink(outside, value)
+    with pytest.raises(errors.StorageError, match="outside the checkpoint's arrays directory"):
+        jaxckpt.restore(tmp_path / "c")
+
+
+@pytest.mark.slow
+def test_two_process_checkpoints_read_directly(tmp_path, preadv):
+    """Saved by two processes (two databases merged by reference): read here directly,
+    and by two processes again, exactly (the worker checks every shard)."""
+    path = str(tmp_path / "c")
+    multiproc.run(WORKER, 2, devices_per_process=4, args=["save", path]).check()
+    out = jaxckpt.restore(path)
+    np.testing.assert_array_equal(
+        np.asarray(out["w"]), np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    )
+    assert preadv.calls > 0
+    multiproc.run(WORKER, 2, devices_per_process=4, args=["restore", path]).check()
