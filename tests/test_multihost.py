@@ -9,6 +9,7 @@ import time
 
 import multiproc
 import pytest
+from conftest import listing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,7 +77,7 @@ def test_restart_with_permuted_process_ids(tmp_path):
 def test_manager_async_saves_then_restore_in_another_layout(tmp_path):
     d = str(tmp_path / "run")
     multiproc.run(LOOP, 2, devices_per_process=4, args=["save", d, "3"]).check()
-    assert sorted(os.listdir(d)) == ["00000002", "00000003"]  # max_to_keep=2
+    assert listing(d) == ["00000002", "00000003"]  # max_to_keep=2
     multiproc.run(LOOP, 4, devices_per_process=2, args=["restore", d, "3"]).check()
 
 
@@ -137,7 +138,7 @@ def test_sigterm_to_one_process_saves_an_agreed_step(tmp_path):
     }
     assert len(steps) == 1, res.outputs
     (step,) = steps
-    assert os.listdir(d) == [f"{int(step):08d}"]
+    assert listing(d) == [f"{int(step):08d}"]
 
 
 # --- replica-parallel writes ---------------------------------------------------------------
@@ -217,8 +218,9 @@ def test_data_parallel_state_is_written_by_every_process(tmp_path, n):
         assert sum(got) <= 1.2 * DP_LOGICAL, (key, got)
         assert max(got) <= 1.25 * DP_LOGICAL / n, (key, got)
     # On one machine the processes share its page cache: each reads what it needs itself
+    # (the OS's rchar: the direct read path reads data files with preadv, not TensorStore)
     if n == 2:
-        got = [r["ts_file_bytes_read"] for r in _restore_io(path, n, "same")]
+        got = [r["rchar"] for r in _restore_io(path, n, "same")]
         assert min(got) >= 0.9 * DP_LOGICAL, got
     other = 1 if n == 2 else 2
     multiproc.run(

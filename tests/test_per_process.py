@@ -8,7 +8,7 @@ import shutil
 import multiproc
 import numpy as np
 import pytest
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, listing
 
 import jaxckpt
 from jaxckpt import errors
@@ -83,12 +83,12 @@ def test_bad_value_is_refused_before_anything_is_written(tmp_path, bad):
     with jaxckpt.CheckpointManager(tmp_path / "m") as mgr:
         with pytest.raises(errors.PerProcessError, match="process 0"):
             mgr.save(1, small(), per_process=bad)
-        assert mgr.all_steps() == [] and os.listdir(tmp_path / "m") == []
+        assert mgr.all_steps() == [] and listing(tmp_path / "m") == []
     opts = jaxckpt.EmergencyOptions(local_interval_steps=1)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts) as mgr:
         with pytest.raises(errors.PerProcessError, match="process 0"):
             mgr.save(1, small(), per_process=bad)
-        assert mgr.all_steps() == [] and os.listdir(tmp_path / "l") == []
+        assert mgr.all_steps() == [] and listing(tmp_path / "l") == []
 
 
 def test_a_damaged_record_is_never_returned(tmp_path):
