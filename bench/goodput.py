@@ -34,8 +34,10 @@ factor); here none does, so a cycle is a run of mean M then a restart R. Passing
 (observed: the realized delays over the failures, which removes the Poisson noise of a short
 run) and restart_s = M ln(1 + R/M) makes the library's formula this process's expectation
 exactly (renewal-reward: E[work per cycle] / (M + R)); column ``M=wall/f`` shows the formula
-with mtbf_s = wall / failures and restart_s = R instead. Save cost in the model is blocking
-time only: the ``in window`` step column shows what background writes add to each step.
+with mtbf_s = wall / failures and restart_s = R instead. A save costs its blocking time, and
+its background write slows the steps around it (on 2 cores it competes with training for
+them): the model's work between saves is those steps at the window's mean step time, of
+which only the pure step's share counts as productive (both measured here, from outside).
 "auto": ``EmergencyOptions(local_interval_steps="auto", mtbf_hours=--mtbf-s x processes /
 3600)`` (a per-host MTBF: the library divides it by the process count).
 
@@ -98,11 +100,15 @@ class Costs:
     save_s: float  # a save's blocking
     restart_s: float  # kill to the relaunched job's first step
     uptime_s: float  # a job's run from its first step to its failure
+    loop_step_s: float  # the mean step in the window: slowed by the background writes
 
     def ettr(self, every: float) -> float:
-        """The model's ETTR with saves every ``every`` steps (see the top for the mapping)."""
-        m = self.uptime_s
-        return ettr(every * self.step_s, self.save_s, m, m * math.log1p(self.restart_s / m))
+        """The model's ETTR with saves every ``every`` steps (see the top for the mapping):
+        the work between saves is ``every`` steps at the window's step time, of which only
+        the pure step's share is productive."""
+        m, s = self.uptime_s, self.loop_step_s
+        model = ettr(every * s, self.save_s, m, m * math.log1p(self.restart_s / m))
+        return model * self.step_s / s
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,22 @@ def run_interval(interval: int | str, root: str, s: Settings) -> list[Life]:
     return lives
 
 
+def _loop_step(window: Sequence[dict]) -> float:
+    """The loop's wall per step outside save blocking (its steps slowed by the background
+    writes, and its own work), of the slower process: what a step really takes in the run."""
+    per = []
+    for pid in range(PROCESSES):
+        laps = [e["lap"] for e in window if e["p"] == pid and e["e"] == "step" and e.get("lap")]
+        blocked = sum(
+            e["blocking_s"]
+            for e in window
+            if e["p"] == pid and e["e"] == "save" and not e.get("first")
+        )
+        if laps:
+            per.append((sum(laps) - blocked) / len(laps))
+    return max(per) if per else math.nan
+
+
 def read_events(root: str) -> list[dict]:
     """Every process's events (torn lines of a killed process skipped)."""
     out = []
@@ -250,6 +272,7 @@ def measure(interval: int | str, lives: Sequence[Life], events: Sequence[dict], 
             save_s=statistics.fmean(blocking.values()) if blocking else 0.0,
             restart_s=statistics.fmean(restarts),
             uptime_s=sum(a.kill_t - a.first_t for a in lives[:-1]) / failures,
+            loop_step_s=_loop_step(window),
         ),
         save_every=median(spacing) if spacing else math.nan,
         window_step_s=median(stepped) if stepped else math.nan,

@@ -178,11 +178,14 @@ def worker(
         # the restored step again, where the interval allows (no remote write): a replaced
         # host gets its local copy back and the peer exchange compiles as a restart cost
         timed_save(step, force=False)
-    first = True
+    first, top = True, None
     while True:
+        # lap: the whole previous iteration (its step, save call, events), the loop's wall
+        now = time.perf_counter()
+        lap, top = (None if top is None else now - top), now
         state, dt = one_step(state)
         step += 1
-        events("step", step=step, dt=dt)
+        events("step", step=step, dt=dt, lap=lap)
         if first and pid == 0:
             with open(os.path.join(root, f"first-{life}.tmp"), "w") as f:
                 json.dump({"t": time.time(), "step": step}, f)

@@ -185,13 +185,23 @@ class LocalSaver:
             if not math.prod(shape):
                 continue
             on_devices[name] = arr
-            lay = layout(arr.sharding, shape)
-            required[name] = list(lay.indices)
-            for k, index in lay.held_at:  # one device per index
-                key = SliceKey(name, index)
+            every, held = _slice_keys(name, arr.sharding, shape)
+            required[name] = every
+            for k, key in held:  # one device per index
                 slices[key] = self.host.snapshot(key, arr.addressable_data(k))
         self.host.run_copies()  # all D2H copies were started above
         return slices, required, on_devices, key_data
+
+
+@functools.lru_cache(maxsize=4096)
+def _slice_keys(
+    name: str, sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[list[Index], tuple[tuple[int, SliceKey], ...]]:
+    """Every slice index of leaf ``name`` and, for each distinct one this process holds,
+    its device's position and key: cached, as a training loop saves the same leaves on
+    the same shardings each time (the list is shared: read it, never change it)."""
+    lay = layout(sharding, shape)
+    return list(lay.indices), tuple((k, SliceKey(name, index)) for k, index in lay.held_at)
 
 
 def _keep_new(p: Pending, slices: local.Slices, writers: local.Writers) -> None:

@@ -27,7 +27,7 @@ class Loss:
     restored_step: int | None  # what the next job restored; None: nothing (it began at 0)
     steps_lost: int
     rework_s: float  # steps_lost x the median step time
-    restart_s: float  # the next job's start - failed_t
+    restart_s: float  # failed_t to when the next job began its restore (or started, without one)
     restore_s: float
     tier: str | None  # the tier the next job restored from
 
@@ -182,6 +182,9 @@ def _loss(job: Sequence[Event], after: Sequence[Event], step_s: float) -> Loss:
     restored = restore.step if restore is not None else None
     lost = max(0, reached - (restored or 0))
     start = _first(after, "start") or after[0]
+    # the restart runs until the restore began (the next job's start-up, its model and
+    # manager built, included), or until that job started when it restored nothing
+    back = restore.t - number(restore.fields, "seconds") if restore else start.t
     return Loss(
         job=job[0].job,
         failed_t=job[-1].t,
@@ -189,7 +192,7 @@ def _loss(job: Sequence[Event], after: Sequence[Event], step_s: float) -> Loss:
         restored_step=restored,
         steps_lost=lost,
         rework_s=lost * step_s,
-        restart_s=max(0.0, start.t - job[-1].t),
+        restart_s=max(0.0, back - job[-1].t),
         restore_s=number(restore.fields, "seconds") if restore else 0.0,
         tier=_tier(restore) if restore else None,
     )
