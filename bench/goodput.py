@@ -207,20 +207,18 @@ def run_interval(interval: int | str, root: str, s: Settings) -> list[Life]:
     return lives
 
 
-def _loop_step(window: Sequence[dict]) -> float:
+def _loop_step(lives: Sequence[Life], window: Sequence[dict], blocking: dict[int, float]) -> float:
     """The loop's wall per step outside save blocking (its steps slowed by the background
-    writes, and its own work), of the slower process: what a step really takes in the run."""
-    per = []
-    for pid in range(PROCESSES):
-        laps = [e["lap"] for e in window if e["p"] == pid and e["e"] == "step" and e.get("lap")]
-        blocked = sum(
-            e["blocking_s"]
-            for e in window
-            if e["p"] == pid and e["e"] == "save" and not e.get("first")
-        )
-        if laps:
-            per.append((sum(laps) - blocked) / len(laps))
-    return max(per) if per else math.nan
+    writes, and its own work), by the launcher's clock: each failed job's run (first step to
+    kill) over the steps it took, less the saves' blocking (the slower process's)."""
+    reached: dict[int, int] = {}
+    for e in window:
+        if e["e"] == "step":
+            reached[e["life"]] = max(reached.get(e["life"], 0), e["step"])
+    runs = lives[:-1]
+    steps = sum(reached[i] - life.first_step + 1 for i, life in enumerate(runs) if i in reached)
+    seconds = sum(life.kill_t - life.first_t for life in runs) - sum(blocking.values())
+    return seconds / steps if steps else math.nan
 
 
 def read_events(root: str) -> list[dict]:
@@ -272,7 +270,7 @@ def measure(interval: int | str, lives: Sequence[Life], events: Sequence[dict], 
             save_s=statistics.fmean(blocking.values()) if blocking else 0.0,
             restart_s=statistics.fmean(restarts),
             uptime_s=sum(a.kill_t - a.first_t for a in lives[:-1]) / failures,
-            loop_step_s=_loop_step(window),
+            loop_step_s=_loop_step(lives, window, blocking),
         ),
         save_every=median(spacing) if spacing else math.nan,
         window_step_s=median(stepped) if stepped else math.nan,
@@ -447,8 +445,8 @@ def report(runs: Sequence[Run], s: Settings) -> None:
         ]
         print(f"\na restart (s, median): {', '.join(each)}")
     print(
-        "predicted: the model with each run's step (baseline median), save and restart "
-        "(means) and run to a failure;\nM=wall/f: the same with mtbf_s = wall / failures (see "
+        "predicted: the model with each run's save and restart (means), run to a failure, and "
+        "the loop's step (launcher's clock, saves' blocking out; baseline's share productive);\nM=wall/f: the same with mtbf_s = wall / failures (see "
         "the docstring: the bench's failures never strike a restart);\nin window: the median "
         "step between failures (above the baseline's: background writes compete for the cores)"
     )
