@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import multiproc
 import numpy as np
@@ -15,6 +17,7 @@ import jaxckpt
 from jaxckpt._src import intervals, runlog
 from jaxckpt._src.cadence import Cadence, History
 from jaxckpt._src.runlog import Event
+from jaxckpt._src.writer import Writer
 
 HERE = os.path.dirname(__file__)
 LOOP = os.path.join(HERE, "workers", "goodput_loop.py")
@@ -51,6 +54,71 @@ def test_auto_waits_for_measurements_then_follows_its_choice():
     assert c.choice is not None and c.interval == c.choice.steps
     assert 2 <= c.interval <= 50
     assert c.due(3 + c.interval) and not c.due(2 + c.interval)
+
+
+def test_a_new_job_starts_from_the_interval_the_last_one_chose():
+    events = [
+        ev("start", 0, "a"), ev("interval", 5, "a", 3, tier="local", steps=7),
+        ev("interval", 9, "a", 10, tier="local", steps=12),
+        ev("interval", 9, "a", 10, tier="remote", steps=300),
+        ev("interval", 9, "a", 11, tier="local", steps="13"),  # garbled: ignored
+        ev("start", 20, "b"),
+    ]  # fmt: skip
+    h = History.of(events)
+    assert h.interval("local") == 12 and h.interval("remote") == 300
+    assert h.interval("dir") is None
+    assert Cadence("local", "auto", mtbf_hours=1, history=h).interval == 12
+    assert Cadence("remote", "auto", mtbf_hours=1, history=h, max_steps=100).interval == 100
+    assert Cadence("dir", "auto", mtbf_hours=1, history=h, min_steps=3).interval == 3
+    assert Cadence("local", 5, history=h).interval == 5  # a fixed interval is fixed
+
+
+def test_the_writer_reports_its_background_jobs():
+    w = Writer("test-writer", timeout_s=10)
+    assert w.activity() == (0, False)
+    go = threading.Event()
+    w.submit("a job", go.wait)
+    deadline = time.monotonic() + 5
+    while w.activity() != (1, True) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert w.activity() == (1, True)
+    go.set()
+    w.wait("here")
+    assert w.activity() == (2, False) and len(w.job_seconds) == 1
+    w.submit("a failing job", lambda: 1 / 0)
+    with pytest.raises(jaxckpt.errors.BackgroundSaveError, match="a failing job"):
+        w.wait("here")
+    assert w.activity() == (4, False) and len(w.job_seconds) == 1  # its time is not kept
+    w.run_now("in the caller", lambda: None)
+    assert w.activity() == (4, False)  # not a background job
+    w.close("here")
+
+
+def test_auto_counts_what_its_background_writes_cost_the_loop():
+    """Steps take 2 ms, 8 ms while the tier's writer runs (a 40 ms write): each write costs
+    the loop about 40 × (1 − 2/8) = 30 ms besides its blocking, and the chosen interval is
+    the one for that cost."""
+    w = Writer("test-writer", timeout_s=10)
+    c = Cadence("dir", "auto", mtbf_hours=0.01, min_steps=1, max_steps=1000, writer=w)
+    for step in range(400):
+        if c.due(step):
+            w.wait("here")
+            w.submit("a write", time.sleep, 0.04)
+            c.saved(step, 0.0005)
+        time.sleep(0.008 if w.activity()[1] else 0.002)
+    w.close("here")
+    m = c.measured
+    assert len(m.idle_step_s) >= 2 and len(m.busy_step_s) >= 2
+    idle, busy = sorted(m.idle_step_s)[len(m.idle_step_s) // 2], sorted(m.busy_step_s)[-1]
+    assert idle < busy
+    contention = c._contention_s()
+    assert 0.01 < contention < 0.04, contention
+    assert c.choice is not None
+    assert c.choice.costs.save_s == pytest.approx(0.0005 + contention, rel=0.5)
+    blocking_only = intervals.choose(
+        intervals.Costs(c.choice.costs.step_s, 0.0005, 0.0, c.choice.costs.mtbf_s), 1, 1000
+    )
+    assert c.interval > blocking_only.steps
 
 
 def test_a_manager_with_auto_saves_at_the_interval_it_logged(tmp_path):

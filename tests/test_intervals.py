@@ -213,6 +213,41 @@ def test_the_choice_follows_a_new_step_time():
     assert after.steps == pytest.approx(before.steps / 2, abs=1)
 
 
+def test_contention_is_the_write_time_times_the_slowdown():
+    m = Measurements()
+    m.step(0, 0.0)
+    for s, t in enumerate([1.0, 2.0, 4.0, 6.0], start=1):  # 1 s idle, 2 s with a write
+        m.step(s, t, busy=s > 2)
+    assert list(m.idle_step_s) == [1.0, 1.0] and list(m.busy_step_s) == [2.0, 2.0]
+    # a 10 s write makes 5 steps of 2 s instead of 1 s: 5 s lost
+    assert m.contention_s(10.0) == pytest.approx(5.0)
+    m.save(0.25)
+    costs = m.costs(3600, m.contention_s(10.0))
+    assert costs == Costs(step_s=1.0, save_s=5.25, restart_s=0.0, mtbf_s=3600)
+    # contention lengthens the best interval (a dearer save is made less often)
+    cheap = intervals.choose(Costs(1.0, 0.25, 0.0, 3600), 1, 10_000)
+    assert intervals.choose(costs, 1, 10_000).steps > cheap.steps
+
+
+def test_contention_needs_both_kinds_of_steps_and_a_slowdown():
+    m = Measurements()
+    m.step(0, 0.0)
+    for s in range(1, 5):
+        m.step(s, float(s), busy=True)  # every step overlaps a write: no idle time known
+    assert m.contention_s(10.0) == 0.0
+    m.save(0.5)
+    assert m.costs(3600) == Costs(1.0, 0.5, 0.0, 3600)  # all steps, blocking only
+    for s in range(5, 8):
+        m.step(s, float(s) + 0.5 * (s - 4), busy=False)  # idle steps are the slower ones
+    assert m.contention_s(10.0) == 0.0  # noise, not contention
+    unknown = Measurements()
+    unknown.step(0, 0.0)
+    unknown.step(1, 1.0)  # busy=None: counted in step_s only
+    assert list(unknown.step_s) == [1.0] and not unknown.idle_step_s
+    with pytest.raises(OptionsError, match="write_s"):
+        m.contention_s(-1.0)
+
+
 # --- options -----------------------------------------------------------------------------
 
 

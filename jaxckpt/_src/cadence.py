@@ -4,15 +4,19 @@ A fixed interval saves the multiples of it, as always. ``"auto"`` saves every ``
 steps after the last save, the interval being the one that maximizes the expected goodput
 (:mod:`jaxckpt._src.intervals`) given the step time, the save's blocking time and the
 restart cost measured here, and the job's MTBF (``mtbf_hours`` per host, divided by the
-process count; learned from the run log with that as prior). It is re-decided after the
-first saves and then every ``REDECIDE_EVERY`` saves, from inputs agreed between processes
-(each takes the worst of every process's figures), so every process saves the same steps.
+process count; learned from the run log with that as prior). A save's cost is its blocking
+plus what its background write costs the loop (steps run slower while the tier's writer
+runs: measured, not assumed). It is re-decided after the first saves and then every
+``REDECIDE_EVERY`` saves, from inputs agreed between processes (each takes the worst of
+every process's figures), so every process saves the same steps. A new job starts from the
+interval its run log says the last job chose, agreed at its first save.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -22,6 +26,7 @@ from ..errors import RunLogError
 from . import intervals, multihost, runlog
 from .runlog import Event, RunLog
 from .storage import Location
+from .writer import Writer
 
 REDECIDE_EVERY = 8
 """Saves between two decisions, once the first ``REDECIDE_EVERY`` saves have each decided."""
@@ -49,6 +54,7 @@ class History:
     uptime_s: float = 0.0
     failures: int = 0
     restarts_s: tuple[float, ...] = ()
+    intervals: tuple[tuple[str, int], ...] = ()  # (tier, steps): the last "auto" choices
 
     @classmethod
     def of(cls, events: tuple[Event, ...] | list[Event]) -> History:
@@ -67,7 +73,20 @@ class History:
             back = next((e for e in after if e.event == "restore"), None)
             if back is not None:
                 restarts.append(back.t - run[-1].t)
-        return cls(uptime, failures, tuple(restarts))
+        chosen = {
+            str(e.fields["tier"]): int(e.fields["steps"])
+            for run in runs
+            for e in run
+            if e.event == "interval"
+            and isinstance(e.fields.get("tier"), str)
+            and type(e.fields.get("steps")) is int
+            and e.fields["steps"] >= 1
+        }
+        return cls(uptime, failures, tuple(restarts), tuple(sorted(chosen.items())))
+
+    def interval(self, tier: str) -> int | None:
+        """The interval an earlier job last chose for ``tier`` (None: none did)."""
+        return dict(self.intervals).get(tier)
 
 
 class Cadence:
@@ -85,11 +104,14 @@ class Cadence:
         history: History | None = None,
         log: RunLog | None = None,
         timeout_s: float = 600.0,
+        writer: Writer | None = None,
     ) -> None:
         self.tier, self.auto = tier, interval == "auto"
-        self.interval = min_steps if self.auto else int(interval)
         self.min_steps, self.max_steps = min_steps, max_steps
         self.history = history or History()
+        # "auto" starts where the last job left off (agreed at the first save)
+        earlier = self.history.interval(tier) or min_steps
+        self.interval = min(max(earlier, min_steps), max_steps) if self.auto else int(interval)
         self.measured = intervals.Measurements()
         for r in self.history.restarts_s:
             self.measured.restore(r)
@@ -98,6 +120,8 @@ class Cadence:
         )
         self.choice: intervals.Choice | None = None
         self._log, self._timeout_s = log, timeout_s
+        self._writer = writer  # this tier's background writes: their time and contention
+        self._activity: tuple[int, bool] | None = None
         self._last: int | None = None
         self._saves = 0
         self._name = f"jaxckpt/cadence/{next(_instances)}/{tier}"
@@ -107,7 +131,12 @@ class Cadence:
         """Whether ``step`` is one this tier saves (also records when it was reached)."""
         if not self.auto:
             return step % self.interval == 0
-        self.measured.step(step, time.perf_counter())
+        busy = None
+        if self._writer is not None:
+            before, self._activity = self._activity, self._writer.activity()
+            if before is not None:
+                busy = before[1] or before[0] != self._activity[0]
+        self.measured.step(step, time.perf_counter(), busy)
         return self._last is None or step - self._last >= self.interval
 
     def restored(self, step: int, seconds: float) -> None:
@@ -131,10 +160,20 @@ class Cadence:
         uptime = self.history.uptime_s + time.time() - self._started
         return intervals.learned_mtbf_s(self.prior_s, uptime, self.history.failures)
 
+    def _contention_s(self) -> float:
+        """What a background write of this tier costs the loop (see ``Measurements``)."""
+        if self._writer is None or not self._writer.job_seconds:
+            return 0.0
+        return self.measured.contention_s(statistics.median(list(self._writer.job_seconds)))
+
     def _decide(self) -> None:
-        mine = self.measured.costs(self._mtbf_s())
+        contention = self._contention_s()
+        mine = self.measured.costs(self._mtbf_s(), contention)
         text = json.dumps(
-            None if mine is None else [mine.step_s, mine.save_s, mine.restart_s, mine.mtbf_s]
+            [
+                self.interval,
+                None if mine is None else [mine.step_s, mine.save_s, mine.restart_s, mine.mtbf_s],
+            ]
         )
         got = [
             json.loads(v)
@@ -145,10 +184,14 @@ class Cadence:
                 what="agreeing on the save interval",
             )
         ]
-        if any(g is None for g in got):
-            return  # not measured enough everywhere yet: keep the interval
-        worst = [max(g[i] for g in got) for i in range(3)]
-        costs = intervals.Costs(worst[0], worst[1], worst[2], min(g[3] for g in got))
+        if any(g[1] is None for g in got):
+            # not measured enough everywhere yet: the interval every process can agree on
+            # (they may have started from different logs)
+            self.interval = min(g[0] for g in got)
+            return
+        figures = [g[1] for g in got]
+        worst = [max(f[i] for f in figures) for i in range(3)]
+        costs = intervals.Costs(worst[0], worst[1], worst[2], min(f[3] for f in figures))
         choice = intervals.choose(costs, self.min_steps, self.max_steps)
         changed = choice.steps != self.interval
         self.interval, self.choice = choice.steps, choice
@@ -169,6 +212,7 @@ class Cadence:
                 save_s=costs.save_s,
                 restart_s=costs.restart_s,
                 mtbf_s=costs.mtbf_s,
+                contention_s=contention,
             )
 
 

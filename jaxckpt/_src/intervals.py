@@ -192,30 +192,40 @@ class Measurements:
     restore times (the managers agree on the figures between processes). Times are passed
     in; nothing here reads a clock.
 
-    Call ``step(step, t)`` when the loop reaches ``step`` at time ``t`` (a manager: at the
-    start of ``save``, before it blocks), ``save(blocking_s)`` after a save has blocked the
-    calling thread. A step time is Δt/Δstep between two ``step`` calls, less the blocking
-    of the saves reported between them. A step that is not above the previous one (a
+    Call ``step(step, t, busy)`` when the loop reaches ``step`` at time ``t`` (a manager: at
+    the start of ``save``, before it blocks), ``save(blocking_s)`` after a save has blocked
+    the calling thread. A step time is Δt/Δstep between two ``step`` calls, less the
+    blocking of the saves reported between them; ``busy`` says whether a background write
+    ran in that stretch (None: not known). A step that is not above the previous one (a
     restore went back) starts afresh from there without a step time.
+
+    A background write is not free: it competes with the loop for the host (CPU, memory
+    bandwidth), so steps run slower while it runs. ``contention_s`` is what one write of
+    ``write_s`` seconds costs the loop that way, from the step times with and without one.
     """
 
     def __init__(self, window: int = 64) -> None:
         if window < 1:
             raise OptionsError(f"window must be >= 1, got {window}")
         self.step_s: deque[float] = deque(maxlen=window)
+        self.idle_step_s: deque[float] = deque(maxlen=window)  # no background write ran
+        self.busy_step_s: deque[float] = deque(maxlen=window)  # one did
         self.save_s: deque[float] = deque(maxlen=window)
         self.restore_s: deque[float] = deque(maxlen=window)
         self._last: tuple[int, float] | None = None
         self._blocked_s = 0.0  # save blocking since the last step() call
 
-    def step(self, step: int, t: float) -> None:
-        """The loop reached ``step`` at time ``t`` (seconds, any fixed origin)."""
+    def step(self, step: int, t: float, busy: bool | None = None) -> None:
+        """The loop reached ``step`` at time ``t`` (seconds, any fixed origin); ``busy``:
+        a background write ran since the last call."""
         last, self._last = self._last, (step, t)
         blocked, self._blocked_s = self._blocked_s, 0.0
         if last is not None and step > last[0]:
             seconds = (t - last[1] - blocked) / (step - last[0])
             if seconds > 0:
                 self.step_s.append(seconds)
+                if busy is not None:
+                    (self.busy_step_s if busy else self.idle_step_s).append(seconds)
 
     def save(self, blocking_s: float) -> None:
         """A save blocked the calling thread for ``blocking_s`` seconds."""
@@ -228,12 +238,32 @@ class Measurements:
         _check("seconds", seconds, zero=True)
         self.restore_s.append(seconds)
 
-    def costs(self, mtbf_s: float) -> Costs | None:
-        """The medians as ``Costs`` with ``mtbf_s``; ``restart_s`` is the median restore time,
-        0 before any restore. None before 2 step times and a save were measured."""
+    def _split(self) -> tuple[float, float] | None:
+        """Median step times (without, with) a background write; None before 2 of each."""
+        if len(self.idle_step_s) < 2 or len(self.busy_step_s) < 2:
+            return None
+        return statistics.median(self.idle_step_s), statistics.median(self.busy_step_s)
+
+    def contention_s(self, write_s: float) -> float:
+        """The loop's time lost to one background write of ``write_s`` seconds: the steps
+        it overlaps run at the busy step time instead of the idle one, so
+        ``write_s × (1 − idle/busy)``; 0 before both were measured, or if busy steps are
+        not slower."""
+        _check("write_s", write_s, zero=True)
+        split = self._split()
+        if split is None or split[1] <= split[0]:
+            return 0.0
+        return write_s * (1 - split[0] / split[1])
+
+    def costs(self, mtbf_s: float, contention_s: float = 0.0) -> Costs | None:
+        """The medians as ``Costs`` with ``mtbf_s``: the step time without a background
+        write where both kinds were measured; the save cost its blocking plus
+        ``contention_s``; ``restart_s`` the median restore time, 0 before any restore.
+        None before 2 step times and a save were measured."""
         if len(self.step_s) < 2 or not self.save_s:
             return None
+        split = self._split()
+        step = split[0] if split is not None else statistics.median(self.step_s)
         restart = statistics.median(self.restore_s) if self.restore_s else 0.0
-        return Costs(
-            statistics.median(self.step_s), statistics.median(self.save_s), restart, mtbf_s
-        )
+        save = statistics.median(self.save_s) + contention_s
+        return Costs(step, save, restart, mtbf_s)

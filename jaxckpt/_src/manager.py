@@ -87,6 +87,7 @@ class CheckpointManager:
             history=history,
             log=self._log,
             timeout_s=opts.timeout_s,
+            writer=self._writer,
         )
         self._reached: int | None = None  # the highest step given to save()
         self._tier, self._owns_log = "dir", True  # this manager's tier in the run log

@@ -18,7 +18,9 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -119,7 +121,17 @@ class Writer:
         self._changed = threading.Condition()  # a job finished
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        # background jobs: how many started and ended, and how long the last ones ran
+        self._started = self._ended = 0
+        self.job_seconds: deque[float] = deque(maxlen=64)
         _live.add(self)
+
+    def activity(self) -> tuple[int, bool]:
+        """(background jobs started + ended, whether one runs now): a stretch of time in
+        which no background job ran is one that begins with ``False`` and ends with the
+        same count."""
+        started, ended = self._started, self._ended
+        return started + ended, started != ended
 
     def submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         """Runs ``fn(*args)`` in the background; ``what`` names the job in its error."""
@@ -148,19 +160,26 @@ class Writer:
             item = self._queue.get()
             if item is None:
                 return
-            self._run(*item)
+            self._started += 1
+            since = time.perf_counter()
+            if self._run(*item):
+                self.job_seconds.append(time.perf_counter() - since)
+            self._ended += 1
             item = None  # drop the job's data (host copies) before going idle
 
-    def _run(self, job: Cancel, fn: Callable[..., Any], args: tuple) -> None:
+    def _run(self, job: Cancel, fn: Callable[..., Any], args: tuple) -> bool:
+        """Runs the job; True if it ended without an error."""
         _here.job = self._running = job
         try:
             fn(*args)
+            return True
         except BaseException as e:  # kept and re-raised in the caller's thread
             if job.asked:  # cancelled here: whatever it raised on its way out is expected
                 log.info("jaxckpt: %s cancelled (%s)", job.what, e)
             else:
                 self._error = BackgroundSaveError(f"{job.what} failed: {e}")
                 self._error.__cause__ = e
+            return False
         finally:
             _here.job = self._running = None
             with self._changed:

@@ -100,22 +100,22 @@ class EmergencyCheckpointManager:
         dirs = [self.local_directory, self.remote.directory]
         self._log, history = start_run(dirs, ["local", "remote"], opts.heartbeat_s, opts.run_log)
         self.remote.log_into(self._log, "remote")
+        self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         tier = functools.partial(
             Cadence, mtbf_hours=opts.mtbf_hours, history=history, log=self._log,
             timeout_s=opts.timeout_s,
         )  # fmt: skip
         self._cadences = (
             tier("local", opts.local_interval_steps, min_steps=opts.min_interval_steps,
-                 max_steps=opts.max_interval_steps),
+                 max_steps=opts.max_interval_steps, writer=self._writer),
             tier("remote", opts.remote_interval_steps, min_steps=opts.remote_min_interval_steps,
-                 max_steps=opts.remote_max_interval_steps),
+                 max_steps=opts.remote_max_interval_steps, writer=self.remote._writer),
         )  # fmt: skip
         self._reached: int | None = None  # the highest step given to save()
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(steps.committed(self.local_directory))
         # writes the local steps, keeping the host buffers it reuses
         self._saver = local_save.LocalSaver(self.local_directory, opts.timeout_s, opts.step_digits)
-        self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
         self._closed = False
         self.last_save_figures: Figures | None = None  # the calling thread's part
