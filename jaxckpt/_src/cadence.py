@@ -212,7 +212,6 @@ class Cadence:
                 save_s=costs.save_s,
                 restart_s=costs.restart_s,
                 mtbf_s=costs.mtbf_s,
-                contention_s=contention,
             )
 
 
