@@ -28,7 +28,11 @@ with mixed PartitionSpecs, then, ``--repeats`` times, alternating the libraries:
 * the limits (``harness.raw_io``): the same bytes written with NumPy + fsync as one file and
   as per-array files on 2/4/8 threads, then read back from the page cache into fresh memory,
   plainly and *verified* (a hardware CRC32C over every byte: the least a reader that checks
-  every byte must do); the best way is the limit. Cold: jaxckpt's own checkpoint files read
+  every byte must do); the best way is the limit. The save is held against the raw
+  *first* write: each way in a fresh process that builds the arrays, warms up with a tiny
+  write and then writes every byte once, as the save worker does (on this VM memory left
+  idle is slow to touch again, so the later writes of one process run faster than any
+  first one; that figure is printed beside it). Cold: jaxckpt's own checkpoint files read
   plainly and verified from the disk on 1/2/4/8 threads (``harness.cold_reads``). fio, where
   installed: sequential write and read of a file of the state's size, O_DIRECT and not,
   psync and io_uring.
@@ -86,7 +90,8 @@ RESTORES = {  # operation -> (mesh shape, device count)
 }
 WARM = [op for op in RESTORES if op != COLD]
 FILES = "raw reads of its files"  # not a restore: cold reads of jaxckpt's checkpoint files
-RAW_KINDS = ("write", "read", "verified", "cold read", "cold verified")
+FIRST = "first write"  # raw write + fsync as a fresh process's first big write, like a save
+RAW_KINDS = ("write", FIRST, "read", "verified", "cold read", "cold verified")
 DIRECT_ENV = "JAXCKPT_DIRECT_READ"
 TS_READS = "jaxckpt (tensorstore reads)"  # --direct-read both: JAXCKPT_DIRECT_READ=0
 
@@ -244,6 +249,13 @@ def worker_raw(args) -> dict:
     return harness.raw_io(args.path, sizes, args.rotate)
 
 
+def worker_first_write(args) -> dict:
+    """``harness.first_write``: the raw write in the save worker's conditions."""
+    sizes = [int(np.prod(s)) * np.dtype(t).itemsize for _, s, t, _ in layout(args.size_gb)]
+    return {FIRST: {harness.way_name(args.threads, len(sizes)): harness.first_write(
+        args.path, sizes, args.threads)}}  # fmt: skip
+
+
 def worker_files(args) -> dict:
     """Cold plain and verified reads of a checkpoint's own files (``harness.cold_reads``)."""
     nbytes = sum(os.path.getsize(p) for p in harness.files_under(args.path))
@@ -255,6 +267,7 @@ WORKERS = {
     "save": worker_save,
     "restore": worker_restore,
     "raw": worker_raw,
+    "first_write": worker_first_write,
     "files": worker_files,
 }
 
@@ -297,6 +310,9 @@ def orchestrate(args) -> dict:
         harness.log(f"repeat {rep + 1}/{args.repeats}: raw")
         r = run_worker(args, "raw", path=os.path.join(args.workdir, "raw"), rotate=rep)
         _collect(raw, r, {"write": "write", "read": "read", "verified": "verified"})
+        for n in harness.rotated([1, *harness.RAW_THREADS], rep):
+            path = os.path.join(args.workdir, "raw")
+            _collect(raw, run_worker(args, "first_write", path=path, threads=n), {FIRST: FIRST})
         if rep == 0 and not args.no_fio:
             harness.log("fio")
             fio = harness.fio(os.path.join(args.workdir, "fio.bin"), state_bytes(args.size_gb))
@@ -363,7 +379,7 @@ def _target(ok: bool | None, name: str, figure: str) -> None:
 
 
 # the raw kind each operation is held against: plainly, and verified (restores)
-PLAIN_REF = {"save": "write", COLD: "cold read", **{op: "read" for op in WARM}}
+PLAIN_REF = {"save": FIRST, COLD: "cold read", **{op: "read" for op in WARM}}
 VERIFIED_REF = {COLD: "cold verified", **{op: "verified" for op in WARM}}
 
 
@@ -484,7 +500,8 @@ def _report_limits(out: dict, nbytes: int) -> None:
     """Every raw way measured, the best of each kind, and fio's figures."""
     print()
     harness.print_ways(out["raw"], nbytes, {
-        "write": "raw write",
+        "write": "raw write (several ways in one process, the later ones on warm memory)",
+        FIRST: "raw first write (each way a fresh process's first big write, as a save)",
         "read": "raw read",
         "verified": f"verified read (read + CRC32C by {out['crc32c']})",
         "cold read": "cold raw read of jaxckpt's files",
@@ -510,7 +527,7 @@ def _report_targets(speed: dict, cpu: dict, lim: dict[str, harness.Limit], orbax
 
     rows: list[tuple[str, float | None, float]] = [
         ("save >= 3x orbax", vs_orbax("save"), 3.0),
-        ("save >= 0.9x raw write + fsync", vs("save", "write"), 0.9),
+        ("save >= 0.9x raw write + fsync (first write)", vs("save", FIRST), 0.9),
         ("restore same mesh >= 0.9x the verified-read limit", vs(SAME_MESH, "verified"), 0.9),
         ("restore same mesh >= 0.75x raw read", vs(SAME_MESH, "read"), 0.75),
         ("restore same mesh >= 1.2x orbax", vs_orbax(SAME_MESH), 1.2),
@@ -526,6 +543,9 @@ def _report_targets(speed: dict, cpu: dict, lim: dict[str, harness.Limit], orbax
     for name, ratio, need in rows:
         ok = None if ratio is None else ratio >= need
         _target(ok, name, f"{'-' if ratio is None else f'{ratio:.2f}x':>9}")
+    warmer = vs("save", "write")
+    if warmer is not None:
+        print(f"  (save / the raw write on warmer memory, later in one process: {warmer:.2f}x)")
     for op in ["save", *RESTORES]:
         raw = lim[PLAIN_REF[op]].cpu_per_gb if PLAIN_REF[op] in lim else 0.0
         ratio = cpu["jaxckpt"][op] / raw if raw > 0 else None  # 0: under one clock tick

@@ -298,6 +298,11 @@ def read_files(
         return sum(pool.map(read, blocks))
 
 
+def way_name(threads: int, files: int) -> str:
+    """A raw way's name: one file on one thread, or ``files`` files on ``threads`` threads."""
+    return "1 file" if threads == 1 else f"{files} files, {threads} threads"
+
+
 def _filled(n: int, block: np.ndarray) -> np.ndarray:
     out = np.empty(n, np.uint8)
     for start in range(0, n, block.size):
@@ -319,7 +324,7 @@ def raw_io(path: str, sizes: Sequence[int], rotate: int = 0) -> dict[str, dict[s
     one = [os.path.join(path, "one.bin")]
     per_array = [os.path.join(path, f"a{i}.bin") for i in range(len(sizes))]
     ways = rotated([1, *RAW_THREADS], rotate)
-    name = {n: "1 file" if n == 1 else f"{len(sizes)} files, {n} threads" for n in ways}
+    name = {n: way_name(n, len(sizes)) for n in ways}
     out: dict[str, dict[str, dict]] = {"write": {}, "read": {}, "verified": {}}
     for n in ways:
         for p in per_array if n > 1 else []:
@@ -343,6 +348,29 @@ def raw_io(path: str, sizes: Sequence[int], rotate: int = 0) -> dict[str, dict[s
             out[kind][name[n]] = clock.record()
     shutil.rmtree(path)
     return out
+
+
+def first_write(path: str, sizes: Sequence[int], threads: int) -> dict:
+    """The raw write in a save's own conditions: the arrays built in this (fresh) process,
+    a tiny write + fsync to warm up, then the one timed write + fsync of every byte, one
+    file (``threads`` 1) or one file per array on ``threads`` threads. On a VM whose idle
+    memory is slow to touch again (a balloon driver), later writes in one process run
+    faster than the first; a save is a first write, so this is its like-for-like limit.
+    Returns ``Clock.record()``."""
+    block = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    arrays = [_filled(n, block) for n in sizes]
+    os.makedirs(path)
+    write_file(os.path.join(path, "warm.bin"), [block[: 1 << 20]])
+    os.remove(os.path.join(path, "warm.bin"))
+    with Clock() as clock:
+        if threads == 1:
+            write_file(os.path.join(path, "one.bin"), arrays)
+        else:
+            files = [os.path.join(path, f"a{i}.bin") for i in range(len(sizes))]
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda p, a: write_file(p, [a]), files, arrays))
+    shutil.rmtree(path)
+    return clock.record()
 
 
 def cold_reads(path: str, rotate: int = 0) -> dict[str, dict[str, dict]]:
