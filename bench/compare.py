@@ -8,6 +8,7 @@ Run from the repository root (the full run of record is ``--size-gb 1``, a few m
     python bench/compare.py --size-gb 0.1 --only jaxckpt       # skip Orbax
     python bench/compare.py --direct-read both     # jaxckpt's direct reads vs TensorStore's
     python bench/compare.py --chunk-bytes 16777216 # and chunk_bytes=16 MiB vs default
+    python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save, drop_page_cache off/on
 
 Needs a CRC32C package for the verified-read limit: ``crc32c`` (jaxckpt's own dependency,
 hardware-accelerated; ``google-crc32c`` also works); uses ``fio`` as a second raw reference
@@ -99,13 +100,13 @@ TS_READS = "jaxckpt (tensorstore reads)"  # --direct-read both: JAXCKPT_DIRECT_R
 
 
 class Jaxckpt:
-    def __init__(self, chunk_bytes: int | None = None):
+    def __init__(self, chunk_bytes: int | None = None, drop_page_cache: bool = False):
         import jaxckpt
 
-        self.lib, self.chunk_bytes = jaxckpt, chunk_bytes
+        self.lib, self.chunk_bytes, self.drop = jaxckpt, chunk_bytes, drop_page_cache
 
     def save(self, path: str, tree) -> None:
-        self.lib.save(path, tree, chunk_bytes=self.chunk_bytes)
+        self.lib.save(path, tree, chunk_bytes=self.chunk_bytes, drop_page_cache=self.drop)
 
     def restore(self, path: str, target):
         return self.lib.restore(path, target)
@@ -138,9 +139,12 @@ class Orbax:
 
 LIBS = {"jaxckpt": Jaxckpt, "orbax": Orbax, "jaxckpt-chunks": Jaxckpt}
 CHUNKED = "jaxckpt-chunks"  # jaxckpt with --chunk-bytes
+DROP = "drop_page_cache"  # --drop-page-cache-gb: jaxckpt saves with drop_page_cache=True
 
 
 def make_lib(args):
+    if args.lib == DROP:
+        return Jaxckpt(drop_page_cache=True)
     return Jaxckpt(args.chunk_bytes) if args.lib == CHUNKED else LIBS[args.lib]()
 
 
@@ -173,6 +177,7 @@ def worker_save(args) -> dict:
         "seconds": clock.seconds,
         "cpu": clock.cpu - rss.sampler_cpu,
         "rss_over": rss.over,
+        "cache_over": rss.cache_over,
         "baseline": rss.baseline,
         "device_bytes": device_bytes(state),
         "crcs": crcs,
@@ -282,7 +287,7 @@ def worker(op: str, **kw) -> dict:
 def run_worker(args, op: str, env: dict[str, str] | None = None, **kw) -> dict:
     common = {"size_gb": args.size_gb, "workdir": args.workdir, "chunk_bytes": args.chunk_bytes,
               "no_run_log": args.no_run_log}  # fmt: skip
-    return harness.run_worker(__file__, env=env, op=op, **common, **kw)
+    return harness.run_worker(__file__, env=env, op=op, **{**common, **kw})
 
 
 def readers(args, lib: str) -> list[tuple[str, dict[str, str] | None]]:
@@ -306,6 +311,7 @@ def orchestrate(args) -> dict:
     asyncs: dict = {}
     load = [os.getloadavg()[0]]
     fio, files_bytes = None, 0
+    drops: list[dict] = []
     for rep in range(args.repeats):
         harness.log(f"repeat {rep + 1}/{args.repeats}: raw")
         r = run_worker(args, "raw", path=os.path.join(args.workdir, "raw"), rotate=rep)
@@ -348,8 +354,11 @@ def orchestrate(args) -> dict:
             got = run_worker(args, "async", lib=lib, path=path)
             asyncs.setdefault(lib, []).append(got)
             shutil.rmtree(path, ignore_errors=True)
+        if args.drop_page_cache_gb:
+            drops.append(drop_page_cache_round(args, rep))
         load.append(os.getloadavg()[0])
     return {
+        "drops": drops,
         "libs": libs,
         "labels": labels,
         "results": res,
@@ -362,6 +371,51 @@ def orchestrate(args) -> dict:
         "load": load,
         "async": asyncs,
     }
+
+
+def drop_page_cache_round(args, rep: int) -> dict:
+    """--drop-page-cache-gb: a state of that size saved with and without drop_page_cache,
+    and written raw (first writes, every way), alternating; each save's page cache growth."""
+    size, out = args.drop_page_cache_gb, {"raw": {FIRST: {}}}
+    for lib in harness.alternate(["jaxckpt", DROP], rep):
+        path = os.path.join(args.workdir, f"{lib}-big")
+        harness.log(f"repeat {rep + 1}/{args.repeats}: {size:g} GB save, {lib}")
+        out[lib] = run_worker(args, "save", lib=lib, path=path, size_gb=size)
+        shutil.rmtree(path)
+    for n in harness.rotated([1, *harness.RAW_THREADS], rep):
+        got = run_worker(args, "first_write", path=os.path.join(args.workdir, "raw"),
+                         threads=n, size_gb=size)  # fmt: skip
+        _collect(out["raw"], got, {FIRST: FIRST})
+    return out
+
+
+def _report_drops(args, drops: list[dict]) -> None:
+    """The --drop-page-cache-gb figures and their targets."""
+    nbytes = state_bytes(args.drop_page_cache_gb)
+    raw: dict = {FIRST: {}}
+    for d in drops:
+        for way, recs in d["raw"][FIRST].items():
+            raw[FIRST].setdefault(way, []).extend(recs)
+    limit = harness.best_ways(raw, nbytes)[FIRST]
+    print(f"\nsave of a {nbytes / GB:.3f} GB state, drop_page_cache off and on "
+          f"(page cache = Cached + Dirty of /proc/meminfo, machine-wide; raw first write "
+          f"{limit.gbps:.3f} GB/s, {limit.way})")  # fmt: skip
+    table = harness.Table(
+        (("save", "<24"), ("GB/s", ">8.3f"), ("x raw", ">7.2f"))
+        + (("cache growth MiB (max)", ">23.0f"), ("(each repeat)", "<30"))
+    )
+    rows, figures = [], {}
+    for lib, name in (("jaxckpt", "drop_page_cache=False"), (DROP, "drop_page_cache=True")):
+        runs = [d[lib] for d in drops]
+        rate = harness.gbps(nbytes, [r["seconds"] for r in runs])
+        growth = [r["cache_over"] / 2**20 for r in runs]
+        figures[lib] = (rate / limit.gbps, max(growth))
+        each = ", ".join(f"{g:.0f}" for g in growth)
+        rows.append((name, rate, rate / limit.gbps, max(growth), each))
+    table.print(rows, rule=True)
+    ratio, growth = figures[DROP]
+    _target(growth <= 256, "drop_page_cache: page cache grows <= 256 MiB", f"{growth:>8.0f} MiB")
+    _target(ratio >= 0.8, "drop_page_cache: save >= 0.8x raw first write", f"{ratio:>8.2f}x")
 
 
 def _collect(raw: dict, got: dict, kinds: dict[str, str]) -> None:
@@ -462,6 +516,8 @@ def report(args, out: dict) -> None:
     for name, value, cap in limits_rss:
         _target(value <= cap, name, f"{value:>8.3f} GB (limit {cap:.3f})")
     _report_async(out, speed["jaxckpt"]["save"], state_bytes(args.size_gb) / GB)
+    if out.get("drops"):
+        _report_drops(args, out["drops"])
     n, cap = nfiles["jaxckpt"], 8 + 4 * 1
     _target(n <= cap, "files per step <= 8 + 4 x processes", f"{n:>8} (limit {cap})")
 
@@ -596,6 +652,13 @@ def main() -> None:
         "ways, alternating (default: the library's own choice)",
     )
     ap.add_argument("--no-fio", action="store_true", help="skip fio even where it is installed")
+    ap.add_argument(
+        "--drop-page-cache-gb",
+        type=float,
+        default=0.0,
+        help="also save a state of this size with and without drop_page_cache, alternating, "
+        "and print the page cache's growth (the run of record: 2)",
+    )
     ap.add_argument("--json", help="also write the raw measurements to this JSON file")
     ap.add_argument(
         "--no-run-log", action="store_true", help="managers keep no run log (its cost: on vs off)"

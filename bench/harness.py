@@ -158,8 +158,20 @@ class Clock:
         return {"seconds": self.seconds, "cpu": self.cpu}
 
 
+def page_cache_bytes() -> int:
+    """The page cache as /proc/meminfo counts it: ``Cached`` + ``Dirty`` (bytes)."""
+    got = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            if key in ("Cached", "Dirty"):
+                got[key] = int(value.split()[0]) * 1024
+    return got.get("Cached", 0) + got.get("Dirty", 0)
+
+
 class PeakRss:
-    """Peak RSS over the RSS at entry: a sampling thread plus the kernel's VmHWM mark.
+    """Peak RSS over the RSS at entry: a sampling thread plus the kernel's VmHWM mark; and
+    the page cache's peak growth over its size at entry (``cache_over``, machine-wide).
 
     ``sampler_cpu``: the CPU seconds the sampling thread took, to subtract from a
     ``Clock``'s figure taken inside the block.
@@ -175,6 +187,7 @@ class PeakRss:
     def __enter__(self) -> PeakRss:
         gc.collect()
         self.baseline = self.peak = self.proc.memory_info().rss
+        self.cache_baseline = self.cache_peak = page_cache_bytes()
         try:  # resets the kernel's peak-RSS mark (VmHWM); not allowed everywhere
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -189,12 +202,14 @@ class PeakRss:
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.cache_peak = max(self.cache_peak, page_cache_bytes())
         self.sampler_cpu = time.thread_time()
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.cache_peak = max(self.cache_peak, page_cache_bytes())
         if self.hwm:
             with open("/proc/self/status") as f:
                 hwm = next((int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")), 0)
@@ -203,6 +218,10 @@ class PeakRss:
     @property
     def over(self) -> int:
         return self.peak - self.baseline
+
+    @property
+    def cache_over(self) -> int:
+        return self.cache_peak - self.cache_baseline
 
 
 # --- the machine's limits ------------------------------------------------------------------

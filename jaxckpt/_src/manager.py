@@ -211,6 +211,7 @@ class CheckpointManager:
                 per_process=per_process,
                 compression=opts.compression,
                 chunk_bytes=opts.chunk_bytes,
+                drop_page_cache=opts.drop_page_cache,
             )
             background = opts.async_save and (
                 isinstance(state, Staged) or not self._over_budget(prepared.staged)

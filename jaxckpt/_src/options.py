@@ -59,6 +59,11 @@ class Options:
         ``jaxckpt.save``); None: chunks follow the shards.
     read_budget_bytes: host memory for slices read but not yet on a device during a
         restore (None: ``restoring.READ_BUDGET_BYTES``, 128 MiB).
+    drop_page_cache: keep a save's files out of the page cache (local directories): their
+        pages are dropped as they are written, so a save of any size holds a few hundred
+        MiB of cache at most instead of its whole size, and does not evict what training
+        reads. A restore of the step then reads from the disk. (TensorStore writes through
+        the cache: this is what O_DIRECT would give, done with ``posix_fadvise``; Linux.)
     """
 
     save_interval_steps: int | Literal["auto"] = 1
@@ -80,6 +85,7 @@ class Options:
     max_interval_steps: int = 10_000
     run_log: bool = True
     heartbeat_s: float = 30.0
+    drop_page_cache: bool = False
 
     def __post_init__(self) -> None:
         _interval(self, "save_interval_steps", "min_interval_steps", "max_interval_steps")
@@ -141,6 +147,8 @@ class EmergencyOptions:
     async_save: ``save`` returns after the device->host copy, with the peer copies in flight.
     timeout_s: bound on every cross-process wait. compression: remote tier only.
     step_digits: zero padding of both tiers' step directory names (``00001000``).
+    drop_page_cache: keep both tiers' local files out of the page cache as they are written
+        (see ``Options``); a restore from local copies then reads from the disk.
     """
 
     local_interval_steps: int | Literal["auto"] = 10
@@ -159,6 +167,7 @@ class EmergencyOptions:
     remote_max_interval_steps: int = 100_000
     run_log: bool = True
     heartbeat_s: float = 30.0
+    drop_page_cache: bool = False
 
     def __post_init__(self) -> None:
         _interval(self, "local_interval_steps", "min_interval_steps", "max_interval_steps")

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
-from . import arrays, multihost, steps, writer
+from . import arrays, multihost, page_cache, steps, writer
 from . import per_process as pp
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
@@ -48,6 +48,7 @@ def save(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     per_process: Any = None,
     metadata: Any = None,
+    drop_page_cache: bool = False,
 ) -> Figures:
     """Writes ``tree`` as one checkpoint directory at ``path``; blocks until committed.
 
@@ -60,7 +61,9 @@ def save(
     close to cubes): a restore that needs a thin slice of a shard reads only the chunks it
     touches. ``per_process``: this process's own value (a data iterator's ``get_state()``,
     bytes, JSON, or a pytree of NumPy arrays), which may differ between processes; read back
-    by :func:`per_process`. (``metadata=`` is the deprecated name of ``custom_metadata=``.)
+    by :func:`per_process`. ``drop_page_cache``: keep a local save's files out of the page
+    cache as they are written (see ``Options.drop_page_cache``). (``metadata=`` is the
+    deprecated name of ``custom_metadata=``.)
 
     Shards held by several processes are written in parts, one part by each (see
     ``sharding.write_split``), so save time falls with the number of hosts. Returns this
@@ -77,6 +80,7 @@ def save(
         per_process=per_process,
         compression=compression,
         chunk_bytes=chunk_bytes,
+        drop_page_cache=drop_page_cache,
     )
     return commit(prepared, timeout_s)
 
@@ -91,6 +95,7 @@ class Prepared:
     metrics: dict | None
     record: pp.Record | None  # this process's per-process value, encoded
     clock: Stopwatch
+    drop_page_cache: bool = False
 
     def snapshot(self, host: HostCopies) -> Prepared:
         """The same save with the pieces this process writes copied to the host now."""
@@ -107,6 +112,7 @@ def prepare(
     per_process: Any = None,
     compression: str | None = None,
     chunk_bytes: int | None = None,
+    drop_page_cache: bool = False,
 ) -> Prepared:
     """Checks a save's arguments and describes ``tree`` (see :func:`save`); writes nothing
     and reads no storage (``commit`` checks the path is free)."""
@@ -124,7 +130,7 @@ def prepare(
     with clock.phase("describe"):
         staged = describe(tree, compression=compression, chunk_bytes=chunk_bytes)
     _check_unique_names(staged.leaves, loc)
-    return Prepared(loc, staged, custom_metadata, metrics, record, clock)
+    return Prepared(loc, staged, custom_metadata, metrics, record, clock, drop_page_cache)
 
 
 @dataclass(frozen=True)
@@ -194,7 +200,8 @@ def commit(
                     # the cancelled save of this step may have written here after process 0
                     # cleared the step's objects: a leftover database would refuse ``create``
                     db.remove()
-            arrays.write(db, writes)
+            with page_cache.dropping(db.url, prepared.drop_page_cache and db.is_local):
+                arrays.write(db, writes)
             if cancel is not None:
                 cancel.check()
             if prepared.record is not None:

@@ -24,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
-from .. import arrays, steps
+from .. import arrays, page_cache, steps
 from ..boxes import Index, extent, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
 from ..manifest import (
@@ -220,9 +220,17 @@ def read_step(directory: Location, step: int, digits: int = 8) -> LocalStep | No
         return None
 
 
-def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int = 8) -> Location:
+def write_step(
+    directory: Location,
+    doc: LocalStep,
+    slices: Slices,
+    digits: int = 8,
+    *,
+    drop_page_cache: bool = False,
+) -> Location:
     """Writes one committed local step (tmp dir, rename, marker last) holding ``slices``
-    (``doc.held`` lists them); returns its path."""
+    (``doc.held`` lists them); returns its path. ``drop_page_cache``: see
+    ``page_cache.dropping``."""
     final = steps.step_dir(directory, doc.step, digits)
     by_leaf: dict[str, list[tuple[Index, Callable[[], np.ndarray]]]] = {}
     for key, data in slices.items():
@@ -240,7 +248,8 @@ def write_step(directory: Location, doc: LocalStep, slices: Slices, digits: int 
     with steps.committing(final, replace_committed=True) as work:  # saved again: replaced
         db = work.join("arrays")
         db.makedirs()
-        arrays.write(db, writes)
+        with page_cache.dropping(db.url, drop_page_cache):
+            arrays.write(db, writes)
         work.write_bytes(LOCAL_FILE, json.dumps(doc.to_json()).encode())
     return final
 

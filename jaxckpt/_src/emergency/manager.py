@@ -93,6 +93,7 @@ class EmergencyCheckpointManager:
                 compression=opts.compression,
                 step_digits=opts.step_digits,
                 run_log=False,  # this manager logs both tiers
+                drop_page_cache=opts.drop_page_cache,
             ),
         )
         # the run log, in both tiers' directories (a replaced host keeps the remote one),
@@ -115,7 +116,9 @@ class EmergencyCheckpointManager:
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(steps.committed(self.local_directory))
         # writes the local steps, keeping the host buffers it reuses
-        self._saver = local_save.LocalSaver(self.local_directory, opts.timeout_s, opts.step_digits)
+        self._saver = local_save.LocalSaver(
+            self.local_directory, opts.timeout_s, opts.step_digits, opts.drop_page_cache
+        )
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
         self._closed = False
         self.last_save_figures: Figures | None = None  # the calling thread's part
@@ -296,7 +299,9 @@ class EmergencyCheckpointManager:
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
-        self._saver = local_save.LocalSaver(self.local_directory, o.timeout_s, o.step_digits)
+        self._saver = local_save.LocalSaver(
+            self.local_directory, o.timeout_s, o.step_digits, o.drop_page_cache
+        )
         tag = self._tag("restore")
         fig = Stopwatch("emergency_restore", self.local_directory.url)
         mine, views = self._publish_holdings(tag)

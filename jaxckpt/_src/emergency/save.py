@@ -53,8 +53,11 @@ class LocalSaver:
     """Saves local steps into ``directory`` (step numbers ``digits`` wide), keeping the host
     buffers they reuse from one save to the next; every wait is bounded by ``timeout_s``."""
 
-    def __init__(self, directory: Location, timeout_s: float, digits: int) -> None:
+    def __init__(
+        self, directory: Location, timeout_s: float, digits: int, drop_page_cache: bool = False
+    ) -> None:
         self.directory, self.timeout_s, self.digits = directory, timeout_s, digits
+        self.drop_page_cache = drop_page_cache
         self.host = HostCopies()  # snapshots of NumPy leaves and accelerator shards
         self.received: PeerCopies | None = None  # the last peer copies: they receive the next
         self.pack_buffer: np.ndarray | None = None  # the packed peer-exchange row
@@ -138,7 +141,9 @@ class LocalSaver:
                 held=p.writers,
                 per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
             )
-            local.write_step(self.directory, doc, p.slices, self.digits)
+            local.write_step(
+                self.directory, doc, p.slices, self.digits, drop_page_cache=self.drop_page_cache
+            )
             fig.bytes = sum(v.nbytes for v in p.slices.values())
 
     def _exchange_rows(
