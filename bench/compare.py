@@ -27,8 +27,10 @@ with mixed PartitionSpecs, then, ``--repeats`` times, alternating the libraries:
   from the page cache with ``posix_fadvise(DONTNEED)``); ``block_until_ready`` on the result,
   which is checked bit-exact against the saved data after the clock stops;
 * the limits (``harness.raw_io``): the same bytes written with NumPy + fsync as one file and
-  as per-array files on 2/4/8 threads, then read back from the page cache into fresh memory,
-  plainly and *verified* (a hardware CRC32C over every byte: the least a reader that checks
+  as per-array files on 2/4/8 threads, then read back from the page cache into fresh memory
+  that is kept until the clock stops (a buffer per file, every page touched for the first
+  time, as a restore fills the arrays it returns; reading blocks into memory that is freed
+  and reused would skip the page faults every restore pays), plainly and *verified* (a hardware CRC32C over every byte: the least a reader that checks
   every byte must do); the best way is the limit. The save is held against the raw
   *first* write: each way in a fresh process that builds the arrays, warms up with a tiny
   write and then writes every byte once, as the save worker does (on this VM memory left

@@ -285,30 +285,40 @@ def write_file(path: str, arrays: Sequence) -> None:
 
 
 def read_files(
-    paths: Sequence[str], threads: int = 1, check: Callable[[bytes], int] | None = None
+    paths: Sequence[str],
+    threads: int = 1,
+    check: Callable[[bytes], int] | None = None,
+    keep: list | None = None,
 ) -> int:
-    """Every byte of ``paths`` read into fresh memory in blocks of ``READ_BLOCK``, spread
-    over ``threads`` threads, each block passed to ``check`` (a CRC) if given: bytes read."""
+    """Every byte of ``paths`` read into fresh memory, one buffer per file that the reads
+    fill in blocks of ``READ_BLOCK`` (as a restore fills the arrays it returns: every page
+    touched for the first time, none reused), spread over ``threads`` threads, each block
+    passed to ``check`` (a CRC) if given; the buffers go to ``keep`` (freed by the caller,
+    outside its clock) or are dropped on return. Returns the bytes read."""
+    buffers = {p: np.empty(os.path.getsize(p), np.uint8) for p in paths}
+    if keep is not None:
+        keep.extend(buffers.values())
     blocks = [
-        (p, off, min(READ_BLOCK, size - off))
-        for p, size in ((p, os.path.getsize(p)) for p in paths)
-        for off in range(0, size, READ_BLOCK)
+        (p, off, min(READ_BLOCK, buf.size - off))
+        for p, buf in buffers.items()
+        for off in range(0, buf.size, READ_BLOCK)
     ]
 
     def read(block: tuple[str, int, int]) -> int:
         path, offset, n = block
+        view = memoryview(buffers[path])[offset : offset + n]
         fd = os.open(path, os.O_RDONLY)
         try:
-            data = os.pread(fd, n, offset)
-            while len(data) < n:  # a short read: rare, but allowed
-                more = os.pread(fd, n - len(data), offset + len(data))
-                if not more:
-                    raise OSError(f"{path} ended at {offset + len(data)}, {n} bytes expected")
-                data += more
+            done = 0
+            while done < n:  # a short read: rare, but allowed
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if not got:
+                    raise OSError(f"{path} ended at {offset + done}, {n} bytes expected")
+                done += got
         finally:
             os.close(fd)
         if check is not None:
-            check(data)
+            check(view)
         return n
 
     if threads == 1:
@@ -362,8 +372,11 @@ def raw_io(path: str, sizes: Sequence[int], rotate: int = 0) -> dict[str, dict[s
     for i, n in enumerate(ways):
         for kind in alternate(["read", "verified"], rotate + i):
             gc.collect()
+            kept: list = []
             with Clock() as clock:
-                read_files(one if n == 1 else per_array, n, crc if kind == "verified" else None)
+                read_files(one if n == 1 else per_array, n, crc if kind == "verified" else None,
+                           kept)  # fmt: skip
+            del kept  # freed outside the clock, as a restore's result outlives its clock
             out[kind][name[n]] = clock.record()
     shutil.rmtree(path)
     return out
@@ -402,8 +415,10 @@ def cold_reads(path: str, rotate: int = 0) -> dict[str, dict[str, dict]]:
         for kind in alternate(["read", "verified"], rotate + i):
             gc.collect()
             drop_cold(path)
+            kept: list = []
             with Clock() as clock:
-                read_files(paths, n, crc if kind == "verified" else None)
+                read_files(paths, n, crc if kind == "verified" else None, kept)
+            del kept
             way = f"{len(paths)} file{'s' * (len(paths) > 1)}, {n} thread{'s' * (n > 1)}"
             out[kind][way] = clock.record()
     return out
