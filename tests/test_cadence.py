@@ -40,6 +40,18 @@ def test_history_counts_failures_uptime_and_restarts():
     assert History.of([]) == History()
 
 
+def test_a_clock_stepped_back_gives_no_restart_figure():
+    """A failed job's last event after the next job's restore (a clock stepped back, or a
+    straggler of the old job): no negative restart time, and a cadence still starts."""
+    events = [
+        ev("start", 0, "a"), ev("step", 500, "a", 12),  # dies; its clock ran ahead
+        ev("start", 100, "b"), ev("restore", 110, "b", 10),
+    ]  # fmt: skip
+    h = History.of(events)
+    assert h.failures == 1 and h.restarts_s == ()
+    Cadence("dir", "auto", mtbf_hours=1.0, history=h)  # raised on a negative restore time
+
+
 def test_fixed_interval_saves_the_multiples():
     c = Cadence("dir", 4)
     assert [s for s in range(1, 20) if c.due(s)] == [4, 8, 12, 16]
@@ -54,23 +66,6 @@ def test_auto_waits_for_measurements_then_follows_its_choice():
     assert c.choice is not None and c.interval == c.choice.steps
     assert 2 <= c.interval <= 50
     assert c.due(3 + c.interval) and not c.due(2 + c.interval)
-
-
-def test_a_new_job_starts_from_the_interval_the_last_one_chose():
-    events = [
-        ev("start", 0, "a"), ev("interval", 5, "a", 3, tier="local", steps=7),
-        ev("interval", 9, "a", 10, tier="local", steps=12),
-        ev("interval", 9, "a", 10, tier="remote", steps=300),
-        ev("interval", 9, "a", 11, tier="local", steps="13"),  # garbled: ignored
-        ev("start", 20, "b"),
-    ]  # fmt: skip
-    h = History.of(events)
-    assert h.interval("local") == 12 and h.interval("remote") == 300
-    assert h.interval("dir") is None
-    assert Cadence("local", "auto", mtbf_hours=1, history=h).interval == 12
-    assert Cadence("remote", "auto", mtbf_hours=1, history=h, max_steps=100).interval == 100
-    assert Cadence("dir", "auto", mtbf_hours=1, history=h, min_steps=3).interval == 3
-    assert Cadence("local", 5, history=h).interval == 5  # a fixed interval is fixed
 
 
 def test_the_writer_reports_its_background_jobs():
@@ -186,3 +181,21 @@ def test_goodput_of_a_run_with_a_kill(tmp_path):
     cmd = [sys.executable, "-m", "jaxckpt", "goodput", str(tmp_path / "host0"), "--json"]
     doc = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     assert doc["failures"] == 1 and doc["losses"][0]["steps_lost"] == 3
+
+
+@pytest.mark.slow
+def test_auto_after_a_restart_with_a_wiped_host_saves_the_same_steps(tmp_path):
+    """Job 1 chooses an "auto" local interval and is killed; host 1 is replaced (its disk,
+    and its run log there, wiped), so the two processes start job 2 from different logs:
+    they must still save the same steps (the peer exchange is a collective)."""
+    job = multiproc.start(LOOP, 2, args=["train", str(tmp_path), "40", "100", "auto"])
+    out0, _ = job.procs[0].communicate(timeout=180)
+    assert job.procs[0].returncode == -9 and "KILLED AT 40" in out0, out0
+    job.procs[1].kill()
+    job.procs[1].communicate(timeout=60)
+    assert any(e.event == "interval" for e in runlog.read(tmp_path / "host0").events)
+    shutil.rmtree(tmp_path / "host1")
+    res = multiproc.run(LOOP, 2, args=["train", str(tmp_path), "0", "80", "auto"], timeout_s=180)
+    res.check()
+    saved = [json.loads(o.split("SAVED ", 1)[1].splitlines()[0]) for o in res.outputs]
+    assert saved[0] == saved[1] and len(saved[0]) >= 2, saved

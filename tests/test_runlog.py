@@ -123,12 +123,28 @@ def test_garbled_lines_in_the_middle_are_skipped_and_counted(tmp_path):
     with open(_file(tmp_path), "ab") as f:
         for bad in (b"\xff\xfe garbage", b"[1, 2]", b"{}", json.dumps(good | {"process": 1}),
                     json.dumps(good | {"step": "1"}), json.dumps(good | {"t": "NaN"}),
-                    json.dumps(good | {"t": float("inf")}), json.dumps(good | {"v": True})):  # fmt: skip
+                    json.dumps(good | {"t": float("inf")}), json.dumps(good | {"v": True}),
+                    b"[" * 100_000, json.dumps(good | {"t": 10**400}),
+                    json.dumps(good | {"step": 10**400}), json.dumps(good | {"step": -1})):  # fmt: skip
             f.write((bad if isinstance(bad, bytes) else bad.encode()) + b"\n")
     clock.t += 1
     log.close(3)
     got = read(tmp_path)
-    assert [e.event for e in got.events] == ["start", "end"] and got.skipped == 8
+    assert [e.event for e in got.events] == ["start", "end"] and got.skipped == 12
+
+
+def test_each_log_is_a_job_of_its_own(tmp_path):
+    """Two managers of one process (restore with one, train with the next) are two jobs:
+    the first one's end does not make the second look clean."""
+    first = RunLog([location(tmp_path)], 0)
+    first.append("start", processes=1, previous_step=None, tiers=["dir"])
+    first.close(5)
+    second = RunLog([location(tmp_path)], 0)
+    second.append("start", processes=1, previous_step=5, tiers=["dir"])
+    second.append("step", 9)  # then killed: no end
+    assert first.job != second.job
+    jobs = {e.job: e.event for e in read(tmp_path).events}
+    assert jobs == {first.job: "end", second.job: "step"}
 
 
 def test_sigkilled_writer_loses_at_most_its_last_line(tmp_path):

@@ -7,13 +7,14 @@ restart cost measured here, and the job's MTBF (``mtbf_hours`` per host, divided
 process count; learned from the run log with that as prior). A save's cost is its blocking
 plus what its background write costs the loop (steps run slower while the tier's writer
 runs: measured, not assumed). It is re-decided after the first saves and then every
-``REDECIDE_EVERY`` saves, from inputs agreed between processes (each takes the worst of
-every process's figures), so every process saves the same steps. A new job starts from the
-interval its run log says the last job chose, agreed at its first save.
+``REDECIDE_EVERY`` saves, from inputs agreed between processes (process 0 takes the worst
+of every process's figures and publishes them), so every process saves the same steps.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import itertools
 import json
 import statistics
@@ -31,7 +32,9 @@ from .writer import Writer
 REDECIDE_EVERY = 8
 """Saves between two decisions, once the first ``REDECIDE_EVERY`` saves have each decided."""
 
-_instances = itertools.count()  # names of the agreement rounds (cadences start in order)
+# names of the agreement rounds: the n-th cadence of a directory and tier in this process
+# (every process makes its managers of a run in the same order)
+_instances: collections.Counter[str] = collections.Counter()
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,6 @@ class History:
     uptime_s: float = 0.0
     failures: int = 0
     restarts_s: tuple[float, ...] = ()
-    intervals: tuple[tuple[str, int], ...] = ()  # (tier, steps): the last "auto" choices
 
     @classmethod
     def of(cls, events: tuple[Event, ...] | list[Event]) -> History:
@@ -71,22 +73,9 @@ class History:
                 continue
             failures += 1
             back = next((e for e in after if e.event == "restore"), None)
-            if back is not None:
+            if back is not None and back.t >= run[-1].t:  # (a clock stepped back: no figure)
                 restarts.append(back.t - run[-1].t)
-        chosen = {
-            str(e.fields["tier"]): int(e.fields["steps"])
-            for run in runs
-            for e in run
-            if e.event == "interval"
-            and isinstance(e.fields.get("tier"), str)
-            and type(e.fields.get("steps")) is int
-            and e.fields["steps"] >= 1
-        }
-        return cls(uptime, failures, tuple(restarts), tuple(sorted(chosen.items())))
-
-    def interval(self, tier: str) -> int | None:
-        """The interval an earlier job last chose for ``tier`` (None: none did)."""
-        return dict(self.intervals).get(tier)
+        return cls(max(0.0, uptime), failures, tuple(restarts))
 
 
 class Cadence:
@@ -105,13 +94,14 @@ class Cadence:
         log: RunLog | None = None,
         timeout_s: float = 600.0,
         writer: Writer | None = None,
+        where: str = "",
     ) -> None:
         self.tier, self.auto = tier, interval == "auto"
+        # every process starts "auto" at the same interval, whatever its log says (a
+        # replaced host has none): they must save the same steps before they first agree
+        self.interval = min_steps if self.auto else int(interval)
         self.min_steps, self.max_steps = min_steps, max_steps
         self.history = history or History()
-        # "auto" starts where the last job left off (agreed at the first save)
-        earlier = self.history.interval(tier) or min_steps
-        self.interval = min(max(earlier, min_steps), max_steps) if self.auto else int(interval)
         self.measured = intervals.Measurements()
         for r in self.history.restarts_s:
             self.measured.restore(r)
@@ -124,8 +114,10 @@ class Cadence:
         self._activity: tuple[int, bool] | None = None
         self._last: int | None = None
         self._saves = 0
-        self._name = f"jaxckpt/cadence/{next(_instances)}/{tier}"
-        self._started = time.time()
+        run = f"{hashlib.sha256(where.encode()).hexdigest()[:12]}/{tier}"
+        self._name = f"jaxckpt/cadence/{run}/{_instances[run]}"
+        _instances[run] += 1
+        self._started = time.monotonic()
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is one this tier saves (also records when it was reached)."""
@@ -157,7 +149,7 @@ class Cadence:
 
     def _mtbf_s(self) -> float:
         assert self.prior_s is not None  # options refuse "auto" without mtbf_hours
-        uptime = self.history.uptime_s + time.time() - self._started
+        uptime = self.history.uptime_s + time.monotonic() - self._started
         return intervals.learned_mtbf_s(self.prior_s, uptime, self.history.failures)
 
     def _contention_s(self) -> float:
@@ -170,28 +162,20 @@ class Cadence:
         contention = self._contention_s()
         mine = self.measured.costs(self._mtbf_s(), contention)
         text = json.dumps(
-            [
-                self.interval,
-                None if mine is None else [mine.step_s, mine.save_s, mine.restart_s, mine.mtbf_s],
-            ]
+            None if mine is None else [mine.step_s, mine.save_s, mine.restart_s, mine.mtbf_s]
         )
-        got = [
-            json.loads(v)
-            for v in multihost.all_gather(
+        agreed = json.loads(
+            multihost.decided(
                 f"{self._name}/{self._saves}",
                 text,
+                _worst,
                 self._timeout_s,
                 what="agreeing on the save interval",
             )
-        ]
-        if any(g[1] is None for g in got):
-            # not measured enough everywhere yet: the interval every process can agree on
-            # (they may have started from different logs)
-            self.interval = min(g[0] for g in got)
-            return
-        figures = [g[1] for g in got]
-        worst = [max(f[i] for f in figures) for i in range(3)]
-        costs = intervals.Costs(worst[0], worst[1], worst[2], min(f[3] for f in figures))
+        )
+        if agreed is None:
+            return  # not measured enough everywhere yet: keep the interval
+        costs = intervals.Costs(*agreed)
         choice = intervals.choose(costs, self.min_steps, self.max_steps)
         changed = choice.steps != self.interval
         self.interval, self.choice = choice.steps, choice
@@ -213,6 +197,16 @@ class Cadence:
                 restart_s=costs.restart_s,
                 mtbf_s=costs.mtbf_s,
             )
+
+
+def _worst(values: list[str]) -> str:
+    """Process 0's part of a decision: the largest times and the smallest MTBF of every
+    process's figures (JSON), or null while some process has none yet."""
+    got = [json.loads(v) for v in values]
+    if any(g is None for g in got):
+        return "null"
+    worst = [max(g[i] for g in got) for i in range(3)]
+    return json.dumps([*worst, min(g[3] for g in got)])
 
 
 def start_run(

@@ -88,6 +88,7 @@ class CheckpointManager:
             log=self._log,
             timeout_s=opts.timeout_s,
             writer=self._writer,
+            where=self.directory.url,
         )
         self._reached: int | None = None  # the highest step given to save()
         self._tier, self._owns_log = "dir", True  # this manager's tier in the run log

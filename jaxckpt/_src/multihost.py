@@ -250,6 +250,32 @@ def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> li
     return _exchange(name, value, timeout_s, what, everyone=True)
 
 
+def decided(
+    name: str, value: str, decide: Callable[[list[str]], str], timeout_s: float, *, what: str = ""
+) -> str:
+    """What process 0 makes of every process's ``value`` (``decide(values)``, in process
+    order), on every process: O(processes) key-value traffic, where ``all_gather`` moves
+    O(processes^2). ``decide`` must not raise (the others would wait for nothing)."""
+    if process_count() == 1:
+        return decide([value])
+    values = _exchange(name, value, timeout_s, what, everyone=False)
+    client, key = _client(), f"{name}/decided"
+    if process_index() == 0:
+        out = decide(values)
+        with _timed("kv"):
+            client.key_value_set(key, out)
+        return out
+    try:
+        with _timed("kv"):
+            return str(client.blocking_key_value_get(key, int(timeout_s * 1000)))
+    except Exception as e:
+        raise CoordinationError(
+            f"{what + ': ' if what else ''}process 0 published no decision for {name!r} within "
+            f"{timeout_s:g}s (this is process {process_index()}): {e}. It died or hangs; check "
+            "its log"
+        ) from e
+
+
 def _exchange(
     name: str, value: str, timeout_s: float, what: str, everyone: bool, check: Check | None = None
 ) -> list[str]:

@@ -31,21 +31,25 @@ class _Dropper:
     def __init__(self, root: str, period_s: float) -> None:
         self.root, self.period_s = root, period_s
         self.passes = 0
-        self._fds: dict[str, int] = {}
+        self._fds: dict[tuple[int, int], int] = {}  # by (device, inode): files get renamed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jaxckpt-drop-cache", daemon=True)
 
     def drop_once(self) -> None:
+        seen: set[tuple[int, int]] = set()
         for directory, _, files in os.walk(self.root):
             for name in files:
-                path = os.path.join(directory, name)
-                fd = self._fds.get(path)
-                if fd is None:
-                    try:
-                        fd = self._fds[path] = os.open(path, os.O_RDONLY)
-                    except OSError:  # renamed or removed since listed: nothing to drop
-                        continue
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                try:  # a file renamed over or removed since listed: nothing to drop
+                    st = os.stat(os.path.join(directory, name))
+                    key = (st.st_dev, st.st_ino)
+                    if key not in self._fds:
+                        self._fds[key] = os.open(os.path.join(directory, name), os.O_RDONLY)
+                except OSError:
+                    continue
+                seen.add(key)
+                os.posix_fadvise(self._fds[key], 0, 0, os.POSIX_FADV_DONTNEED)
+        for key in set(self._fds) - seen:  # gone (renamed over, deleted): let it go
+            os.close(self._fds.pop(key))
         self.passes += 1
 
     def _loop(self) -> None:

@@ -28,7 +28,6 @@ from .storage import Location, location
 
 log = logging.getLogger("jaxckpt")
 
-JOB = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"  # this process's job id
 LOG_VERSION = 1
 DIRECTORY = "runlog"
 _DURABLE = frozenset({"save", "restore", "cancel", "end"})  # fsynced; written out to object stores
@@ -37,6 +36,7 @@ OBJECT_EVERY_S = 60.0
 step, and the rewrite of a long job's log is a PUT of all its lines); the other durable
 events always do. The local file has every line at once."""
 _BASE = ("v", "t", "event", "job", "process", "step")
+_MAX_INT = 2**63  # steps and process indices at or above it are garbage, not figures
 _REACHED = frozenset({"save", "step", "end"})
 
 
@@ -55,7 +55,9 @@ class Event:
 class RunLog:
     """Appends this process's events to ``runlog/`` under each of ``directories``.
 
-    ``job`` and ``clock`` exist for tests and tools that write a log of another time.
+    ``job`` names this job's lines (default: a new id for each log, so two managers of one
+    process are two jobs); ``job`` and ``clock`` exist for tests and tools that write a log
+    of another time.
     """
 
     def __init__(
@@ -64,9 +66,10 @@ class RunLog:
         process: int,
         *,
         heartbeat_s: float = 30.0,
-        job: str = JOB,
+        job: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        job = job or new_job()
         self.process, self.heartbeat_s, self.job, self._clock = process, heartbeat_s, job, clock
         self._dirs = [d.join(DIRECTORY) for d in directories]
         self._remote = any(not d.is_local for d in self._dirs)
@@ -118,7 +121,8 @@ class RunLog:
     def _write_local(self, d: Location, line: bytes, durable: bool) -> None:
         fd = self._fds.get(d.url)
         fd = self._open(d) if fd is None else fd
-        os.write(fd, line)
+        if os.write(fd, line) < len(line):  # (a full disk): end the torn line
+            os.write(fd, b"\n")
         if durable:
             os.fsync(fd)
 
@@ -215,7 +219,7 @@ def _parse(raw: bytes, process: int) -> tuple[Event | None, int]:
     """The event of one line (None if torn or garbled), and the line's version (0 if none)."""
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # (deeply nested garbage)
         return None, 0
     if not isinstance(doc, dict):
         return None, 0
@@ -223,18 +227,31 @@ def _parse(raw: bytes, process: int) -> tuple[Event | None, int]:
     version = v if type(v) is int else 0
     if not (
         0 < version <= LOG_VERSION
-        and isinstance(t, int | float)
-        and not isinstance(t, bool)
-        and math.isfinite(t)
+        and _finite(t)
         and isinstance(kind, str)
         and isinstance(job, str)
         and type(doc.get("process")) is int
         and doc["process"] == process
-        and (step is None or type(step) is int)
+        and (step is None or (type(step) is int and 0 <= step < _MAX_INT))
     ):
         return None, version
     fields = {k: x for k, x in doc.items() if k not in _BASE}
-    return Event(kind, float(t), job, process, step, fields), version
+    return Event(kind, float(t), job, process, step, fields), version  # type: ignore[arg-type]
+
+
+def new_job() -> str:
+    """A job id: the time it started and a random part."""
+    return f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
+
+
+def _finite(t: Any) -> bool:
+    """A number of seconds a float holds (not a bool, not a 400-digit int)."""
+    if isinstance(t, bool) or not isinstance(t, int | float):
+        return False
+    try:
+        return math.isfinite(float(t))
+    except OverflowError:
+        return False
 
 
 def previous_step(events: Sequence[Event]) -> int | None:

@@ -10,6 +10,8 @@ usage: goodput_loop.py agree ROOT       2 processes, a CheckpointManager with an
                                         step N; process 0 SIGKILLs itself once step K's save
                                         call returned (K = 0: never) and the job ends
                                         without close (a killed job), else it closes
+       goodput_loop.py train ROOT K N auto  the same with local_interval_steps="auto": also
+                                        prints ``SAVED <json>``, the steps it saved
 """
 
 import json
@@ -53,9 +55,10 @@ if mode == "agree":
     print("SAVED", json.dumps(out), flush=True)
 else:
     kill_at, last = int(sys.argv[3]), int(sys.argv[4])
+    auto = sys.argv[5:] == ["auto"]
     opts = jaxckpt.EmergencyOptions(
-        local_interval_steps=5, remote_interval_steps=10**6, replication=1, heartbeat_s=0,
-        async_save=False,
+        local_interval_steps="auto" if auto else 5, remote_interval_steps=10**6,
+        replication=1, heartbeat_s=0, async_save=False, mtbf_hours=0.02,
     )  # fmt: skip
     mgr = jaxckpt.EmergencyCheckpointManager(
         os.path.join(root, f"host{pid}"), os.path.join(root, "remote"), opts
@@ -66,11 +69,14 @@ else:
         start = s["step"]
         tier = "peer" if mgr.last_report.from_peers else mgr.last_report.tier
         print("RESTORED", json.dumps({"step": start, "tier": tier}), flush=True)
+    saved = []
     for step in range(start + 1, last + 1):
         time.sleep(0.01)
-        mgr.save(step, state(step))
+        if mgr.save(step, state(step)):
+            saved.append(step)
         if pid == 0 and step == kill_at:
             print("KILLED AT", step, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     mgr.close()
+    print("SAVED", json.dumps(saved), flush=True)
     print("DONE", flush=True)

@@ -9,14 +9,14 @@ of padding, so a kill can land in the middle of a write that spans pages.
 import random
 import sys
 
-from jaxckpt._src.runlog import JOB, RunLog
+from jaxckpt._src.runlog import RunLog
 from jaxckpt._src.storage import location
 
 
 def main(directory: str) -> None:
     log = RunLog([location(directory)], 0)
     rng = random.Random()
-    print("job", JOB, flush=True)
+    print("job", log.job, flush=True)
     step = 0
     while True:
         big = rng.randrange(16) == 0  # a line over two pages now and then, short ones else

@@ -104,7 +104,7 @@ class EmergencyCheckpointManager:
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         tier = functools.partial(
             Cadence, mtbf_hours=opts.mtbf_hours, history=history, log=self._log,
-            timeout_s=opts.timeout_s,
+            timeout_s=opts.timeout_s, where=self.remote.directory.url,
         )  # fmt: skip
         self._cadences = (
             tier("local", opts.local_interval_steps, min_steps=opts.min_interval_steps,
