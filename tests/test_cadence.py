@@ -52,6 +52,29 @@ def test_a_clock_stepped_back_gives_no_restart_figure():
     Cadence("dir", "auto", mtbf_hours=1.0, history=h)  # raised on a negative restore time
 
 
+def test_a_restarted_job_starts_where_the_last_one_chose():
+    events = [
+        ev("start", 0, "a"), ev("interval", 5, "a", 3, tier="local", steps=7),
+        ev("interval", 9, "a", 10, tier="local", steps=12),
+        ev("interval", 9, "a", 10, tier="remote", steps=300),
+        ev("interval", 9, "a", 11, tier="local", steps="13"),  # garbled: ignored
+        ev("start", 20, "b"),
+    ]  # fmt: skip
+    h = History.of(events)
+    assert h.interval("local") == 12 and h.interval("remote") == 300
+    assert h.interval("dir") is None
+    c = Cadence("local", "auto", mtbf_hours=1, history=h, max_steps=100)
+    assert c.interval == 1 and c.due(50)  # the same start on every process
+    c.restored(50, 1.0)
+    assert c.due(51)
+    c.saved(51, 0.0)  # not measured yet: agreed to start from the last job's choice
+    assert c.interval == 12 and not c.due(62) and c.due(63)
+    r = Cadence("remote", "auto", mtbf_hours=1, history=h, max_steps=100)
+    r.due(1)
+    r.saved(1, 0.0)
+    assert r.interval == 100  # held within the bounds
+
+
 def test_fixed_interval_saves_the_multiples():
     c = Cadence("dir", 4)
     assert [s for s in range(1, 20) if c.due(s)] == [4, 8, 12, 16]
@@ -198,4 +221,8 @@ def test_auto_after_a_restart_with_a_wiped_host_saves_the_same_steps(tmp_path):
     res = multiproc.run(LOOP, 2, args=["train", str(tmp_path), "0", "80", "auto"], timeout_s=180)
     res.check()
     saved = [json.loads(o.split("SAVED ", 1)[1].splitlines()[0]) for o in res.outputs]
-    assert saved[0] == saved[1] and len(saved[0]) >= 2, saved
+    assert saved[0] == saved[1] and len(saved[0]) >= 3, saved
+    restored = json.loads(res.outputs[0].split("RESTORED ", 1)[1].splitlines()[0])["step"]
+    # the first save after the restore, then at the interval job 1 chose (agreed from
+    # process 0's log: process 1's was wiped), re-decided as job 2 measures
+    assert saved[0][0] == restored + 1 and saved[0][1] - saved[0][0] > 1, (restored, saved)

@@ -9,6 +9,9 @@ plus what its background write costs the loop (steps run slower while the tier's
 runs: measured, not assumed). It is re-decided after the first saves and then every
 ``REDECIDE_EVERY`` saves, from inputs agreed between processes (process 0 takes the worst
 of every process's figures and publishes them), so every process saves the same steps.
+Until every process has measured enough, the first decision agrees on where to start: the
+interval the run log says an earlier job chose (the largest any process's log gives; a
+replaced host's log is gone), so a restarted job does not measure its way up again.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .storage import Location
 from .writer import Writer
 
 REDECIDE_EVERY = 8
-"""Saves between two decisions, once the first ``REDECIDE_EVERY`` saves have each decided."""
+"""Saves between two decisions, after the decisions at the 1st, 2nd and 4th saves."""
 
 # names of the agreement rounds: the n-th cadence of a directory and tier in this process
 # (every process makes its managers of a run in the same order)
@@ -57,6 +60,7 @@ class History:
     uptime_s: float = 0.0
     failures: int = 0
     restarts_s: tuple[float, ...] = ()
+    intervals: tuple[tuple[str, int], ...] = ()  # (tier, steps): the last "auto" choices
 
     @classmethod
     def of(cls, events: tuple[Event, ...] | list[Event]) -> History:
@@ -75,7 +79,19 @@ class History:
             back = next((e for e in after if e.event == "restore"), None)
             if back is not None and back.t >= run[-1].t:  # (a clock stepped back: no figure)
                 restarts.append(back.t - run[-1].t)
-        return cls(max(0.0, uptime), failures, tuple(restarts))
+        chosen = {
+            e.fields["tier"]: e.fields["steps"]
+            for e in sorted(events, key=lambda e: e.t)
+            if e.event == "interval"
+            and isinstance(e.fields.get("tier"), str)
+            and type(e.fields.get("steps")) is int
+            and 1 <= e.fields["steps"] < 2**63
+        }
+        return cls(max(0.0, uptime), failures, tuple(restarts), tuple(sorted(chosen.items())))
+
+    def interval(self, tier: str) -> int | None:
+        """The interval an earlier job last chose for ``tier`` (None: none did)."""
+        return dict(self.intervals).get(tier)
 
 
 class Cadence:
@@ -144,7 +160,7 @@ class Cadence:
             return
         self.measured.save(blocking_s)
         self._saves += 1
-        if self._saves <= REDECIDE_EVERY or self._saves % REDECIDE_EVERY == 0:
+        if self._saves in (1, 2, 4) or self._saves % REDECIDE_EVERY == 0:
             self._decide()
 
     def _mtbf_s(self) -> float:
@@ -161,9 +177,8 @@ class Cadence:
     def _decide(self) -> None:
         contention = self._contention_s()
         mine = self.measured.costs(self._mtbf_s(), contention)
-        text = json.dumps(
-            None if mine is None else [mine.step_s, mine.save_s, mine.restart_s, mine.mtbf_s]
-        )
+        figures = None if mine is None else [mine.step_s, mine.save_s, mine.restart_s, mine.mtbf_s]
+        text = json.dumps({"figures": figures, "earlier": self.history.interval(self.tier)})
         agreed = json.loads(
             multihost.decided(
                 f"{self._name}/{self._saves}",
@@ -173,9 +188,11 @@ class Cadence:
                 what="agreeing on the save interval",
             )
         )
-        if agreed is None:
-            return  # not measured enough everywhere yet: keep the interval
-        costs = intervals.Costs(*agreed)
+        if "start" in agreed:  # not measured enough everywhere yet
+            if agreed["start"] is not None:
+                self.interval = min(max(agreed["start"], self.min_steps), self.max_steps)
+            return
+        costs = intervals.Costs(*agreed["figures"])
         choice = intervals.choose(costs, self.min_steps, self.max_steps)
         changed = choice.steps != self.interval
         self.interval, self.choice = choice.steps, choice
@@ -200,13 +217,16 @@ class Cadence:
 
 
 def _worst(values: list[str]) -> str:
-    """Process 0's part of a decision: the largest times and the smallest MTBF of every
-    process's figures (JSON), or null while some process has none yet."""
+    """Process 0's part of a decision (each value: a process's figures and the interval its
+    log says an earlier job chose): the largest times and the smallest MTBF; while some
+    process has no figures yet, where to start (the largest earlier interval, or null)."""
     got = [json.loads(v) for v in values]
-    if any(g is None for g in got):
-        return "null"
-    worst = [max(g[i] for g in got) for i in range(3)]
-    return json.dumps([*worst, min(g[3] for g in got)])
+    figures = [g["figures"] for g in got]
+    if any(f is None for f in figures):
+        earlier = [g["earlier"] for g in got if g["earlier"] is not None]
+        return json.dumps({"start": max(earlier, default=None)})
+    worst = [max(f[i] for f in figures) for i in range(3)]
+    return json.dumps({"figures": [*worst, min(f[3] for f in figures)]})
 
 
 def start_run(

@@ -10,7 +10,7 @@ usage: goodput_loop.py agree ROOT       2 processes, a CheckpointManager with an
                                         step N; process 0 SIGKILLs itself once step K's save
                                         call returned (K = 0: never) and the job ends
                                         without close (a killed job), else it closes
-       goodput_loop.py train ROOT K N auto  the same with local_interval_steps="auto": also
+       goodput_loop.py train ROOT K N auto  the same with local_interval_steps="auto" (at most 10): also
                                         prints ``SAVED <json>``, the steps it saved
 """
 
@@ -59,6 +59,7 @@ else:
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps="auto" if auto else 5, remote_interval_steps=10**6,
         replication=1, heartbeat_s=0, async_save=False, mtbf_hours=0.02,
+        max_interval_steps=10,
     )  # fmt: skip
     mgr = jaxckpt.EmergencyCheckpointManager(
         os.path.join(root, f"host{pid}"), os.path.join(root, "remote"), opts
