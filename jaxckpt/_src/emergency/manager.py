@@ -391,11 +391,12 @@ class EmergencyCheckpointManager:
         :meth:`CheckpointManager.cancel` for the guarantees."""
         start = time.monotonic()
         local = self._writer.cancel(timeout_s / 2)  # waits for peers, then a quick write
+        local_s = time.monotonic() - start
+        remote = self.remote.cancel(max(0.0, timeout_s - local_s))
         if local and self._log is not None:  # (the remote manager logs its own)
-            self._log.append(
-                "cancel", self._reached, tier="local", seconds=time.monotonic() - start
-            )
-        remote = self.remote.cancel(max(0.0, timeout_s - (time.monotonic() - start)))
+            # logged last: on an object store the log's rewrite is a PUT, not to be waited
+            # for before the remote save is stopped
+            self._log.append("cancel", self._reached, tier="local", seconds=local_s)
         return local or remote
 
     def close(self, cancel: bool = False) -> None:
