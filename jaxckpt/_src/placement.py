@@ -15,8 +15,8 @@ class Placement:
 
     ``indices`` are the distinct slices this process's devices hold; ``put`` each one's host
     data once. The first device of a slice may adopt the host buffer (zero-copy on CPU when
-    it is aligned and nothing else keeps it); its replicas are device-to-device copies, so
-    no two devices share memory. ``array`` works on a process that holds no slice at all
+    it is aligned and nothing else keeps it); its replicas are device-to-device copies (one
+    batched ``device_put``), so no two devices share memory. ``array`` works on a process that holds no slice at all
     (a leaf that lives on other processes' devices).
     """
 
@@ -43,8 +43,9 @@ class Placement:
     def put(self, index: Index, data: np.ndarray) -> None:
         first, *rest = self.devices[index]
         self.placed[first] = jax.device_put(data, self.on[first], may_alias=True)
-        for device in rest:
-            self.placed[device] = jax.device_put(self.placed[first], self.on[device])
+        if rest:
+            copies = jax.device_put([self.placed[first]] * len(rest), [self.on[d] for d in rest])
+            self.placed.update(zip(rest, copies, strict=True))
 
     def array(self) -> jax.Array:
         singles = [self.placed[d] for d in self.index_map]
