@@ -7,7 +7,7 @@ TensorStore writes through it. So while a save writes a local directory, a threa
 kernel every couple of milliseconds to drop the pages of every file under it:
 ``posix_fadvise(DONTNEED)`` starts the write-back of dirty pages and drops the clean ones,
 so the cache holds only what was written since the last pass and what the disk has not
-taken yet (measured in ``bench/compare.py --drop-page-cache``). Nothing is lost: the save
+taken yet (measured by ``bench/compare.py --drop-page-cache-gb 2``). Nothing is lost: the save
 still fsyncs before it commits; a later read of the step comes from the disk.
 """
 
