@@ -183,3 +183,32 @@ def test_plot_without_matplotlib_names_the_package(failed_run, tmp_path, monkeyp
     with pytest.raises(errors.MissingDependencyError, match="pip install matplotlib"):
         plot(failed_run, tmp_path / "t.png")
     assert not (tmp_path / "t.png").exists()
+
+
+def test_a_with_block_left_by_an_exception_is_a_failure(tmp_path):
+    """The saves of a loop that crashed inside ``with manager:`` still commit, but its job
+    logs no ``end``: the next job's start makes it a failure, for both managers."""
+    import numpy as np
+
+    from jaxckpt._src import runlog
+
+    state = {"w": np.arange(64, dtype=np.float32)}
+    opts = jaxckpt.Options(heartbeat_s=0)
+    eopts = jaxckpt.EmergencyOptions(1, 2, heartbeat_s=0)
+    for make in (
+        lambda: jaxckpt.CheckpointManager(tmp_path / "dir", opts),
+        lambda: jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", eopts),
+    ):
+        with pytest.raises(RuntimeError, match="the loop crashed"), make() as mgr:
+            mgr.save(1, state)
+            mgr.save(2, state)
+            raise RuntimeError("the loop crashed")
+        with make() as mgr:
+            assert mgr.latest_step() == 2
+            mgr.restore(target=state)
+            mgr.save(3, state)
+    for where in (tmp_path / "dir", tmp_path / "l"):
+        events = runlog.read(where).events
+        assert [e.event for e in events].count("end") == 1, [e.event for e in events]
+        g = jaxckpt.goodput(where)
+        assert g.jobs == 2 and g.failures == 1 and g.losses[0].restored_step == 2

@@ -65,7 +65,7 @@ class CheckpointManager:
         self.last_save_figures: monitoring.Figures | None = None
         self.last_save_blocking_s: float | None = None
         self.last_restore_figures: monitoring.Figures | None = None
-        self._closed = False
+        self._closed = self._failed = False
         self._metrics: dict[int, dict | None] = {}
         self._restored_step: int | None = None
         if self.options.cleanup_tmp and multihost.process_index() == 0:
@@ -382,12 +382,13 @@ class CheckpointManager:
             self._writer.close(self.directory.url)
         finally:
             if self._log is not None and self._owns_log:
-                self._log.close(self._reached)
+                self._log.close(self._reached, clean=not self._failed)
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
+        self._failed = kind is not None  # left by an exception: the run log's job failed
         self.close()
 
 

@@ -145,9 +145,11 @@ class RunLog:
         if self._clock() - self._last >= self.heartbeat_s:
             self.append("step", step)
 
-    def close(self, step: int | None) -> None:
-        """Appends ``end`` (a clean finish) and closes the files; later calls do nothing."""
-        self.append("end", step)
+    def close(self, step: int | None, clean: bool = True) -> None:
+        """Appends ``end`` if ``clean`` (else the job reads as failed) and closes the files;
+        later calls do nothing."""
+        if clean:
+            self.append("end", step)
         with self._lock:
             self._closed = True
             for fd in self._fds.values():

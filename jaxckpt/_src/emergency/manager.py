@@ -120,7 +120,7 @@ class EmergencyCheckpointManager:
             self.local_directory, opts.timeout_s, opts.step_digits, opts.drop_page_cache
         )
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
-        self._closed = False
+        self._closed = self._failed = False
         self.last_save_figures: Figures | None = None  # the calling thread's part
         self.last_write_figures: Figures | None = None  # the local step's writer
         self.last_restore_figures: Figures | None = None
@@ -412,10 +412,11 @@ class EmergencyCheckpointManager:
         finally:
             self.remote.close()
             if self._log is not None:
-                self._log.close(self._reached)
+                self._log.close(self._reached, clean=not self._failed)
 
     def __enter__(self) -> EmergencyCheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
+        self._failed = kind is not None  # left by an exception: the run log's job failed
         self.close()
