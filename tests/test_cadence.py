@@ -75,6 +75,25 @@ def test_a_restarted_job_starts_where_the_last_one_chose():
     assert r.interval == 100  # held within the bounds
 
 
+def test_a_replaced_host_learns_from_its_remote_log(tmp_path):
+    """Its local log went with its disk; the copy in the remote directory still tells how
+    often the run failed (each job's lines are in both, counted once)."""
+    from jaxckpt._src.cadence import start_run
+    from jaxckpt._src.storage import location
+
+    local, remote = location(tmp_path / "local"), location(tmp_path / "remote")
+    for job in range(3):  # three jobs, the first two killed (no end)
+        log, _ = start_run([local, remote], ["local", "remote"], heartbeat_s=0)
+        assert log is not None
+        log.append("save", 10 * (job + 1), tier="local", blocking_s=0.01, write_s=0.1, bytes=1)
+        if job == 2:
+            log.close(30)
+    _, both = start_run([local, remote], ["local", "remote"], heartbeat_s=0)
+    shutil.rmtree(tmp_path / "local")
+    _, remote_only = start_run([local, remote], ["local", "remote"], heartbeat_s=0)
+    assert both.failures == remote_only.failures == 2
+
+
 def test_fixed_interval_saves_the_multiples():
     c = Cadence("dir", 4)
     assert [s for s in range(1, 20) if c.due(s)] == [4, 8, 12, 16]

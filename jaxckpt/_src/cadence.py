@@ -233,15 +233,20 @@ def start_run(
     directories: list[Location], tiers: list[str], heartbeat_s: float, enabled: bool = True
 ) -> tuple[RunLog | None, History]:
     """Opens this process's run log in ``directories``, reads what earlier jobs of the
-    run left in the first one, and logs this job's start (with the step they reached).
-    Not ``enabled``: no log, and no history to learn from."""
+    run left in all of them (a replaced host's local log is gone, its remote one is not),
+    and logs this job's start (with the step they reached). Not ``enabled``: no log, and
+    no history to learn from."""
     if not enabled:
         return None, History()
     pid = multihost.process_index()
-    try:
-        before = runlog.read(directories[0], pid).events
-    except RunLogError:  # a new run (or a log nobody can read: it is only figures)
-        before = ()
+    seen: dict[tuple, Event] = {}
+    for d in directories:
+        try:
+            for e in runlog.read(d, pid).events:
+                seen.setdefault((e.job, e.t, e.event, e.step), e)
+        except RunLogError:  # a new run (or a log nobody can read: it is only figures)
+            pass
+    before = sorted(seen.values(), key=lambda e: e.t)
     log = RunLog(directories, pid, heartbeat_s=heartbeat_s)
     log.append(
         "start",
