@@ -38,6 +38,9 @@ def test_history_counts_failures_uptime_and_restarts():
     assert h.uptime_s == 100 + 70 + 10
     assert h.restarts_s == (40.0,)  # from the failed job's last event to the restore
     assert History.of([]) == History()
+    # a manager reads the history as it starts: the last job (c) did not end, so it died
+    assert History.of(events, restarting=True).failures == 2
+    assert History.of(events[:6], restarting=True).failures == 1  # (b ended: a clean stop)
 
 
 def test_a_clock_stepped_back_gives_no_restart_figure():
@@ -88,7 +91,9 @@ def test_a_replaced_host_learns_from_its_remote_log(tmp_path):
         log.append("save", 10 * (job + 1), tier="local", blocking_s=0.01, write_s=0.1, bytes=1)
         if job == 2:
             log.close(30)
-    _, both = start_run([local, remote], ["local", "remote"], heartbeat_s=0)
+    log, both = start_run([local, remote], ["local", "remote"], heartbeat_s=0)
+    assert log is not None
+    log.close(30)  # this job ends cleanly
     shutil.rmtree(tmp_path / "local")
     _, remote_only = start_run([local, remote], ["local", "remote"], heartbeat_s=0)
     assert both.failures == remote_only.failures == 2

@@ -63,16 +63,18 @@ class History:
     intervals: tuple[tuple[str, int], ...] = ()  # (tier, steps): the last "auto" choices
 
     @classmethod
-    def of(cls, events: tuple[Event, ...] | list[Event]) -> History:
+    def of(cls, events: tuple[Event, ...] | list[Event], *, restarting: bool = False) -> History:
         """From the events of one process's log (a job that ends without ``end`` and is
-        followed by another job failed; its restart runs to the next job's ``restore``)."""
+        followed by another job failed; its restart runs to the next job's ``restore``).
+        ``restarting``: a new job starts after these events, so the last job failed too if
+        it did not end (a manager reads the history as it starts)."""
         jobs: dict[str, list[Event]] = {}
         for e in sorted(events, key=lambda e: e.t):
             jobs.setdefault(e.job, []).append(e)
         runs = list(jobs.values())
         uptime = sum(run[-1].t - run[0].t for run in runs)
         failures, restarts = 0, []
-        for run, after in itertools.pairwise(runs):
+        for run, after in itertools.pairwise([*runs, *([[]] if restarting else [])]):
             if any(e.event == "end" for e in run):
                 continue
             failures += 1
@@ -254,4 +256,4 @@ def start_run(
         previous_step=runlog.previous_step(before),
         tiers=tiers,
     )
-    return log, History.of(before)
+    return log, History.of(before, restarting=True)
