@@ -30,6 +30,14 @@ def mesh42():
 
 
 @pytest.fixture
+def x64():
+    """64-bit dtypes on (int64, float64, complex128 arrays), for hostile-value tests."""
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture
 def ckpt_dir(tmp_path):
     return tmp_path / "ckpt"
 

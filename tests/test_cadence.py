@@ -231,18 +231,21 @@ def test_goodput_of_a_run_with_a_kill(tmp_path):
 
 
 @pytest.mark.slow
-def test_auto_after_a_restart_with_a_wiped_host_saves_the_same_steps(tmp_path):
+@pytest.mark.parametrize("hosts", ["one host", "a host each"])
+def test_auto_after_a_restart_with_a_wiped_host_saves_the_same_steps(tmp_path, hosts):
     """Job 1 chooses an "auto" local interval and is killed; host 1 is replaced (its disk,
     and its run log there, wiped), so the two processes start job 2 from different logs:
     they must still save the same steps (the peer exchange is a collective)."""
-    job = multiproc.start(LOOP, 2, args=["train", str(tmp_path), "40", "100", "auto"])
+    env = {"JAXCKPT_TEST_HOSTS": "separate"} if hosts == "a host each" else {}
+    job = multiproc.start(LOOP, 2, args=["train", str(tmp_path), "40", "100", "auto"], env=env)
     out0, _ = job.procs[0].communicate(timeout=180)
     assert job.procs[0].returncode == -9 and "KILLED AT 40" in out0, out0
     job.procs[1].kill()
     job.procs[1].communicate(timeout=60)
     assert any(e.event == "interval" for e in runlog.read(tmp_path / "host0").events)
     shutil.rmtree(tmp_path / "host1")
-    res = multiproc.run(LOOP, 2, args=["train", str(tmp_path), "0", "80", "auto"], timeout_s=180)
+    args = ["train", str(tmp_path), "0", "80", "auto"]
+    res = multiproc.run(LOOP, 2, args=args, timeout_s=180, env=env)
     res.check()
     saved = [json.loads(o.split("SAVED ", 1)[1].splitlines()[0]) for o in res.outputs]
     assert saved[0] == saved[1] and len(saved[0]) >= 3, saved

@@ -49,13 +49,6 @@ def preadv(monkeypatch):
     return Preadv(monkeypatch)
 
 
-@pytest.fixture
-def x64():
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", False)
-
-
 def _chunk_values(path) -> list[arrays.ChunkBytes]:
     """Every chunk value of the checkpoint at ``path`` stored outside the B-tree."""
     db = arrays.database_dir(location(str(path)), None)

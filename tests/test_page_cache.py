@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 from conftest import assert_tree_equal, sharded
+from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
@@ -103,3 +104,15 @@ def test_managers_pass_drop_page_cache_on(tmp_path, mesh42):
         assert total > 64 * 64 * 4 and cached < 16 << 10, (tier, cached, total)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", eopts) as mgr:
         assert_tree_equal(mgr.restore(target=state), state)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hostile_values_saved_with_drop_page_cache_restore_bit_exactly(
+    dtype, x64, mesh42, tmp_path
+):
+    x = random_bits((64, 32), dtype, np.random.default_rng(3))
+    tree = {"x": sharded(x, mesh42, P("data", "model")), "n": x[:8]}
+    jaxckpt.save(tmp_path / "c", tree, drop_page_cache=True)
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    assert_same_bits(x, np.asarray(out["x"]), f"{dtype} sharded")
+    assert_same_bits(x[:8], out["n"], f"{dtype} numpy")

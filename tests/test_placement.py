@@ -3,6 +3,8 @@ replicas are copies (no two devices share memory), bytes exact."""
 
 import jax
 import numpy as np
+import pytest
+from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -10,9 +12,9 @@ from jaxckpt._src.boxes import from_slices
 from jaxckpt._src.placement import Placement
 
 
-def test_replicas_are_exact_copies_that_share_no_memory(mesh42):
-    rng = np.random.default_rng(0)
-    full = rng.integers(0, 2**32, (8, 6), dtype=np.uint32).view(np.float32)  # NaN payloads too
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_replicas_are_exact_copies_that_share_no_memory(dtype, x64, mesh42):
+    full = random_bits((8, 6), dtype, np.random.default_rng(0))  # NaN payloads, -0.0, ...
     sharding = NamedSharding(mesh42, P("data"))  # each row block on the 2 "model" devices
     out = Placement(sharding, full.shape, full.dtype)
     assert len(out.indices) == 4
@@ -20,11 +22,10 @@ def test_replicas_are_exact_copies_that_share_no_memory(mesh42):
         out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
     arr = out.array()
     assert arr.sharding == sharding
-    np.testing.assert_array_equal(np.asarray(arr).view(np.uint32), full.view(np.uint32))
+    assert_same_bits(full, np.asarray(arr), str(dtype))
     pointers = set()
     for shard in arr.addressable_shards:
-        want = full[shard.index]
-        assert np.asarray(shard.data).view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+        assert_same_bits(full[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
         pointers.add(shard.data.unsafe_buffer_pointer())
     assert len(pointers) == len(jax.devices())  # 8 buffers: replicas are copies
 

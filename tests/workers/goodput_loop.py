@@ -33,6 +33,8 @@ import jaxckpt  # noqa: E402
 
 mode, root = sys.argv[1], sys.argv[2]
 pid = jax.process_index()
+if os.environ.get("JAXCKPT_TEST_HOSTS") == "separate":  # simulated machines
+    os.environ["JAXCKPT_HOST"] = f"host{pid}"
 mesh = jax.make_mesh((jax.device_count(),), ("data",))
 
 
