@@ -275,6 +275,17 @@ def warm_page_cache(path: str) -> None:
     read_files(files_under(path), threads=4)
 
 
+def write_way(path: str, arrays: Sequence, threads: int) -> None:
+    """``arrays`` written under the directory ``path`` one raw way: all in ``one.bin`` on
+    this thread (``threads`` 1), or each in ``a<i>.bin`` on ``threads`` threads."""
+    if threads == 1:
+        write_file(os.path.join(path, "one.bin"), arrays)
+        return
+    files = [os.path.join(path, f"a{i}.bin") for i in range(len(arrays))]
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda p, a: write_file(p, [a]), files, arrays))
+
+
 def write_file(path: str, arrays: Sequence) -> None:
     """``arrays`` (anything with the buffer protocol) written to ``path`` and fsynced."""
     with open(path, "wb") as f:
@@ -360,11 +371,7 @@ def raw_io(path: str, sizes: Sequence[int], rotate: int = 0) -> dict[str, dict[s
             if os.path.exists(p):
                 os.remove(p)
         with Clock() as clock:
-            if n == 1:
-                write_file(one[0], arrays)
-            else:
-                with ThreadPoolExecutor(n) as pool:
-                    list(pool.map(lambda p, a: write_file(p, [a]), per_array, arrays))
+            write_way(path, arrays, n)
         out["write"][name[n]] = clock.record()
     del arrays
     warm_page_cache(path)
@@ -395,12 +402,7 @@ def first_write(path: str, sizes: Sequence[int], threads: int) -> dict:
     write_file(os.path.join(path, "warm.bin"), [block[: 1 << 20]])
     os.remove(os.path.join(path, "warm.bin"))
     with Clock() as clock:
-        if threads == 1:
-            write_file(os.path.join(path, "one.bin"), arrays)
-        else:
-            files = [os.path.join(path, f"a{i}.bin") for i in range(len(sizes))]
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(lambda p, a: write_file(p, [a]), files, arrays))
+        write_way(path, arrays, threads)
     shutil.rmtree(path)
     return clock.record()
 

@@ -30,7 +30,6 @@ class _Dropper:
 
     def __init__(self, root: str, period_s: float) -> None:
         self.root, self.period_s = root, period_s
-        self.passes = 0
         self._fds: dict[tuple[int, int], int] = {}  # by (device, inode): files get renamed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="jaxckpt-drop-cache", daemon=True)
@@ -50,7 +49,6 @@ class _Dropper:
                 os.posix_fadvise(self._fds[key], 0, 0, os.POSIX_FADV_DONTNEED)
         for key in set(self._fds) - seen:  # gone (renamed over, deleted): let it go
             os.close(self._fds.pop(key))
-        self.passes += 1
 
     def _loop(self) -> None:
         try:
