@@ -107,12 +107,39 @@ def test_fixed_interval_saves_the_multiples():
 def test_auto_waits_for_measurements_then_follows_its_choice():
     c = Cadence("dir", "auto", mtbf_hours=1.0, min_steps=2, max_steps=50)
     assert c.interval == 2 and c.due(1)  # nothing measured: the first step is due
-    c.saved(1, 0.0)
+    time.sleep(0.01)  # a slow first save...
+    c.saved(1, 0.01)
     assert not c.due(2) and c.due(3)
-    c.saved(3, 0.0)  # two step times by now (a save that cost nothing): decided
+    time.sleep(0.01)
+    c.saved(3, 0.01)
+    assert c.choice is None  # the first two saves are the job's warm-up: not measured
+    assert c.due(5)
+    c.saved(5, 0.0)  # two step times and a save by now (one that cost nothing): decided
     assert c.choice is not None and c.interval == c.choice.steps
+    assert c.choice.costs.save_s == 0.0  # the warm-up's slow saves are left out
     assert 2 <= c.interval <= 50
-    assert c.due(3 + c.interval) and not c.due(2 + c.interval)
+    assert c.due(5 + c.interval) and not c.due(4 + c.interval)
+
+
+def test_warm_up_writes_are_left_out_of_what_a_write_costs():
+    """A job's first two writes are slow (300 ms against 20 ms later) and slow the loop more
+    (50 ms steps against 8 ms): what a write costs the loop is measured from the later ones
+    only, already at the first decisions."""
+    w = Writer("test-writer", timeout_s=10)
+    c = Cadence("dir", "auto", mtbf_hours=0.01, min_steps=6, max_steps=6, writer=w)
+    writes = 0
+    for step in range(42):  # 7 saves: the warm-up's 2, then 5 measured
+        if c.due(step):
+            w.wait("here")
+            w.submit("a write", time.sleep, 0.3 if writes < 2 else 0.02)
+            writes += 1
+            c.saved(step, 0.0005)
+        time.sleep((0.05 if writes <= 2 else 0.008) if w.activity()[1] else 0.002)
+    w.close("here")
+    assert [n for n, s in w.job_seconds if s >= 0.3] == [1, 2]  # the warm-up's writes
+    assert c.measured.busy_step_s and max(c.measured.busy_step_s) < 0.04
+    assert 0.005 < c._contention_s() < 0.02  # about 20 × (1 − 2/8) = 15 ms
+    assert c.choice is not None and c.choice.costs.save_s < 0.03
 
 
 def test_the_writer_reports_its_background_jobs():

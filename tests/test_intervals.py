@@ -178,6 +178,17 @@ def test_measurements_need_two_step_times_and_a_save():
     assert Measurements().costs(1) is None
 
 
+def test_a_warm_up_save_is_no_save_time_but_no_step_time_either():
+    m = Measurements()
+    m.step(0, 100.0)
+    m.save(2.0, warmup=True)  # a job's first save: compiling
+    m.step(1, 103.0)  # 3 s, of which 2 s was that save
+    assert list(m.step_s) == [1.0] and not m.save_s
+    m.save(0.5)
+    m.step(2, 104.5)
+    assert list(m.step_s) == [1.0, 1.0] and list(m.save_s) == [0.5]
+
+
 def test_measurements_start_afresh_when_the_step_goes_back():
     m = Measurements()
     m.step(10, 0.0)

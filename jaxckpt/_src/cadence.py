@@ -33,7 +33,13 @@ from .storage import Location
 from .writer import Writer
 
 REDECIDE_EVERY = 8
-"""Saves between two decisions, after the decisions at the 1st, 2nd and 4th saves."""
+"""Measured saves between two decisions, after those at the 1st, 2nd and 4th measured save
+(and one at a job's first save, on where to start)."""
+
+WARMUP_SAVES = 2
+"""A job's first saves, left out of what is measured: they compile, make the first peer
+exchanges and find cold caches (here 10-30x a later save's blocking), a cost each job pays
+once, not one each save pays."""
 
 # names of the agreement rounds: the n-th cadence of a directory and tier in this process
 # (every process makes its managers of a run in the same order)
@@ -130,6 +136,8 @@ class Cadence:
         self._log, self._timeout_s = log, timeout_s
         self._writer = writer  # this tier's background writes: their time and contention
         self._activity: tuple[int, bool] | None = None
+        self._warmup_writes: int | None = None  # the number of the warm-up's last write
+        self._measuring = False  # the warm-up's writes ended before the last due()
         self._last: int | None = None
         self._saves = 0
         run = f"{hashlib.sha256(where.encode()).hexdigest()[:12]}/{tier}"
@@ -144,8 +152,11 @@ class Cadence:
         busy = None
         if self._writer is not None:
             before, self._activity = self._activity, self._writer.activity()
-            if before is not None:
+            if before is not None and self._measuring:
                 busy = before[1] or before[0] != self._activity[0]
+            self._measuring = (
+                self._warmup_writes is not None and self._writer.ended() >= self._warmup_writes
+            )
         self.measured.step(step, time.perf_counter(), busy)
         return self._last is None or step - self._last >= self.interval
 
@@ -160,10 +171,17 @@ class Cadence:
         self._last = step
         if not self.auto:
             return
-        self.measured.save(blocking_s)
         self._saves += 1
-        if self._saves in (1, 2, 4) or self._saves % REDECIDE_EVERY == 0:
-            self._decide()
+        self.measured.save(blocking_s, warmup=self._saves <= WARMUP_SAVES)
+        if self._saves == WARMUP_SAVES and self._writer is not None:
+            self._warmup_writes = self._writer.submitted
+        measured = self._saves - WARMUP_SAVES
+        if (
+            self._saves == 1
+            or measured in (1, 2, 4)
+            or (measured > 0 and measured % REDECIDE_EVERY == 0)
+        ):
+            self._decide(measured)
 
     def _mtbf_s(self) -> float:
         assert self.prior_s is not None  # options refuse "auto" without mtbf_hours
@@ -172,13 +190,16 @@ class Cadence:
 
     def _contention_s(self) -> float:
         """What a background write of this tier costs the loop (see ``Measurements``)."""
-        if self._writer is None or not self._writer.job_seconds:
+        if self._writer is None or self._warmup_writes is None:
             return 0.0
-        return self.measured.contention_s(statistics.median(list(self._writer.job_seconds)))
+        after = [s for n, s in list(self._writer.job_seconds) if n > self._warmup_writes]
+        return self.measured.contention_s(statistics.median(after)) if after else 0.0
 
-    def _decide(self) -> None:
+    def _decide(self, measured: int) -> None:
         contention = self._contention_s()
         mine = self.measured.costs(self._mtbf_s(), contention)
+        if self._writer is not None and self.measured.split() is None and measured < 4:
+            mine = None  # what a write costs the loop is not known yet: not measured enough
         figures = None if mine is None else [mine.step_s, mine.save_s, mine.restart_s, mine.mtbf_s]
         text = json.dumps({"figures": figures, "earlier": self.history.interval(self.tier)})
         agreed = json.loads(

@@ -227,10 +227,13 @@ class Measurements:
                 if busy is not None:
                     (self.busy_step_s if busy else self.idle_step_s).append(seconds)
 
-    def save(self, blocking_s: float) -> None:
-        """A save blocked the calling thread for ``blocking_s`` seconds."""
+    def save(self, blocking_s: float, *, warmup: bool = False) -> None:
+        """A save blocked the calling thread for ``blocking_s`` seconds. A ``warmup`` save
+        (a job's first: compiling, first exchanges) is left out of the save times; its
+        blocking still is not counted as step time."""
         _check("blocking_s", blocking_s, zero=True)
-        self.save_s.append(blocking_s)
+        if not warmup:
+            self.save_s.append(blocking_s)
         self._blocked_s += blocking_s
 
     def restore(self, seconds: float) -> None:
@@ -238,7 +241,7 @@ class Measurements:
         _check("seconds", seconds, zero=True)
         self.restore_s.append(seconds)
 
-    def _split(self) -> tuple[float, float] | None:
+    def split(self) -> tuple[float, float] | None:
         """Median step times (without, with) a background write; None before 2 of each."""
         if len(self.idle_step_s) < 2 or len(self.busy_step_s) < 2:
             return None
@@ -250,7 +253,7 @@ class Measurements:
         ``write_s × (1 − idle/busy)``; 0 before both were measured, or if busy steps are
         not slower."""
         _check("write_s", write_s, zero=True)
-        split = self._split()
+        split = self.split()
         if split is None or split[1] <= split[0]:
             return 0.0
         return write_s * (1 - split[0] / split[1])
@@ -262,7 +265,7 @@ class Measurements:
         None before 2 step times and a save were measured."""
         if len(self.step_s) < 2 or not self.save_s:
             return None
-        split = self._split()
+        split = self.split()
         step = split[0] if split is not None else statistics.median(self.step_s)
         restart = statistics.median(self.restore_s) if self.restore_s else 0.0
         save = statistics.median(self.save_s) + contention_s

@@ -123,7 +123,9 @@ class Writer:
         self._thread: threading.Thread | None = None
         # background jobs: how many started and ended, and how long the last ones ran
         self._started = self._ended = 0
-        self.job_seconds: deque[float] = deque(maxlen=64)
+        self.submitted = 0  # background jobs handed over so far: the last one's number
+        # (job number, seconds) of the last background jobs that ended without an error
+        self.job_seconds: deque[tuple[int, float]] = deque(maxlen=64)
         _live.add(self)
 
     def activity(self) -> tuple[int, bool]:
@@ -133,9 +135,14 @@ class Writer:
         started, ended = self._started, self._ended
         return started + ended, started != ended
 
+    def ended(self) -> int:
+        """How many background jobs ended (their numbers are 1 to this: one at a time)."""
+        return self._ended
+
     def submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         """Runs ``fn(*args)`` in the background; ``what`` names the job in its error."""
         job = self._add(what)
+        self.submitted += 1
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
@@ -163,7 +170,7 @@ class Writer:
             self._started += 1
             since = time.perf_counter()
             if self._run(*item):
-                self.job_seconds.append(time.perf_counter() - since)
+                self.job_seconds.append((self._started, time.perf_counter() - since))
             self._ended += 1
             item = None  # drop the job's data (host copies) before going idle
 
