@@ -14,9 +14,14 @@ exponential (mean ``--mtbf-s``), each counted from the job's first training step
 a restart cost, not luck): the same delays and victims for every interval. Relaunches use
 jax's persistent compilation cache, as a production job would (``--no-compile-cache``).
 
+The intervals run interleaved: the first job of every interval, then the second of every
+interval, and so on, so that the shared machine's slow and fast minutes fall on all alike.
+
 Measured from outside the library (the workers' clocks around steps and ``save`` calls, the
 launcher's around kills; all ``time.time()`` of this one machine):
-  step     median step of the first job's baseline phase (no saves, no failures);
+  step     median step of the first jobs' baseline phases (no saves, no failures), pooled
+           over the intervals: the same program on the same machine, and one run's 50
+           steps move by 5-10 % on this shared VM, which ETTR would inherit;
   save     seconds ``save`` blocked the training loop (the slower process), saves that wrote;
   restart  kill to the relaunched job's first training step: killing the survivor, wiping,
            starting, joining, restoring, saving the restored step again (a replaced host
@@ -49,6 +54,7 @@ step, the model's step counter and the data position alike, a wiped host from it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -56,8 +62,8 @@ import shutil
 import signal
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields, replace
 
 import harness
 import multiproc
@@ -90,13 +96,14 @@ class Life:
     first_t: float
     first_step: int
     kill_t: float
+    gap_s: float = 0.0  # before it was launched: the other intervals' turns (not a restart)
 
 
 @dataclass(frozen=True)
 class Costs:
     """What the model takes, as measured (seconds): means, which is what the wall pays."""
 
-    step_s: float  # the pure step (the baseline's median)
+    step_s: float  # the pure step (the baselines' median, pooled over the intervals)
     save_s: float  # a save's blocking
     restart_s: float  # kill to the relaunched job's first step
     uptime_s: float  # a job's run from its first step to its failure
@@ -117,6 +124,7 @@ class Run:
 
     interval: int | str
     costs: Costs
+    baseline_s: tuple[float, ...]  # this run's baseline step times
     save_every: float  # median steps between saves
     window_step_s: float  # median step in the window (the baseline's, slowed by writes)
     save_median_s: float
@@ -171,9 +179,11 @@ def first_step(root: str, life: int, job: multiproc.Job, timeout_s: float) -> tu
     return first["t"], first["step"]
 
 
-def run_interval(interval: int | str, root: str, s: Settings) -> list[Life]:
+def run_interval(interval: int | str, root: str, s: Settings) -> Iterator[Life]:
     """One interval's jobs, each killed (its victim first, then the survivor) and, after its
-    victim's local directory is wiped, relaunched; the last one is stopped at its first step."""
+    victim's local directory is wiped, relaunched; the last one is stopped at its first step.
+    Yields after each job, so that intervals can take turns; the time until its next job
+    launches is each Life's ``gap_s``, out of every figure."""
     kwargs = dict(
         root=root,
         interval=interval,
@@ -183,7 +193,7 @@ def run_interval(interval: int | str, root: str, s: Settings) -> list[Life]:
         baseline_steps=s.baseline_steps,
         compile_cache=s.compile_cache,
     )
-    lives: list[Life] = []
+    gap = 0.0
     for life in range(len(s.delays) + 1):
         failing = life < len(s.delays)
         delay = s.delays[life] if failing else 0.0
@@ -200,11 +210,12 @@ def run_interval(interval: int | str, root: str, s: Settings) -> list[Life]:
             for p in job.procs:  # the survivor: the job restarts whole
                 p.kill()
             job.wait(30)
-        lives.append(Life(t, step, kill_t))
         harness.log(f"  interval {interval}: life {life} from step {step}, ran {kill_t - t:.1f} s")
         if failing and s.wipe:
             shutil.rmtree(os.path.join(root, f"host{s.victims[life]}"))
-    return lives
+        paused = time.time()
+        yield Life(t, step, kill_t, gap)
+        gap = time.time() - paused
 
 
 def _loop_step(lives: Sequence[Life], window: Sequence[dict], blocking: dict[int, float]) -> float:
@@ -235,7 +246,8 @@ def read_events(root: str) -> list[dict]:
 
 
 def measure(interval: int | str, lives: Sequence[Life], events: Sequence[dict], wipe: bool) -> Run:
-    """The run's figures from the launcher's lives and the workers' events."""
+    """The run's figures from the launcher's lives and the workers' events (the pure step:
+    this run's baseline; ``main`` pools it over the runs)."""
     failures = len(lives) - 1
     window = [e for e in events if e["life"] < failures]
     blocking: dict[int, float] = {}  # step -> the slower process's blocking
@@ -262,11 +274,13 @@ def measure(interval: int | str, lives: Sequence[Life], events: Sequence[dict], 
         checks.append(f"restores in {len(step_of)} relaunches of {failures}")
     if wipe and failures and all(e["per_process_from"] == e["p"] for e in restores):
         checks.append("no process got its state from a peer's copy")
-    restarts = [b.first_t - a.kill_t for a, b in zip(lives, lives[1:], strict=False)]
+    restarts = [b.first_t - a.kill_t - b.gap_s for a, b in zip(lives, lives[1:], strict=False)]
+    baseline = tuple(e["dt"] for e in events if e["e"] == "baseline")
     return Run(
         interval=interval,
+        baseline_s=baseline,
         costs=Costs(
-            step_s=median(e["dt"] for e in events if e["e"] == "baseline"),
+            step_s=median(baseline),
             save_s=statistics.fmean(blocking.values()) if blocking else 0.0,
             restart_s=statistics.fmean(restarts),
             uptime_s=sum(a.kill_t - a.first_t for a in lives[:-1]) / failures,
@@ -277,7 +291,7 @@ def measure(interval: int | str, lives: Sequence[Life], events: Sequence[dict], 
         save_median_s=median(blocking.values()) if blocking else 0.0,
         restart_median_s=median(restarts),
         restart_parts=restart_parts(lives, events),
-        wall_s=lives[-1].first_t - lives[0].first_t,
+        wall_s=lives[-1].first_t - lives[0].first_t - sum(life.gap_s for life in lives[1:]),
         steps=lives[-1].first_step - lives[0].first_step,
         failures=failures,
         lost_steps=tuple(reached[life - 1] - step_of[life] for life in range(1, len(lives))),
@@ -297,7 +311,8 @@ def restart_parts(lives: Sequence[Life], events: Sequence[dict]) -> tuple[tuple[
         }
         if not all(m in at for m in marks):
             continue
-        times = [lives[life - 1].kill_t, *(at[m] for m in marks), lives[life].first_t]
+        resumed = lives[life - 1].kill_t + lives[life].gap_s  # the turns between are no restart
+        times = [resumed, *(at[m] for m in marks), lives[life].first_t]
         names = ("kill to jax up", "model, manager", "restore", "first save", "first step")
         for name, a, b in zip(names, times, times[1:], strict=False):
             parts.setdefault(name, []).append(b - a)
@@ -420,7 +435,7 @@ def report(runs: Sequence[Run], s: Settings) -> None:
             ("lost steps/f", ">12.1f"),
             ("save ms med/mean", ">16"),
             ("restart s med/mean", ">18"),
-            ("step ms", ">7.1f"),
+            ("baseline ms", ">11.1f"),
             ("in window", ">9.1f"),
             ("run s/f", ">7.2f"),
             ("wall s", ">6.1f"),
@@ -433,7 +448,7 @@ def report(runs: Sequence[Run], s: Settings) -> None:
             statistics.fmean(r.lost_steps) if r.lost_steps else None,
             f"{r.save_median_s * 1e3:.1f}/{r.costs.save_s * 1e3:.1f}",
             f"{r.restart_median_s:.2f}/{r.costs.restart_s:.2f}",
-            r.costs.step_s * 1e3, r.window_step_s * 1e3, r.costs.uptime_s, r.wall_s,
+            median(r.baseline_s) * 1e3, r.window_step_s * 1e3, r.costs.uptime_s, r.wall_s,
         )
         for r in runs
     )  # fmt: skip
@@ -444,6 +459,7 @@ def report(runs: Sequence[Run], s: Settings) -> None:
             for name in dict.fromkeys(n for r in runs for n, _ in r.restart_parts)
         ]
         print(f"\na restart (s, median): {', '.join(each)}")
+    print(f"pure step (every run's baseline, pooled): {runs[0].costs.step_s * 1e3:.1f} ms")
     print(
         "predicted: the model with each run's save and restart (means), run to a failure, and "
         "the loop's step (launcher's clock, saves' blocking out; baseline's share productive);\nM=wall/f: the same with mtbf_s = wall / failures (see "
@@ -489,20 +505,27 @@ def main() -> None:
             compile_cache=None if args.no_compile_cache else cache,
             seed=args.seed,
         )
-        for item in args.intervals.split(","):
-            interval: int | str = item if item == "auto" else int(item)
-            if interval == "auto" and not auto_supported(args.mtbf_s * PROCESSES / 3600):
-                notes.append("auto: not supported by this jaxckpt yet")
-                continue
-            harness.log(f"interval {interval}")
-            with harness.scratch("jaxckpt_goodput_") as root:
-                try:
-                    lives = run_interval(interval, root, s)
-                except RuntimeError as e:
-                    notes.append(f"interval {interval}: failed: {str(e)[-3000:]}")
-                    harness.log(notes[-1])
+        with contextlib.ExitStack() as stack:
+            turns: dict[int | str, tuple[str, Iterator[Life], list[Life]]] = {}
+            for item in args.intervals.split(","):
+                interval: int | str = item if item == "auto" else int(item)
+                if interval == "auto" and not auto_supported(args.mtbf_s * PROCESSES / 3600):
+                    notes.append("auto: not supported by this jaxckpt yet")
                     continue
+                root = stack.enter_context(harness.scratch("jaxckpt_goodput_"))
+                turns[interval] = (root, run_interval(interval, root, s), [])
+            for _ in range(args.failures + 1):  # every interval's next job, in turn
+                for interval, (_, jobs, lives) in list(turns.items()):
+                    try:
+                        lives.append(next(jobs))
+                    except RuntimeError as e:
+                        notes.append(f"interval {interval}: failed: {str(e)[-3000:]}")
+                        harness.log(notes[-1])
+                        del turns[interval]
+            for interval, (root, _, lives) in turns.items():
                 runs.append(measure(interval, lives, read_events(root), s.wipe))
+        pure = median(t for r in runs for t in r.baseline_s)
+        runs = [replace(r, costs=replace(r.costs, step_s=pure)) for r in runs]
     for note in notes:
         print(note)
     if not runs:
