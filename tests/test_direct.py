@@ -66,7 +66,7 @@ def _direct_dtype(dtype: np.dtype) -> bool:
 def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path):
     """Random bit patterns of every dtype: onto the saved mesh (whole shards, read directly
     where the dtype's bytes are stored as they are), and onto meshes that read two chunks
-    into one slice (direct) or cut through chunks (TensorStore)."""
+    into one slice or cut through chunks (each chunk read whole, the half wanted kept)."""
     x = random_bits((256, 64), dtype, np.random.default_rng(7))
     tree = {"x": sharded(x, mesh42, ("data",)), "n": x[:64]}
     jaxckpt.save(tmp_path / "c", tree)
@@ -77,7 +77,7 @@ def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path
     expected = (x.nbytes + x[:64].nbytes + 5 * 4) if _direct_dtype(dtype) else 0
     assert preadv.bytes == expected, (preadv.calls, preadv.bytes)
 
-    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), 0)]:
+    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), 2 * x.nbytes + 8 * 4)]:
         mesh = jax.make_mesh(shape, ("data", "model"))
         target = {"x": NamedSharding(mesh, P("data")), "n": x[:64]}
         before = preadv.bytes
@@ -85,7 +85,7 @@ def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path
         assert_same_bits(x, np.asarray(out["x"]), f"{dtype} onto {shape}")
         for shard in out["x"].addressable_shards:
             assert_same_bits(x[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
-        if _direct_dtype(dtype):  # 2x4: two whole chunks a slice; 8x1: half a chunk
+        if _direct_dtype(dtype):  # 2x4: two whole chunks a slice; 8x1: a chunk for half
             assert preadv.bytes - before == direct_bytes + x[:64].nbytes + 4
 
 
@@ -174,6 +174,67 @@ def test_a_corrupt_chunk_raises_the_same_error_either_way(switch, mesh42, tmp_pa
     assert f"{flipped} (bytes " in str(e.value) and "process 0" in str(e.value)
     assert "restore another step or re-save" in str(e.value)
     assert (counter.calls > 0) == (switch == "1")
+
+
+def test_a_corrupt_chunk_read_in_part_is_named(mesh42, tmp_path, preadv):
+    """A slice that needs half of the corrupt chunk: the same error as a whole read."""
+    x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"w": sharded(x, mesh42, ("data",))})
+    flipped, _ = flip_a_chunk_byte(tmp_path / "c")
+    target = {"w": NamedSharding(jax.make_mesh((8, 1), ("data", "model")), P("data"))}
+    with pytest.raises(errors.ChecksumError, match=r"leaf 'w': chunk 'w/c/\d/0'") as e:
+        jaxckpt.restore(tmp_path / "c", target=target)
+    assert f"{flipped} (bytes " in str(e.value) and preadv.calls > 0
+
+
+def test_chunk_parts_tile_the_slice():
+    """Every element of a slice comes from exactly one chunk, from inside that chunk's
+    stored box, edge chunks (padded beyond the array) included."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rank = int(rng.integers(1, 4))
+        chunks = tuple(int(c) for c in rng.integers(1, 6, rank))
+        shape = tuple(int(n) for n in rng.integers(1, 20, rank))
+        lo = [int(rng.integers(0, n)) for n in shape]
+        index = tuple((a, int(rng.integers(a + 1, n + 1))) for a, n in zip(lo, shape, strict=True))
+        lay = direct.Layout(chunks, np.dtype(np.int32), "/")
+        covered = np.zeros([b - a for a, b in index], np.int32)
+        for g, chunk, part in direct.chunk_parts(index, lay):
+            assert chunk == tuple((i * c, (i + 1) * c) for i, c in zip(g, chunks, strict=True))
+            assert all(c0 <= p0 < p1 <= c1 for (c0, c1), (p0, p1) in zip(chunk, part, strict=True))
+            covered[
+                tuple(slice(p0 - a, p1 - a) for (p0, p1), (a, _) in zip(part, index, strict=True))
+            ] += 1
+        assert (covered == 1).all(), (chunks, index)
+
+
+def test_edge_chunks_read_in_part_match_tensorstore(tmp_path, preadv):
+    """An array whose chunks do not divide it (an Orbax checkpoint's may not): zarr stores
+    the edge chunks padded; slices that end in them read them directly, exactly as
+    TensorStore reads them."""
+    db = location(str(tmp_path / "db"))
+    x = random_bits((40, 70), np.dtype(np.float32), np.random.default_rng(4))
+    meta = arrays.zarr_metadata(x.shape, "float32", (16, 32), None)  # 2 KiB: not inline
+    spec = {"driver": "zarr3", "kvstore": arrays.kvstore_spec(db), "path": "x/"}
+    created = ts.open({**spec, "metadata": meta, "create": True}, context=arrays.new_context())
+    created.result().write(x).result()
+    store = ts.open(spec, context=arrays.new_context()).result()
+    lay = direct.layout(store)
+    assert lay is not None
+    slices = {0: ((32, 40), (0, 70)), 1: ((10, 37), (20, 70)), 2: ((0, 40), (0, 70))}
+    slices[3] = ((39, 40), (69, 70))
+    plans = direct.plan(db, {k: direct.Wanted("x", lay, i) for k, i in slices.items()})
+    assert set(plans) == set(slices) and all(p.parts and not p.chunks for p in plans.values())
+    reader = direct.Reader()
+    try:
+        for k, index in slices.items():
+            got = reader.start(plans[k]).result()
+            want = store[tuple(slice(a, b) for a, b in index)].read().result()
+            assert_same_bits(want, got, str(index))
+            assert_same_bits(x[tuple(slice(a, b) for a, b in index)], got, str(index))
+    finally:
+        reader.close()
+    assert preadv.calls == sum(len(p.parts) for p in plans.values())
 
 
 def test_a_truncated_data_file_is_named(mesh42, tmp_path, preadv):

@@ -9,9 +9,12 @@ whole saved shard, or a run of whole rows of it), its bytes can go where they be
 read: ``plan`` finds such slices (one B-tree walk for every chunk of a restore), ``Reader``
 reads them. Chunks adjacent in a data file are read in one ``preadv``, their 4-byte CRC
 trailers into a scratch array; each piece is checksummed right after it arrives, while it
-is still in the CPU's cache. Anything else (zstd, inline values, object stores, a slice
-that cuts through chunks, an edge chunk zarr padded, sub-byte or bool dtypes, a value of an
-unexpected length or past its file's end) is read by TensorStore.
+is still in the CPU's cache. A slice that cuts through chunks (a restore onto another mesh)
+or ends in an edge chunk zarr padded is read chunk by chunk instead: each whole chunk into
+a scratch buffer of the reading thread, checksummed, and the part the slice needs copied
+into place (a chunk must be read whole to check it; TensorStore reads it whole too). Anything
+else (zstd, inline values, object stores, sub-byte or bool dtypes, a value of an unexpected
+length or past its file's end) is read by TensorStore.
 ``JAXCKPT_DIRECT_READ=0`` turns the path off (for benchmarks and debugging).
 """
 
@@ -32,12 +35,15 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import StorageError
-from . import arrays
-from .boxes import Index
+from . import arrays, boxes
+from .boxes import Index, extent
 from .storage import Location
 
 ENV = "JAXCKPT_DIRECT_READ"
 PIECE_BYTES = 1 << 20  # read and checksummed at a time: stays in cache between the two
+PART_CHUNK_BYTES = 64 << 20
+"""The largest chunk read whole into a thread's scratch buffer when a slice needs only part
+of it; a larger one is left to TensorStore (each reader thread would hold one)."""
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 _TRAILER = 4  # the crc32c codec: a chunk's bytes, then their CRC32C, little-endian
 
@@ -119,6 +125,19 @@ def chunks_in(index: Index, lay: Layout) -> list[tuple[tuple[int, ...], int]] | 
     ]
 
 
+def chunk_parts(index: Index, lay: Layout) -> list[tuple[tuple[int, ...], Index, Index]]:
+    """Every chunk that slice ``index`` overlaps: its grid coordinates, its box and the
+    part of it the slice needs (both in the array's coordinates). Edge chunks are stored
+    whole (zarr pads them), so every part lies inside its chunk's stored bytes."""
+    out = []
+    for g in boxes.chunks_in(index, lay.chunk_shape):
+        chunk = tuple((i * c, (i + 1) * c) for i, c in zip(g, lay.chunk_shape, strict=True))
+        part = boxes.intersect(chunk, index)
+        if part is not None:
+            out.append((g, chunk, part))
+    return out
+
+
 def chunk_key(name: str, coords: Sequence[int], separator: str) -> str:
     """The OCDBT key of a chunk of leaf ``name`` (zarr v3's default chunk key encoding)."""
     return f"{name}/c" + "".join(f"{separator}{c}" for c in coords)
@@ -135,12 +154,27 @@ class ChunkRead:
 
 
 @dataclass(frozen=True)
+class ChunkPart:
+    """One chunk of a slice that cuts through it: its key, where its bytes are, the part of
+    it the slice needs (``src``, the chunk's coordinates) and where that goes (``dst``)."""
+
+    key: str
+    at: arrays.ChunkBytes
+    nbytes: int  # the whole chunk's, without the 4-byte trailer
+    chunk_shape: tuple[int, ...]
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+
+
+@dataclass(frozen=True)
 class SliceRead:
-    """One slice read directly: the buffer to allocate and the chunks that fill it."""
+    """One slice read directly: the buffer to allocate and the chunks that fill it, whole
+    (``chunks``: each a contiguous region of the buffer) or in part (``parts``)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     chunks: tuple[ChunkRead, ...]
+    parts: tuple[ChunkPart, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,44 +190,68 @@ def plan(db: Location, wanted: dict[Hashable, Wanted]) -> dict[Hashable, SliceRe
     """The slices of ``wanted`` that can be read directly, by the same keys: one walk of the
     B-tree for all their chunks. Raises StorageError when the B-tree points outside the
     database's directory."""
-    parts: dict[Hashable, tuple[Wanted, list[tuple[str, int]]]] = {}
+    whole: dict[Hashable, tuple[Wanted, list[tuple[str, int]]]] = {}
+    cut: dict[Hashable, tuple[Wanted, list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]] = {}
     for k, w in wanted.items():
+        if not all(b > a for a, b in w.index):
+            continue  # nothing to read
+        sep = w.layout.separator
         found = chunks_in(w.index, w.layout)
         if found:
-            keys = [(chunk_key(w.name, g, w.layout.separator), off) for g, off in found]
-            parts[k] = (w, keys)
-    if not parts:
+            whole[k] = (w, [(chunk_key(w.name, g, sep), off) for g, off in found])
+        elif math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize <= PART_CHUNK_BYTES:
+            cut[k] = (
+                w,
+                [
+                    (
+                        chunk_key(w.name, g, sep),
+                        boxes.within(part, chunk),
+                        boxes.within(part, w.index),
+                    )
+                    for g, chunk, part in chunk_parts(w.index, w.layout)
+                ],
+            )
+    if not whole and not cut:
         return {}
+    keys = {key for _, ks in whole.values() for key, _ in ks}
+    keys |= {key for _, ks in cut.values() for key, _, _ in ks}
     base = ts.KvStore.open(db.kvstore()).result()
-    where = arrays.chunk_bytes(base, db, {key for _, keys in parts.values() for key, _ in keys})
+    where = arrays.chunk_bytes(base, db, keys)
     sizes = _file_sizes(db, {at.file for at in where.values() if not at.inline})
     out: dict[Hashable, SliceRead] = {}
-    for k, (w, keys) in parts.items():
+    for k, (w, ks) in whole.items():
         nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
-        reads = [ChunkRead(key, where[key], off, nbytes) for key, off in keys if key in where]
+        reads = [ChunkRead(key, where[key], off, nbytes) for key, off in ks if key in where]
         for r in reads:
-            _check_inside(w.name, r, sizes)
-        if len(reads) == len(keys) and all(_plain(r) for r in reads):
-            shape = tuple(b - a for a, b in w.index)
-            out[k] = SliceRead(shape, w.layout.dtype, tuple(reads))
+            _check_inside(w.name, r.key, r.at, sizes)
+        if len(reads) == len(ks) and all(_plain(r.at, r.nbytes) for r in reads):
+            out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, tuple(reads))
+    for k, (w, cs) in cut.items():
+        nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
+        shape = w.layout.chunk_shape
+        got = [ChunkPart(key, where[key], nbytes, shape, s, d) for key, s, d in cs if key in where]
+        for p in got:
+            _check_inside(w.name, p.key, p.at, sizes)
+        if len(got) == len(cs) and all(_plain(p.at, p.nbytes) for p in got):
+            out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, (), tuple(got))
     return out
 
 
-def _plain(r: ChunkRead) -> bool:
+def _plain(at: arrays.ChunkBytes, nbytes: int) -> bool:
     """A value of its own, of the length the codecs give."""
-    return not r.at.inline and r.at.stop - r.at.start == r.nbytes + _TRAILER
+    return not at.inline and at.stop - at.start == nbytes + _TRAILER
 
 
-def _check_inside(leaf: str, r: ChunkRead, sizes: dict[str, int]) -> None:
+def _check_inside(leaf: str, key: str, at: arrays.ChunkBytes, sizes: dict[str, int]) -> None:
     """Raises StorageError when the chunk's bytes end past its data file's end (TensorStore
     would fail too, without naming the file)."""
-    if r.at.inline or r.at.stop <= sizes[r.at.file]:
+    if at.inline or at.stop <= sizes[at.file]:
         return
-    size = sizes[r.at.file]
+    size = sizes[at.file]
     has = "is missing" if size < 0 else f"holds only {size} bytes"
     raise StorageError(
-        f"leaf {leaf!r}: chunk {r.key!r} is bytes {r.at.start}-{r.at.stop - 1} of the data "
-        f"file {r.at.file}, which {has}: the checkpoint was truncated or damaged; restore "
+        f"leaf {leaf!r}: chunk {key!r} is bytes {at.start}-{at.stop - 1} of the data "
+        f"file {at.file}, which {has}: the checkpoint was truncated or damaged; restore "
         "another step or re-save"
     )
 
@@ -244,6 +302,7 @@ class Reader:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxckpt-direct")
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._scratch = threading.local()  # each thread's buffer for chunks read in part
 
     def start(self, sr: SliceRead) -> Future[np.ndarray]:
         return self._pool.submit(self._read, sr)
@@ -265,6 +324,10 @@ class Reader:
 
     def _read(self, sr: SliceRead) -> np.ndarray:
         buf = arrays.aligned_empty(sr.shape, sr.dtype)
+        if sr.parts:
+            for p in sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)):
+                self._read_part(p, buf)
+            return buf
         flat = buf.reshape(-1).view(np.uint8).data
         chunks = sorted(sr.chunks, key=lambda r: (r.at.file, r.at.start))
         run: list[ChunkRead] = []
@@ -276,6 +339,21 @@ class Reader:
         if run:
             self._read_run(run, flat)
         return buf
+
+    def _read_part(self, p: ChunkPart, buf: np.ndarray) -> None:
+        """Reads chunk ``p`` whole into this thread's scratch buffer, checks its CRC32C,
+        and copies the part the slice needs into ``buf``."""
+        size = p.nbytes + _TRAILER
+        scratch: np.ndarray | None = getattr(self._scratch, "buf", None)
+        if scratch is None or len(scratch) < size:
+            scratch = self._scratch.buf = np.empty(size, np.uint8)
+        view = scratch[:size].data
+        got = ChunkRead(p.key, p.at, 0, p.nbytes)
+        _preadv_all(self._fd(p.at.file), [view], p.at.start, [got])
+        if crc32c.crc32c(view[: p.nbytes]) != int.from_bytes(view[p.nbytes :], "little"):
+            raise Corrupt(p.key, p.at)
+        chunk = scratch[: p.nbytes].view(buf.dtype).reshape(p.chunk_shape)
+        buf[p.dst] = chunk[p.src]
 
     def _read_run(self, run: list[ChunkRead], flat: memoryview) -> None:
         """Chunks stored back to back in one file: read in pieces of about PIECE_BYTES,
