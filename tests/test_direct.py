@@ -113,6 +113,32 @@ def test_chunks_of_a_shard_are_coalesced(preadv, mesh42, tmp_path):
     assert preadv.buffers == 2 * len(keys)
 
 
+def test_each_read_asks_the_kernel_to_prefetch_its_chunks(mesh42, tmp_path, monkeypatch):
+    """As a slice's read is issued, the byte ranges of its chunks are advised WILLNEED
+    (seen from outside: ``os.posix_fadvise`` wrapped), merged where they touch; they cover
+    every chunk read and nothing else."""
+    x = np.random.default_rng(0).standard_normal((4096, 32)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=16 << 10)
+    advised: list[tuple[str, int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, offset + length))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.delenv(direct.ENV, raising=False)
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    out = jaxckpt.restore(tmp_path / "c")
+    np.testing.assert_array_equal(np.asarray(out["x"]), x)
+    chunks = _chunk_values(tmp_path / "c")
+    assert len(chunks) == 32 and len(advised) < len(chunks)  # touching chunks merged
+    covered = {(os.path.realpath(c.file), c.start, c.stop) for c in chunks}
+    for f, a, b in covered:
+        assert any(f == g and s <= a and b <= e for g, s, e in advised), (f, a, b)
+    assert sum(e - s for _, s, e in advised) == sum(b - a for _, a, b in covered)
+
+
 def test_direct_read_can_be_switched_off(preadv, mesh42, tmp_path, monkeypatch):
     x = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
