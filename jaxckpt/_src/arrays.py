@@ -12,8 +12,10 @@ staged host copies are not reused before the save is done).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import mmap
 import re
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -244,12 +246,24 @@ class _ReadInto:
 def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.ndarray:
     """An uninitialized C-order array whose data starts on an ``align``-byte boundary.
 
-    XLA's CPU client adopts such a buffer as a device buffer without copying it.
+    XLA's CPU client adopts such a buffer as a device buffer without copying it. One of
+    ``HUGE_PAGE_MIN_BYTES`` or more is its own anonymous mapping in transparent huge pages
+    where the kernel offers them (``MADV_HUGEPAGE``): a restore fills fresh memory, and
+    faulting it in 4 KiB pages (each zeroed by the kernel) cost more than the reads.
     """
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= HUGE_PAGE_MIN_BYTES and _HUGE_PAGES:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(OSError):  # a kernel without THP: plain pages
+            region.madvise(mmap.MADV_HUGEPAGE)
+        return np.frombuffer(region, np.uint8).view(dtype).reshape(shape)
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+HUGE_PAGE_MIN_BYTES = 2 << 20  # one huge page on x86-64 and most arm64 kernels
+_HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 
 def read_slice(store: ts.TensorStore, index: Index) -> _ReadInto:

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 from numpy.typing import DTypeLike
 
+from . import arrays
 from .boxes import Index, from_slices
 
 
@@ -43,12 +44,27 @@ class Placement:
     def put(self, index: Index, data: np.ndarray) -> None:
         first, *rest = self.devices[index]
         self.placed[first] = jax.device_put(data, self.on[first], may_alias=True)
-        if rest:
-            copies = jax.device_put([self.placed[first]] * len(rest), [self.on[d] for d in rest])
-            self.placed.update(zip(rest, copies, strict=True))
+        if not rest:
+            return
+        if first.platform == "cpu" and data.nbytes >= arrays.HUGE_PAGE_MIN_BYTES and _adopted(data):
+            # a CPU device's copy is a host memcpy into memory XLA faults in 4 KiB pages;
+            # the same copy into a buffer of ours gets huge pages, and the device adopts it
+            for d in rest:
+                copy = arrays.aligned_empty(data.shape, data.dtype)
+                np.copyto(copy, data)
+                self.placed[d] = jax.device_put(copy, self.on[d], may_alias=True)
+            return
+        copies = jax.device_put([self.placed[first]] * len(rest), [self.on[d] for d in rest])
+        self.placed.update(zip(rest, copies, strict=True))
 
     def array(self) -> jax.Array:
         singles = [self.placed[d] for d in self.index_map]
         return jax.make_array_from_single_device_arrays(
             self.shape, self.sharding, singles, dtype=self.dtype
         )
+
+
+def _adopted(data: np.ndarray) -> bool:
+    """Whether a CPU device adopts ``data``'s buffer as it is: whole bytes per element (XLA
+    packs 1-, 2- and 4-bit types, copying them)."""
+    return jax.dtypes.itemsize_bits(data.dtype) == 8 * data.dtype.itemsize
