@@ -88,3 +88,15 @@ def test_large_replicas_are_exact_and_in_huge_page_buffers(dtype, x64, mesh42):
         if _thp_offered() and jax.dtypes.itemsize_bits(dtype) % 8 == 0:
             assert _thp_eligible(pointer), f"{shard.device}'s buffer is not huge-page memory"
     assert len(pointers) == len(jax.devices())
+
+
+@pytest.mark.parametrize("nbytes", [arrays.HUGE_PAGE_MIN_BYTES - 1, 3 * arrays.HUGE_PAGE_MIN_BYTES])
+def test_restore_buffers_from_2_mib_are_huge_page_memory(nbytes):
+    """aligned_empty: 64-byte aligned, writable; from 2 MiB in memory advised for huge pages
+    (smaller ones come from NumPy's heap, which may or may not be)."""
+    buf = arrays.aligned_empty((nbytes,), np.dtype(np.uint8))
+    buf[:] = 7  # writable, and touched
+    assert buf.ctypes.data % 64 == 0 and buf.size == nbytes and buf.flags.c_contiguous
+    assert (buf == 7).all()
+    if _thp_offered() and nbytes >= arrays.HUGE_PAGE_MIN_BYTES:
+        assert _thp_eligible(buf.ctypes.data)

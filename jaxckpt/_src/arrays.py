@@ -250,9 +250,11 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.
     ``HUGE_PAGE_MIN_BYTES`` or more is its own anonymous mapping in transparent huge pages
     where the kernel offers them (``MADV_HUGEPAGE``): a restore fills fresh memory, and
     faulting it in 4 KiB pages (each zeroed by the kernel) cost more than the reads.
+    (NumPy advises its own allocations of 4 MiB or more the same way; restored shards are
+    often smaller.)
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes >= HUGE_PAGE_MIN_BYTES and _HUGE_PAGES:
+    if nbytes >= HUGE_PAGE_MIN_BYTES and huge_pages():
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         with contextlib.suppress(OSError):  # a kernel without THP: plain pages
             region.madvise(mmap.MADV_HUGEPAGE)
@@ -263,7 +265,11 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.
 
 
 HUGE_PAGE_MIN_BYTES = 2 << 20  # one huge page on x86-64 and most arm64 kernels
-_HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+def huge_pages() -> bool:
+    """Whether this platform can advise a mapping for huge pages (Linux)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 
 def read_slice(store: ts.TensorStore, index: Index) -> _ReadInto:
