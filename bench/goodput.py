@@ -1,7 +1,7 @@
 """Goodput under injected failures: measured ETTR against the interval model, 2 processes.
 
 usage: python bench/goodput.py [--quick] [--intervals 1,5,25,100,auto] [--mtbf-s 10]
-                               [--failures 5] [--seed 5] [--no-wipe] [--plot docs/goodput.png]
+                               [--failures 10] [--seed 5] [--no-wipe] [--plot docs/goodput.png]
 
 For each local save interval (steps, or "auto"), a 2-process jax.distributed job on 127.0.0.1
 (bench/goodput_worker.py: a Flax MLP with Optax AdamW, a Grain pipeline per process, an
@@ -473,7 +473,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a ~1 minute smoke run")
     ap.add_argument("--intervals", default="1,5,25,100,auto", help="steps, or auto")
     ap.add_argument("--mtbf-s", type=float, default=10.0, help="mean run time to a failure")
-    ap.add_argument("--failures", type=int, default=5, help="per interval")
+    ap.add_argument("--failures", type=int, default=10, help="per interval")
     ap.add_argument("--seed", type=int, default=5, help="of the delays and victims")
     ap.add_argument("--width", type=int, default=512, help="MLP width")
     ap.add_argument("--batch", type=int, default=64, help="global batch")
