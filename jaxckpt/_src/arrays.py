@@ -243,6 +243,10 @@ class _ReadInto:
         return self.buf
 
 
+HUGE_PAGE_MIN_BYTES = 2 << 20  # one huge page on x86-64 and most arm64 kernels
+HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")  # Linux
+
+
 def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.ndarray:
     """An uninitialized C-order array whose data starts on an ``align``-byte boundary.
 
@@ -254,7 +258,7 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.
     often smaller.)
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes >= HUGE_PAGE_MIN_BYTES and huge_pages():
+    if nbytes >= HUGE_PAGE_MIN_BYTES and HUGE_PAGES:
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         with contextlib.suppress(OSError):  # a kernel without THP: plain pages
             region.madvise(mmap.MADV_HUGEPAGE)
@@ -262,14 +266,6 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-HUGE_PAGE_MIN_BYTES = 2 << 20  # one huge page on x86-64 and most arm64 kernels
-
-
-def huge_pages() -> bool:
-    """Whether this platform can advise a mapping for huge pages (Linux)."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 
 def read_slice(store: ts.TensorStore, index: Index) -> _ReadInto:

@@ -46,7 +46,7 @@ class Placement:
         self.placed[first] = jax.device_put(data, self.on[first], may_alias=True)
         if not rest:
             return
-        big = data.nbytes >= arrays.HUGE_PAGE_MIN_BYTES and arrays.huge_pages()
+        big = data.nbytes >= arrays.HUGE_PAGE_MIN_BYTES and arrays.HUGE_PAGES
         if big and first.platform == "cpu" and _adopted(data):
             # a CPU device's copy is a host memcpy into memory XLA faults in 4 KiB pages;
             # the same copy into a buffer of ours gets huge pages, and the device adopts it
