@@ -42,6 +42,9 @@ import jaxckpt  # noqa: E402
 SPECS = {"rep": P(None, "model"), "full": P("data", "model"), "all": P()}
 SHAPE = (32, 64)
 RANDOM = 2
+# Leaves whose slices are 2 MiB or more (8 MiB over at most 4 'model' devices): restores
+# read and replicate them in huge-page buffers (jaxckpt/_src/arrays.py: aligned_empty).
+BIG = {"bfloat16": 8 << 20, "int4": 8 << 20}
 
 
 def dtypes() -> list[np.dtype]:
@@ -70,6 +73,8 @@ def layout(seed: int) -> dict[str, tuple[np.dtype, tuple[int, ...], P]]:
         for k in range(RANDOM):
             shape = tuple(int(x) for x in rng.choice([1, 3, 8, 16, 24], rng.integers(0, 4)))
             out[f"{d.name}/r{k}"] = (d, shape, random_spec(shape, rng))
+        if d.name in BIG:
+            out[f"{d.name}/big"] = (d, (16, BIG[d.name] // (16 * d.itemsize)), P(None, "model"))
     return out
 
 
