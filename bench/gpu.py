@@ -8,18 +8,22 @@ the figures are then not GPU figures, since a CPU "device" buffer is host memory
 copies below become views). The state is bench/train_state.py's train state at ``--size-gb``,
 all of it on that one device. ``--repeats`` times, in an order that alternates, it times:
 
-* device -> host: ``jax.device_get`` of the state into fresh NumPy arrays, against
-  jaxckpt's staging (``staging.snapshot`` into ``HostCopies`` buffers: the first copy,
-  which allocates them, and later ones, which reuse them), a ``CheckpointManager`` async
-  save's blocking time, and an ``EmergencyCheckpointManager`` save's blocking time
-  (replication=0, local directory under /dev/shm where it has room, else under ``--dir``);
+* device -> host: ``jax.device_get`` of the state into fresh NumPy arrays, and a batched
+  ``jax.device_put`` into the device's pinned host memory (the link's speed), against
+  jaxckpt's staging (``staging.describe`` + ``staging.snapshot``: the first, which
+  allocates, and later ones), a ``CheckpointManager`` async save's blocking time, and an
+  ``EmergencyCheckpointManager`` save's blocking time (replication=0, local directory under
+  /dev/shm where it has room, else under ``--dir``);
 * host -> device: ``jaxckpt.restore`` onto the device (the files in the page cache) against
   ``jax.device_put`` of NumPy arrays of the same bytes;
 * the disk: ``jaxckpt.save`` and the async save's total against a raw NumPy write + fsync,
   and the restore against raw and verified (CRC32C) reads of the same bytes
   (``harness.raw_io``, bench/compare.py's limits).
 
-A warm-up of every operation runs before the clock (a first manager save is reported apart:
+Every operation that reads the state gets a fresh copy of it, made off the clock: jax keeps
+an array's host copy once it has made one, so timing the same arrays again would time a
+cache (a training loop saves new arrays each time). A warm-up of every operation runs
+before the clock (a first manager save is reported apart:
 it allocates the host buffers); the restored state is checked bit-exact once. GB/s of the
 state's logical bytes from the median time; the ratio is to the row's reference.
 Finishes within 10 minutes at 2 GB on one GPU; develop with ``--size-gb 0.05 --repeats 1``.
@@ -67,6 +71,16 @@ def device_summary() -> str:
     )
 
 
+def fresh(tree: Any) -> Any:
+    """A copy of ``tree``'s arrays on their devices, made now: new arrays, no host copy yet."""
+    return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), tree))
+
+
+def pinned_host(dev: jax.Device) -> bool:
+    """Whether ``dev`` has pinned host memory (a GPU does; a CPU device lists one too)."""
+    return any(m.kind == "pinned_host" for m in dev.addressable_memories())
+
+
 def local_root(parent: str, nbytes: int) -> str:
     """Where the emergency manager keeps its local steps: /dev/shm if it has room for three
     copies of the state, else ``parent``."""
@@ -87,7 +101,11 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
     host = jax.device_get(state)  # fresh NumPy arrays of the same bytes, for device_put
     sizes = [int(np.prod(s)) * np.dtype(t).itemsize for _, s, t, _ in st.layout(args.size_gb)]
     nbytes = sum(sizes)
-    described, buffers = staging.describe(state), staging.HostCopies()
+    buffers = staging.HostCopies()
+    pinned = jax.tree.map(
+        lambda x: x.sharding.with_memory_kind("pinned_host") if pinned_host(dev) else x.sharding,
+        state,
+    )
     mgr = jaxckpt.CheckpointManager(
         os.path.join(root, "managed"), jaxckpt.Options(max_to_keep=1, run_log=False)
     )
@@ -110,10 +128,11 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
             times.setdefault(name, []).append(c.seconds)
 
         def managed(m: Any, name: str, step: int) -> None:
-            """A manager's save: until it returns, and until it is written."""
+            """A manager's save of a fresh state: until it returns, and until it is written."""
+            new = fresh(state)
             with harness.Clock() as total:
                 with harness.Clock() as blocking:
-                    m.save(step, state)
+                    m.save(step, new)
                 m.wait_until_finished()
             times.setdefault(f"{name}, blocking", []).append(blocking.seconds)
             times.setdefault(f"{name}, total", []).append(total.seconds)
@@ -126,9 +145,11 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
                 m.save(1, state)
             first[name] = c.seconds
             m.wait_until_finished()
+        new = fresh(state)
         with harness.Clock() as c:
-            staging.snapshot(described, buffers)
+            staging.snapshot(staging.describe(new), buffers)
         first["staging"] = c.seconds
+        jax.block_until_ready(jax.device_put(fresh(state), pinned))
         jax.block_until_ready(jax.device_put(host, shardings))
         jaxckpt.save(ckpt, state)
         restored = jax.block_until_ready(jaxckpt.restore(ckpt, target))
@@ -138,10 +159,17 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
         shutil.rmtree(ckpt)
 
         raw: dict[str, dict[str, list[dict]]] = {"write": {}, "read": {}, "verified": {}}
+
+        def timed_fresh(name: str, fn: Callable[[Any], Any]) -> None:
+            """``fn`` of a fresh copy of the state, timed (the copy is not)."""
+            new = fresh(state)
+            clock(name, lambda: fn(new))
+
         step = iter(range(2, 10**6))
 
         def save_restore() -> None:
-            clock("jaxckpt.save", lambda: jaxckpt.save(ckpt, state))
+            new = fresh(state)
+            clock("jaxckpt.save", lambda: jaxckpt.save(ckpt, new))
             harness.warm_page_cache(ckpt)
             clock("jaxckpt.restore", lambda: jaxckpt.restore(ckpt, target))
             shutil.rmtree(ckpt)
@@ -153,9 +181,10 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
                     raw[kind].setdefault(way, []).append(rec)
 
         ops = {
-            "device_get": lambda rep: clock("jax.device_get", lambda: jax.device_get(state)),
-            "staging": lambda rep: clock(
-                "staging, reused buffers", lambda: staging.snapshot(described, buffers)
+            "device_get": lambda rep: timed_fresh("jax.device_get", jax.device_get),
+            "pinned": lambda rep: timed_fresh("pinned", lambda new: jax.device_put(new, pinned)),
+            "staging": lambda rep: timed_fresh(
+                "staging", lambda new: staging.snapshot(staging.describe(new), buffers)
             ),
             "device_put": lambda rep: clock(
                 "jax.device_put", lambda: jax.device_put(host, shardings)
@@ -173,10 +202,10 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
     mgr.close()
     rows = [
         Row("d2h: jax.device_get", times["jax.device_get"]),
+        Row("d2h: device_put to pinned_host", times["pinned"]),
         Row("d2h: staging, first (allocates)", [first["staging"]], "d2h: jax.device_get"),
-        Row(
-            "d2h: staging, reused buffers", times["staging, reused buffers"], "d2h: jax.device_get"
-        ),
+        Row("d2h: staging", times["staging"], "d2h: jax.device_get"),
+        Row("d2h: staging", times["staging"], "d2h: device_put to pinned_host"),
         Row("async save blocking, first", [first["async save"]], "d2h: jax.device_get"),
         Row("async save blocking", times["async save, blocking"], "d2h: jax.device_get"),
         Row("emergency save blocking, first", [first["emergency save"]], "d2h: jax.device_get"),
@@ -198,6 +227,7 @@ REFERENCE_NAMES = {  # the raw kinds, and the rows others are held against
     "read": "raw read",
     "verified": "verified read",
     "d2h: jax.device_get": "jax.device_get",
+    "d2h: device_put to pinned_host": "to pinned_host",
     "h2d: jax.device_put": "jax.device_put",
 }
 

@@ -2,16 +2,16 @@
 
 ``describe`` decides, for every leaf, its manifest record (``records.leaf_record``) and the
 parts of shards this process writes (one replica of each, ``Part``). ``snapshot`` copies
-those parts into host memory now (``copy_to_host_async`` on all of them before any is
-awaited), so an asynchronous save only needs the host copy; host buffers are reused across
-saves (``HostCopies``). ``stage`` is both. On CPU devices the "copy" of a jax.Array is a
-zero-copy view (see ``HostCopies.snapshot``); NumPy leaves, which can be mutated, are
-always copied.
+those parts into host memory now (accelerator shards into pinned host memory, in one
+batched ``device_put``), so an asynchronous save only needs the host copy (``HostCopies``).
+``stage`` is both. On CPU devices the "copy" of a jax.Array is a zero-copy view (see
+``HostCopies.snapshot``); NumPy leaves, which can be mutated, are always copied.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -83,41 +83,110 @@ def _describe(
 
 
 class HostCopies:
-    """Reusable host buffers keyed by (leaf, shard index); one set per manager."""
+    """Host snapshots of the shards a save writes; one set per manager.
 
-    def __init__(self) -> None:
+    An accelerator's shards go to its pinned host memory in one batched ``device_put``: the
+    DMA engine writes them there at the link's speed and the snapshot is that memory itself
+    (on an H100, 47 GB/s against 4-6 GB/s for copies into pageable NumPy memory). NumPy
+    leaves, and shards of devices without pinned host memory, are copied into buffers reused
+    across saves. ``pinned``: None (the default) takes pinned memory wherever the device has
+    it; True forces it (a CPU device's, for tests), False never.
+    """
+
+    def __init__(self, pinned: bool | None = None) -> None:
+        self.pinned = pinned
         self.buffers: dict[tuple, np.ndarray] = {}
-        self.copies: list[tuple[np.ndarray, Any]] = []  # (destination, source) pending
+        self.copies: list[_Slot] = []  # pending
 
-    def snapshot(self, key: tuple, data: Any, dtype: np.dtype | None = None) -> np.ndarray:
-        """A host snapshot of ``data`` (one device's buffer, or a NumPy array) in the reused
-        buffer ``key``, filled by :meth:`run_copies` (device copies start now). A CPU device
-        buffer is host memory already and is returned as a view: jax arrays are immutable,
-        and while the view lives XLA will not donate the buffer to a later computation (it
-        allocates a new output instead), so nothing overwrites it."""
+    def snapshot(
+        self, key: tuple, data: Any, dtype: np.dtype | None = None
+    ) -> Callable[[], np.ndarray]:
+        """The host snapshot of ``data`` (one device's buffer, or a NumPy array), to call
+        after :meth:`run_copies` (device copies start now; ``key`` names its reused buffer).
+        A CPU device buffer is host memory already and is given as a view: jax arrays are
+        immutable, and while the view lives XLA will not donate the buffer to a later
+        computation (it allocates a new output instead), so nothing overwrites it."""
+        slot = _Slot(key, data, dtype or np.dtype(data.dtype))
         if isinstance(data, jax.Array):
-            if data.platform() == "cpu":
-                return np.asarray(data)
-            data.copy_to_host_async()
-        shape, dtype = tuple(data.shape), dtype or np.dtype(data.dtype)
-        buf = self.buffers.get(key)
-        if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self.buffers[key] = np.empty(shape, dtype)
-        self.copies.append((buf, data))
-        return buf
+            if self._to_pinned(data):
+                slot.pinned = True
+            elif data.platform() == "cpu":
+                view = np.asarray(data)
+                return lambda: view
+            else:
+                data.copy_to_host_async()
+        self.copies.append(slot)
+        return slot.get
+
+    def _to_pinned(self, data: jax.Array) -> bool:
+        if self.pinned is not None:
+            return self.pinned
+        return data.platform() != "cpu" and _has_pinned(next(iter(data.devices())))
+
+    def pending_bytes(self) -> int:
+        """Bytes of the snapshots :meth:`run_copies` is about to make."""
+        return sum(math.prod(s.data.shape) * s.dtype.itemsize for s in self.copies)
 
     def run_copies(self) -> None:
-        """Copies every pending source into its buffer (two threads: memcpy drops the GIL)."""
+        """Makes every pending snapshot: the pinned ones in one batched ``device_put``,
+        the rest copied into reused buffers (two threads: memcpy drops the GIL)."""
         pending, self.copies = self.copies, []
-        if not pending:
+        pinned = [s for s in pending if s.pinned]
+        if pinned:
+            try:
+                where = [_pinned_sharding(next(iter(s.data.devices()))) for s in pinned]
+                done = jax.device_put([s.data for s in pinned], where)
+                for s, host in zip(pinned, done, strict=True):
+                    s.value = np.asarray(host)  # a view of the pinned memory (no copy)
+            except jax.errors.JaxRuntimeError:  # pinned host memory exhausted, say
+                for s in pinned:
+                    s.pinned = False
+        rest = [s for s in pending if s.value is None]
+        if not rest:
             return
 
-        def copy(item: tuple[np.ndarray, Any]) -> None:
-            dst, src = item
-            np.copyto(dst, np.asarray(src), casting="equiv")  # (byte order may differ)
+        for s in rest:  # the buffers, on this thread; the copies on two
+            shape = tuple(s.data.shape)
+            buf = self.buffers.get(s.key)
+            if buf is None or buf.shape != shape or buf.dtype != s.dtype:
+                buf = self.buffers[s.key] = np.empty(shape, s.dtype)
+            s.value = buf
+
+        def copy(s: _Slot) -> None:
+            np.copyto(s.get(), np.asarray(s.data), casting="equiv")  # (byte order may differ)
 
         with ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(copy, pending))
+            list(pool.map(copy, rest))
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """One pending snapshot: its reused buffer's key, the source, and (once made) the value."""
+
+    key: tuple
+    data: Any
+    dtype: np.dtype
+    pinned: bool = False
+    value: np.ndarray | None = None
+
+    def get(self) -> np.ndarray:
+        if self.value is None:
+            raise RuntimeError(f"snapshot {self.key} read before HostCopies.run_copies")
+        return self.value
+
+
+@functools.cache
+def _has_pinned(device: jax.Device) -> bool:
+    """Whether ``device`` has pinned host memory (GPUs and TPUs do)."""
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except Exception:  # a backend that does not list its memories
+        return False
+
+
+@functools.cache
+def _pinned_sharding(device: jax.Device) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
 def describe(
@@ -160,13 +229,12 @@ class Part:
         """The part copied into a host buffer that ``host`` reuses across saves (the copy
         runs in ``host.run_copies``; device copies start now)."""
         if self.index is None:  # NumPy leaves can be mutated: always copied
-            buf = host.snapshot((self.leaf, None), self.data)
-            return lambda: buf
+            return host.snapshot((self.leaf, None), self.data)
         data, part = self.data, self._slices()
         if part and data.platform() != "cpu":  # copy only this part
             data, part = data[part], ()
-        snap = host.snapshot((self.leaf, self.region), data)[part]
-        return lambda: snap
+        get = host.snapshot((self.leaf, self.region), data)
+        return (lambda: get()[part]) if part else get
 
 
 def snapshot(staged: Staged, host: HostCopies) -> Staged:
@@ -181,7 +249,7 @@ def snapshot(staged: Staged, host: HostCopies) -> Staged:
             ]
             leaf = StagedLeaf(leaf.record, dataclasses.replace(leaf.write, pieces=pieces))
         leaves.append(leaf)
-    held = sum(buf.nbytes for buf, _ in host.copies)
+    held = host.pending_bytes()
     host.run_copies()
     return Staged(tuple(leaves), staged.meshes, staged.compression, held)
 

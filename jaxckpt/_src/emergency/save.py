@@ -166,7 +166,7 @@ class LocalSaver:
         """Host snapshots of every distinct shard this process holds; every slice of every
         array leaf (``local.json``'s ``slices``); the device arrays for the peer copies; PRNG
         keys' data. Unsupported leaves raise here, before anything is written."""
-        slices: local.Slices = {}
+        snaps: dict[SliceKey, Callable[[], np.ndarray]] = {}
         required: dict[str, list[Index]] = {}
         on_devices: dict[str, jax.Array] = {}
         key_data: dict[int, jax.Array] = {}
@@ -178,7 +178,7 @@ class LocalSaver:
                 check_numpy(host, name)
                 if host.size:  # copied: NumPy arrays can change after save returns
                     key = SliceKey(name, whole(host.shape))
-                    slices[key] = self.host.snapshot(key, host, host.dtype.newbyteorder("="))
+                    snaps[key] = self.host.snapshot(key, host, host.dtype.newbyteorder("="))
                     required[name] = [key.box]
                 continue
             if not isinstance(leaf, jax.Array):
@@ -193,8 +193,9 @@ class LocalSaver:
             every, held = _slice_keys(name, arr.sharding, shape)
             required[name] = every
             for k, key in held:  # one device per index
-                slices[key] = self.host.snapshot(key, arr.addressable_data(k))
+                snaps[key] = self.host.snapshot(key, arr.addressable_data(k))
         self.host.run_copies()  # all D2H copies were started above
+        slices: local.Slices = {key: get() for key, get in snaps.items()}
         return slices, required, on_devices, key_data
 
 

@@ -1,0 +1,96 @@
+"""Device->host snapshots (jaxckpt/_src/staging.py): bytes exact on every way a snapshot is
+made (a CPU device's view, pinned host memory, reused buffers), parts of shards, and the
+snapshot outliving the arrays it was taken from."""
+
+import gc
+
+import jax
+import numpy as np
+import pytest
+from hostile import DTYPES, assert_same_bits, random_bits
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt._src import staging
+
+
+def _device_array(dtype, shape=(8, 6), device=None):
+    """Random bits on ``device`` (default: jax's first; a GPU's where there is one, so
+    these tests check the accelerator's ways there)."""
+    host = random_bits(shape, dtype, np.random.default_rng(3))
+    return host, jax.device_put(host, device or jax.devices()[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pinned", [True, False, None], ids=["pinned", "buffers", "auto"])
+def test_a_snapshot_holds_the_bytes(dtype, pinned, x64):
+    host, arr = _device_array(dtype)
+    copies = staging.HostCopies(pinned=pinned)
+    get = copies.snapshot(("leaf", 0), arr)
+    copies.run_copies()
+    assert_same_bits(host, get(), f"{dtype} pinned={pinned}")
+
+
+def test_ways_of_making_a_snapshot_on_a_cpu_device():
+    host, arr = _device_array(np.float32, device=jax.devices("cpu")[0])
+    ptr = arr.unsafe_buffer_pointer()
+    auto, pinned, buffers = (staging.HostCopies(p) for p in (None, True, False))
+    got = {c.pinned: c.snapshot(("x",), arr) for c in (auto, pinned, buffers)}
+    for c in (auto, pinned, buffers):
+        c.run_copies()
+    assert got[None]().ctypes.data == ptr  # a CPU device's buffer is host memory: a view
+    assert got[False]().ctypes.data == ptr
+    assert got[True]().ctypes.data != ptr  # a copy in pinned host memory
+    assert not buffers.buffers
+
+
+def test_numpy_leaves_are_copied_into_buffers_reused_across_snapshots():
+    copies = staging.HostCopies()
+    host = random_bits((8, 6), np.dtype("float16"), np.random.default_rng(1))
+    first = copies.snapshot(("x",), host)
+    copies.run_copies()
+    kept = first()
+    assert kept is copies.buffers[("x",)] and not np.shares_memory(kept, host)
+    again = host[::-1].copy()
+    second = copies.snapshot(("x",), again)
+    copies.run_copies()
+    assert second() is kept
+    assert_same_bits(again, second(), "float16 into a reused buffer")
+
+
+def test_a_pinned_snapshot_outlives_its_source_and_its_device_copy():
+    host, arr = _device_array(np.uint8, (1 << 20,))
+    copies = staging.HostCopies(pinned=True)
+    get = copies.snapshot(("x",), arr)
+    copies.run_copies()
+    del arr
+    gc.collect()
+    churn = [jax.device_put(np.full(1 << 20, 7, np.uint8), staging._pinned_sharding(d))
+             for d in jax.devices() for _ in range(4)]  # fmt: skip
+    jax.block_until_ready(churn)
+    assert_same_bits(host, get(), "pinned snapshot after its source was freed")
+
+
+def test_reading_a_snapshot_before_the_copies_ran_is_an_error():
+    copies = staging.HostCopies(pinned=True)
+    get = copies.snapshot(("x",), _device_array(np.float32)[1])
+    with pytest.raises(RuntimeError, match="before HostCopies.run_copies"):
+        get()
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_parts_of_shards_staged_and_saved(pinned, mesh42, tmp_path):
+    """A leaf whose shards are split into parts (small chunk_bytes) saved from snapshots."""
+    full = random_bits((16, 32), np.dtype("bfloat16"), np.random.default_rng(5))
+    arr = jax.device_put(full, NamedSharding(mesh42, P("data")))
+    described = staging.describe({"w": arr, "n": np.arange(5)}, chunk_bytes=256)
+    staged = staging.snapshot(described, staging.HostCopies(pinned=pinned))
+    assert staged.host_bytes == (full.nbytes if pinned else 0) + 5 * 8
+    del arr
+    jaxckpt.save(tmp_path / "c", staged)
+    target = {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=NamedSharding(mesh42, P())),
+              "n": np.zeros(5, np.int64)}  # fmt: skip
+    out = jaxckpt.restore(tmp_path / "c", target)
+    assert_same_bits(full, np.asarray(out["w"]), "bfloat16 parts")
+    np.testing.assert_array_equal(out["n"], np.arange(5))
