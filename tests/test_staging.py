@@ -94,3 +94,15 @@ def test_parts_of_shards_staged_and_saved(pinned, mesh42, tmp_path):
     out = jaxckpt.restore(tmp_path / "c", target)
     assert_same_bits(full, np.asarray(out["w"]), "bfloat16 parts")
     np.testing.assert_array_equal(out["n"], np.arange(5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("chunk_bytes", [None, 64], ids=["whole", "parts"])
+def test_a_save_from_device_arrays_keeps_every_bit(dtype, chunk_bytes, x64, tmp_path):
+    """``jaxckpt.save`` reads each part straight from its device (pinned memory on an
+    accelerator): whole shards, and parts of one (small chunks)."""
+    host, arr = _device_array(dtype, (16, 8))
+    jaxckpt.save(tmp_path / "c", {"x": arr}, chunk_bytes=chunk_bytes)
+    like = jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=arr.sharding)
+    out = jaxckpt.restore(tmp_path / "c", {"x": like})
+    assert_same_bits(host, np.asarray(out["x"]), f"{dtype} chunk_bytes={chunk_bytes}")

@@ -58,7 +58,7 @@ class Options:
     chunk_bytes: store each shard as chunks of at most this many bytes (see
         ``jaxckpt.save``); None: chunks follow the shards.
     read_budget_bytes: host memory for slices read but not yet on a device during a
-        restore (None: ``restoring.READ_BUDGET_BYTES``, 128 MiB).
+        restore (None: 64 MiB per reader thread, at least 128 MiB; ``inflight.default_budget``).
     drop_page_cache: keep a save's files out of the page cache (local directories): their
         pages are dropped as they are written, so a save of any size holds a few hundred
         MiB of cache at most instead of its whole size, and does not evict what training

@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import OptionsError, StorageError
 from . import arrays, direct, multihost, orbax, read_once
 from .boxes import Index, extent, volume, whole
-from .inflight import READ_BUDGET_BYTES, InFlight
+from .inflight import InFlight, default_budget
 from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
@@ -57,9 +57,10 @@ def restore(
     NumPy target leaf means a NumPy result). With neither, leaves come back on their saved
     mesh rebuilt over the current devices when the device count allows, else as NumPy arrays.
 
-    ``read_budget_bytes`` (default ``inflight.READ_BUDGET_BYTES``, 128 MiB) bounds the host memory of
-    slices read but not yet on their devices; reads within it run concurrently, so a larger
-    budget can restore faster. Peak host memory is about the result plus the budget.
+    ``read_budget_bytes`` bounds the host memory of slices read but not yet on their devices
+    (default: 64 MiB per reader thread, at least 128 MiB; 512 MiB on 16 cores or more, see
+    ``inflight.default_budget``); reads within it run concurrently, so a larger budget can
+    restore faster. Peak host memory is about the result plus the budget.
 
     >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
     """
@@ -74,7 +75,7 @@ def restore(
         planned = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
         reading, moves = _read_shardings(loc, planned)
     with fig.phase("read"):  # and onto the devices: the two overlap
-        budget = read_budget_bytes or READ_BUDGET_BYTES
+        budget = read_budget_bytes or default_budget(direct.reader_threads())
         values = _read_all(loc, reading, budget, manifest, source, fig)
     with fig.phase("move"):
         moved = read_once.move([values[i] for i in moves], list(moves.values()))
