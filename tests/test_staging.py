@@ -79,20 +79,39 @@ def test_reading_a_snapshot_before_the_copies_ran_is_an_error():
         get()
 
 
-@pytest.mark.parametrize("pinned", [True, False])
-def test_parts_of_shards_staged_and_saved(pinned, mesh42, tmp_path):
-    """A leaf whose shards are split into parts (small chunk_bytes) saved from snapshots."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pinned", [True, False, None], ids=["pinned", "buffers", "auto"])
+def test_a_part_of_a_shard_is_snapshot_and_read_exactly(dtype, pinned, x64):
+    """A part of a shard (a shard several processes hold is split among them): staged, and
+    read by a synchronous save, bytes exact. Through pinned memory the part is sliced on its
+    device first (1-bit types, which jax does not slice, on the host)."""
+    host, arr = _device_array(dtype, (8, 6))
+    shard = ((8, 16), (0, 6))  # the buffer's box in a (16, 6) leaf
+    for region in [((10, 14), (0, 6)), ((8, 16), (2, 5)), ((12, 13), (5, 6))]:
+        part = staging.Part("w", arr, shard, region)
+        want = host[
+            tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(region, shard, strict=True))
+        ]
+        copies = staging.HostCopies(pinned=pinned)
+        get = part.on_host(copies)
+        copies.run_copies()
+        assert_same_bits(want, get(), f"{dtype} staged {region} pinned={pinned}")
+        assert_same_bits(want, part(), f"{dtype} read {region}")
+
+
+def test_a_leaf_staged_and_saved(mesh42, tmp_path):
+    """A snapshot through pinned memory is what a save writes (the arrays freed first)."""
     full = random_bits((16, 32), np.dtype("bfloat16"), np.random.default_rng(5))
     arr = jax.device_put(full, NamedSharding(mesh42, P("data")))
-    described = staging.describe({"w": arr, "n": np.arange(5)}, chunk_bytes=256)
-    staged = staging.snapshot(described, staging.HostCopies(pinned=pinned))
-    assert staged.host_bytes == (full.nbytes if pinned else 0) + 5 * 8
+    described = staging.describe({"w": arr, "n": np.arange(5)})
+    staged = staging.snapshot(described, staging.HostCopies(pinned=True))
+    assert staged.host_bytes == full.nbytes + 5 * 8
     del arr
     jaxckpt.save(tmp_path / "c", staged)
     target = {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=NamedSharding(mesh42, P())),
               "n": np.zeros(5, np.int64)}  # fmt: skip
     out = jaxckpt.restore(tmp_path / "c", target)
-    assert_same_bits(full, np.asarray(out["w"]), "bfloat16 parts")
+    assert_same_bits(full, np.asarray(out["w"]), "bfloat16")
     np.testing.assert_array_equal(out["n"], np.arange(5))
 
 
@@ -106,3 +125,13 @@ def test_a_save_from_device_arrays_keeps_every_bit(dtype, chunk_bytes, x64, tmp_
     like = jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=arr.sharding)
     out = jaxckpt.restore(tmp_path / "c", {"x": like})
     assert_same_bits(host, np.asarray(out["x"]), f"{dtype} chunk_bytes={chunk_bytes}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pinned", [True, None], ids=["pinned", "auto"])
+def test_to_host_gives_a_part_of_a_buffer(dtype, pinned, x64):
+    """The one read of a device buffer a synchronous save makes: the part it writes."""
+    host, arr = _device_array(dtype, (8, 6))
+    for part in [(), (slice(2, 6), slice(0, 6)), (slice(0, 8), slice(3, 5))]:
+        got = staging.to_host(arr, part, pinned=pinned)
+        assert_same_bits(host[part], got, f"{dtype} {part} pinned={pinned}")

@@ -119,9 +119,11 @@ class HostCopies:
         return slot.get
 
     def _to_pinned(self, data: jax.Array) -> bool:
-        if self.pinned is not None:
-            return self.pinned
-        return data.platform() != "cpu" and _has_pinned(next(iter(data.devices())))
+        return _via_pinned(data) if self.pinned is None else self.pinned
+
+    def makes_copy(self, data: jax.Array) -> bool:
+        """Whether the snapshot of ``data`` is a copy (not a CPU device's buffer viewed)."""
+        return self._to_pinned(data) or data.platform() != "cpu"
 
     def pending_bytes(self) -> int:
         """Bytes of the snapshots :meth:`run_copies` is about to make."""
@@ -175,6 +177,32 @@ class _Slot:
         return self.value
 
 
+def to_host(
+    data: jax.Array, part: tuple[slice, ...] = (), pinned: bool | None = None
+) -> np.ndarray:
+    """``data[part]`` (one device's buffer) on the host, now. An accelerator's goes through
+    its pinned host memory: the DMA of just that part (46 GB/s on an H100), not jax's copy
+    of the whole buffer into pageable memory (2.5 GB/s), which jax would also keep on the
+    array. ``pinned``: as for :class:`HostCopies`."""
+    if _via_pinned(data) if pinned is None else pinned:
+        if part and _sliceable(data):
+            data, part = data[part], ()
+        data = jax.device_put(data, _pinned_sharding(next(iter(data.devices()))))
+    return np.asarray(data)[part]
+
+
+def _sliceable(data: jax.Array) -> bool:
+    """Whether jax slices ``data`` on its device: not 1-bit types (jax 0.10 fails to run
+    the slice of an int1 or uint1 array); those go to the host whole and are sliced there."""
+    return jax.dtypes.itemsize_bits(data.dtype) > 1
+
+
+def _via_pinned(data: jax.Array) -> bool:
+    """Whether ``data``'s snapshot goes through pinned host memory: an accelerator's that
+    has it (a CPU device's buffer is host memory already)."""
+    return data.platform() != "cpu" and _has_pinned(next(iter(data.devices())))
+
+
 @functools.cache
 def _has_pinned(device: jax.Device) -> bool:
     """Whether ``device`` has pinned host memory (GPUs and TPUs do)."""
@@ -217,12 +245,7 @@ class Part:
     def __call__(self) -> np.ndarray:
         if self.index is None:
             return np.array(self.data, order="C", copy=not self.data.flags.c_contiguous)
-        data = self.data
-        if data.platform() != "cpu" and _has_pinned(device := next(iter(data.devices()))):
-            # the DMA into pinned memory (an H100: 46 GB/s) rather than jax's copy into
-            # pageable memory (2.5 GB/s), which jax would also keep on the user's array
-            data = jax.device_put(data, _pinned_sharding(device))
-        return np.asarray(data)[self._slices()]
+        return to_host(self.data, self._slices())
 
     def _slices(self) -> tuple[slice, ...]:
         """The part's slices of the shard (none: it is the whole shard, the usual case)."""
@@ -236,7 +259,7 @@ class Part:
         if self.index is None:  # NumPy leaves can be mutated: always copied
             return host.snapshot((self.leaf, None), self.data)
         data, part = self.data, self._slices()
-        if part and data.platform() != "cpu":  # copy only this part
+        if part and host.makes_copy(data) and _sliceable(data):  # copy only this part
             data, part = data[part], ()
         get = host.snapshot((self.leaf, self.region), data)
         return (lambda: get()[part]) if part else get
