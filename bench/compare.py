@@ -190,14 +190,17 @@ def worker_save(args) -> dict:
 
 
 def worker_async(args) -> dict:
-    """Blocking time of a manager's async save, first save and later saves (same buffers)."""
+    """Blocking time of a manager's async save, first save and later saves (same buffers),
+    and its total. Every step is kept (``max_to_keep=None``, both libraries): deleting the
+    last step is retention's work, not the save's, and the sync save it is compared with
+    deletes nothing on its clock."""
     mesh = make_mesh((4, 2), 8)
     state, _ = build_state(args.size_gb, mesh)
     jax.block_until_ready(state)
     if args.lib == "jaxckpt":
         import jaxckpt
 
-        opts = jaxckpt.Options(max_to_keep=1, run_log=not args.no_run_log)
+        opts = jaxckpt.Options(max_to_keep=None, run_log=not args.no_run_log)
         mgr = jaxckpt.CheckpointManager(args.path, opts)
 
         def save(step):
@@ -206,7 +209,7 @@ def worker_async(args) -> dict:
     else:
         import orbax.checkpoint as ocp
 
-        opts = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=True)
         mgr = ocp.CheckpointManager(args.path, options=opts)
 
         def save(step):
