@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from ..errors import OptionsError, StorageError
-from . import arrays, direct, multihost, orbax, read_once
+from . import arrays, direct, gc_pause, multihost, orbax, read_once
 from .boxes import Index, extent, volume, whole
 from .inflight import InFlight, default_budget
 from .leaf_plan import Want, result, wants, whole_on_host
@@ -70,19 +70,20 @@ def restore(
             f"{loc.url}: read_budget_bytes={read_budget_bytes!r}; pass None or a positive size"
         )
     fig = Stopwatch("restore", loc.url)
-    with fig.phase("plan"):
-        source, manifest = any_manifest(loc)
-        planned = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
-        reading, moves = _read_shardings(loc, planned)
-    with fig.phase("read"):  # and onto the devices: the two overlap
-        budget = read_budget_bytes or default_budget(direct.reader_threads())
-        values = _read_all(loc, reading, budget, manifest, source, fig)
-    with fig.phase("move"):
-        moved = read_once.move([values[i] for i in moves], list(moves.values()))
-    for i, v in zip(moves, moved, strict=True):
-        values[i] = v
-    fig.done()
-    return result(target, planned, values)
+    with gc_pause.paused():  # hundreds of collections over every live object otherwise
+        with fig.phase("plan"):
+            source, manifest = any_manifest(loc)
+            planned = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
+            reading, moves = _read_shardings(loc, planned)
+        with fig.phase("read"):  # and onto the devices: the two overlap
+            budget = read_budget_bytes or default_budget(direct.reader_threads())
+            values = _read_all(loc, reading, budget, manifest, source, fig)
+        with fig.phase("move"):
+            moved = read_once.move([values[i] for i in moves], list(moves.values()))
+        for i, v in zip(moves, moved, strict=True):
+            values[i] = v
+        fig.done()
+        return result(target, planned, values)
 
 
 def _read_shardings(

@@ -33,7 +33,7 @@ import jax
 from jax.sharding import Mesh
 
 from ...errors import CheckpointError, CheckpointNotFoundError
-from .. import multihost, steps
+from .. import gc_pause, multihost, steps
 from .. import per_process as pp
 from ..cadence import Blocking, Cadence, start_run
 from ..manager import CANCEL_TIMEOUT_S, CheckpointManager
@@ -312,7 +312,8 @@ class EmergencyCheckpointManager:
         )
         for s in tries:
             try:
-                state, report, records = local_restore.restore_step(req, s, mine.get(s))
+                with gc_pause.paused():
+                    state, report, records = local_restore.restore_step(req, s, mine.get(s))
             except StepUnusable as e:
                 rejected.append(Rejected(s, str(e)))
                 bad_copies.extend(e.bad_copies)
