@@ -40,9 +40,41 @@ def test_ways_of_making_a_snapshot_on_a_cpu_device():
     for c in (auto, pinned, buffers):
         c.run_copies()
     assert got[None]().ctypes.data == ptr  # a CPU device's buffer is host memory: a view
-    assert got[False]().ctypes.data == ptr
     assert got[True]().ctypes.data != ptr  # a copy in pinned host memory
-    assert not buffers.buffers
+    assert got[False]().ctypes.data != ptr  # a copy in the buffer kept for the next save
+    assert buffers.buffers[("x",)] is got[False]()
+    assert not auto.buffers and not pinned.buffers
+
+
+def test_device_buffers_copied_into_buffers_reused_across_snapshots():
+    """The way of devices without pinned host memory (and where it runs out)."""
+    copies = staging.HostCopies(pinned=False)
+    host, arr = _device_array(np.dtype("bfloat16"))
+    first = copies.snapshot(("x",), arr)
+    copies.run_copies()
+    kept = first()
+    assert_same_bits(host, kept, "bfloat16 into a buffer")
+    again = jax.device_put(host[::-1].copy(), jax.devices()[0])
+    second = copies.snapshot(("x",), again)
+    copies.run_copies()
+    assert second() is kept  # the same buffer, refilled
+    assert_same_bits(host[::-1], second(), "bfloat16 into the reused buffer")
+
+
+def test_a_leaf_already_in_host_memory():
+    """An offloaded leaf (memory_kind pinned_host): an accelerator's is copied into a reused
+    buffer (a device_put to where it is already could hand back the array itself); a CPU
+    device's is host memory like any of its buffers, and viewed."""
+    dev = jax.devices()[0]
+    host = random_bits((8, 6), np.dtype("float32"), np.random.default_rng(2))
+    arr = jax.device_put(host, staging._pinned_sharding(dev))
+    copies = staging.HostCopies()
+    get = copies.snapshot(("x",), arr)
+    copies.run_copies()
+    assert_same_bits(host, get(), "float32 offloaded")
+    copied = ("x",) in copies.buffers and get() is copies.buffers[("x",)]
+    assert copied == (dev.platform != "cpu")
+    assert np.shares_memory(get(), np.asarray(arr)) == (dev.platform == "cpu")
 
 
 def test_numpy_leaves_are_copied_into_buffers_reused_across_snapshots():

@@ -4,8 +4,12 @@ A restore allocates some hundred container objects per leaf (records, plans, fut
 own), and every 700 allocations CPython runs a collection; the older generations' passes walk
 every live object of the process (jax alone keeps ~150k). Measured on a 2000-leaf state
 restored on 2 cores: 277 collections, and the restore 13-26 % slower than with the collector
-off (a fresh process's first restore: 1.13-1.23 s against 0.88-1.06). Reference counting still
+off (a fresh process's first restore: 1.13-1.23 s against 0.84-1.06). Reference counting still
 frees everything that is not in a cycle; the collector's state is put back afterwards.
+
+The collector is the process's: other threads run without it until the restore ends (cyclic
+garbage they make waits until then), and a ``gc.disable()`` another thread makes meanwhile
+is undone when the last restore ends.
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ _was_enabled = False  # the collector's state when the first of them came in
 def paused() -> Iterator[None]:
     """The collector off until the last concurrent ``paused()`` exits, then as it was."""
     global _holders, _was_enabled
-    with _lock:
-        if _holders == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _holders += 1
+    entered = False
     try:
+        with _lock:
+            if _holders == 0:
+                _was_enabled = gc.isenabled()
+                gc.disable()
+            _holders, entered = _holders + 1, True
         yield
     finally:
-        with _lock:
-            _holders -= 1
-            if _holders == 0 and _was_enabled:
-                gc.enable()
+        if entered:
+            with _lock:
+                _holders -= 1
+                if _holders == 0 and _was_enabled:
+                    gc.enable()

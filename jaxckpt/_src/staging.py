@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,8 @@ from .boxes import Index, volume, whole, within
 from .manifest import LeafRecord
 from .records import leaf_record, numpy_writer
 from .sharding import layout, write_split
+
+log = logging.getLogger("jaxckpt")
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,15 @@ class HostCopies:
     An accelerator's shards go to its pinned host memory in one batched ``device_put``: the
     DMA engine writes them there at the link's speed and the snapshot is that memory itself
     (on an H100, 47 GB/s against 4-6 GB/s for copies into pageable NumPy memory). NumPy
-    leaves, and shards of devices without pinned host memory, are copied into buffers reused
-    across saves. ``pinned``: None (the default) takes pinned memory wherever the device has
-    it; True forces it (a CPU device's, for tests), False never.
+    leaves, shards of devices without pinned host memory and shards already in host memory
+    (``memory_kind`` pinned_host or unpinned_host) are copied into buffers reused across
+    saves. XLA keeps the pinned memory it allocated for the process's life and reuses it
+    (on a GPU, in a pool of at most ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``); when it runs out,
+    the shards go to the reused buffers instead, with a warning.
+
+    ``pinned``: None (the default) takes pinned memory wherever the device has it and views a
+    CPU device's buffer; True forces pinned memory (a CPU device's too), False the reused
+    buffers (a CPU device's too): both for tests.
     """
 
     def __init__(self, pinned: bool | None = None) -> None:
@@ -110,7 +119,7 @@ class HostCopies:
         if isinstance(data, jax.Array):
             if self._to_pinned(data):
                 slot.pinned = True
-            elif data.platform() == "cpu":
+            elif data.platform() == "cpu" and self.pinned is None:
                 view = np.asarray(data)
                 return lambda: view
             else:
@@ -123,7 +132,7 @@ class HostCopies:
 
     def makes_copy(self, data: jax.Array) -> bool:
         """Whether the snapshot of ``data`` is a copy (not a CPU device's buffer viewed)."""
-        return self._to_pinned(data) or data.platform() != "cpu"
+        return self.pinned is not None or data.platform() != "cpu"
 
     def pending_bytes(self) -> int:
         """Bytes of the snapshots :meth:`run_copies` is about to make."""
@@ -140,9 +149,11 @@ class HostCopies:
                 done = jax.device_put([s.data for s in pinned], where)
                 for s, host in zip(pinned, done, strict=True):
                     s.value = np.asarray(host)  # a view of the pinned memory (no copy)
-            except jax.errors.JaxRuntimeError:  # pinned host memory exhausted, say
+            except jax.errors.JaxRuntimeError as e:  # pinned host memory exhausted, say
+                log.warning("staging through pinned host memory failed (%s); copying into "
+                            "pageable host buffers instead, which is slower", e)  # fmt: skip
                 for s in pinned:
-                    s.pinned = False
+                    s.pinned, s.value = False, None
         rest = [s for s in pending if s.value is None]
         if not rest:
             return
@@ -181,13 +192,17 @@ def to_host(
     data: jax.Array, part: tuple[slice, ...] = (), pinned: bool | None = None
 ) -> np.ndarray:
     """``data[part]`` (one device's buffer) on the host, now. An accelerator's goes through
-    its pinned host memory: the DMA of just that part (46 GB/s on an H100), not jax's copy
-    of the whole buffer into pageable memory (2.5 GB/s), which jax would also keep on the
-    array. ``pinned``: as for :class:`HostCopies`."""
+    its pinned host memory: the DMA of that part (46 GB/s on an H100; a 1-bit type's whole
+    buffer, which jax cannot slice), not jax's copy of the whole buffer into pageable memory
+    (2.5 GB/s), which jax would also keep on the array. Where pinned memory runs out, jax's
+    copy it is. ``pinned``: True forces pinned memory (a CPU device's, for tests)."""
     if _via_pinned(data) if pinned is None else pinned:
-        if part and _sliceable(data):
-            data, part = data[part], ()
-        data = jax.device_put(data, _pinned_sharding(next(iter(data.devices()))))
+        sliced, rest = (data[part], ()) if part and _sliceable(data) else (data, part)
+        try:
+            host = jax.device_put(sliced, _pinned_sharding(next(iter(data.devices()))))
+            return np.asarray(host)[rest]
+        except jax.errors.JaxRuntimeError:  # pinned host memory exhausted, say
+            pass
     return np.asarray(data)[part]
 
 
@@ -199,8 +214,11 @@ def _sliceable(data: jax.Array) -> bool:
 
 def _via_pinned(data: jax.Array) -> bool:
     """Whether ``data``'s snapshot goes through pinned host memory: an accelerator's that
-    has it (a CPU device's buffer is host memory already)."""
-    return data.platform() != "cpu" and _has_pinned(next(iter(data.devices())))
+    has it, unless ``data`` is in host memory already (a CPU device's buffer, or an
+    offloaded one: a ``device_put`` there could hand back the array itself)."""
+    if data.platform() == "cpu" or data.sharding.memory_kind in ("pinned_host", "unpinned_host"):
+        return False
+    return _has_pinned(next(iter(data.devices())))
 
 
 @functools.cache
@@ -254,8 +272,8 @@ class Part:
         return within(self.region, self.index)
 
     def on_host(self, host: HostCopies) -> Callable[[], np.ndarray]:
-        """The part copied into a host buffer that ``host`` reuses across saves (the copy
-        runs in ``host.run_copies``; device copies start now)."""
+        """The part's host snapshot made by ``host`` (pinned memory, or a buffer it reuses
+        across saves; see :class:`HostCopies`), to call after ``host.run_copies``."""
         if self.index is None:  # NumPy leaves can be mutated: always copied
             return host.snapshot((self.leaf, None), self.data)
         data, part = self.data, self._slices()
