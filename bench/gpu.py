@@ -76,11 +76,6 @@ def fresh(tree: Any) -> Any:
     return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), tree))
 
 
-def pinned_host(dev: jax.Device) -> bool:
-    """Whether ``dev`` has pinned host memory (a GPU does; a CPU device lists one too)."""
-    return any(m.kind == "pinned_host" for m in dev.addressable_memories())
-
-
 def local_root(parent: str, nbytes: int) -> str:
     """Where the emergency manager keeps its local steps: /dev/shm if it has room for three
     copies of the state, else ``parent``."""
@@ -102,7 +97,9 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
     sizes = [int(np.prod(s)) * np.dtype(t).itemsize for _, s, t, _ in st.layout(args.size_gb)]
     nbytes = sum(sizes)
     buffers = staging.HostCopies()
-    has_pinned = pinned_host(dev)  # (without it the pinned rows would time a no-op: left out)
+    has_pinned = staging.has_pinned(
+        dev
+    )  # (without it the pinned rows would time a no-op: left out)
     pinned = jax.tree.map(
         lambda x: x.sharding.with_memory_kind("pinned_host") if has_pinned else x.sharding,
         state,

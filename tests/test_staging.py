@@ -67,7 +67,7 @@ def test_a_leaf_already_in_host_memory():
     device's is host memory like any of its buffers, and viewed."""
     dev = jax.devices()[0]
     host = random_bits((8, 6), np.dtype("float32"), np.random.default_rng(2))
-    arr = jax.device_put(host, staging._pinned_sharding(dev))
+    arr = jax.device_put(host, staging._pinned_on(dev))
     copies = staging.HostCopies()
     get = copies.snapshot(("x",), arr)
     copies.run_copies()
@@ -98,7 +98,7 @@ def test_a_pinned_snapshot_outlives_its_source_and_its_device_copy():
     copies.run_copies()
     del arr
     gc.collect()
-    churn = [jax.device_put(np.full(1 << 20, 7, np.uint8), staging._pinned_sharding(d))
+    churn = [jax.device_put(np.full(1 << 20, 7, np.uint8), staging._pinned_on(d))
              for d in jax.devices() for _ in range(4)]  # fmt: skip
     jax.block_until_ready(churn)
     assert_same_bits(host, get(), "pinned snapshot after its source was freed")

@@ -145,7 +145,7 @@ class HostCopies:
         pinned = [s for s in pending if s.pinned]
         if pinned:
             try:
-                where = [_pinned_sharding(next(iter(s.data.devices()))) for s in pinned]
+                where = [_pinned_sharding(s.data) for s in pinned]
                 done = jax.device_put([s.data for s in pinned], where)
                 for s, host in zip(pinned, done, strict=True):
                     s.value = np.asarray(host)  # a view of the pinned memory (no copy)
@@ -199,7 +199,7 @@ def to_host(
     if _via_pinned(data) if pinned is None else pinned:
         sliced, rest = (data[part], ()) if part and _sliceable(data) else (data, part)
         try:
-            host = jax.device_put(sliced, _pinned_sharding(next(iter(data.devices()))))
+            host = jax.device_put(sliced, _pinned_sharding(data))
             return np.asarray(host)[rest]
         except jax.errors.JaxRuntimeError:  # pinned host memory exhausted, say
             pass
@@ -218,11 +218,16 @@ def _via_pinned(data: jax.Array) -> bool:
     offloaded one: a ``device_put`` there could hand back the array itself)."""
     if data.platform() == "cpu" or data.sharding.memory_kind in ("pinned_host", "unpinned_host"):
         return False
-    return _has_pinned(next(iter(data.devices())))
+    return has_pinned(_device(data))
+
+
+def _device(data: jax.Array) -> jax.Device:
+    """The device of one device's buffer."""
+    return next(iter(data.devices()))
 
 
 @functools.cache
-def _has_pinned(device: jax.Device) -> bool:
+def has_pinned(device: jax.Device) -> bool:
     """Whether ``device`` has pinned host memory (GPUs and TPUs do)."""
     try:
         return any(m.kind == "pinned_host" for m in device.addressable_memories())
@@ -230,8 +235,13 @@ def _has_pinned(device: jax.Device) -> bool:
         return False
 
 
+def _pinned_sharding(data: jax.Array) -> jax.sharding.Sharding:
+    """The pinned host memory of ``data``'s device."""
+    return _pinned_on(_device(data))
+
+
 @functools.cache
-def _pinned_sharding(device: jax.Device) -> jax.sharding.Sharding:
+def _pinned_on(device: jax.Device) -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
