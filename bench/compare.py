@@ -8,7 +8,8 @@ Run from the repository root (the full run of record is ``--size-gb 1``, a few m
     python bench/compare.py --size-gb 0.1 --only jaxckpt       # skip Orbax
     python bench/compare.py --direct-read both     # jaxckpt's direct reads vs TensorStore's
     python bench/compare.py --chunk-bytes 16777216 # and chunk_bytes=16 MiB vs default
-    python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save, drop_page_cache off/on
+    python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save: plain, drop_page_cache, direct_io
+    python bench/compare.py --direct-write both    # jaxckpt's own writer vs TensorStore's
 
 Needs a CRC32C package for the verified-read limit: ``crc32c`` (jaxckpt's own dependency,
 hardware-accelerated; ``google-crc32c`` also works); uses ``fio`` as a second raw reference
@@ -100,18 +101,25 @@ FIRST = "first write"  # raw write + fsync as a fresh process's first big write,
 RAW_KINDS = ("write", FIRST, "read", "verified", "cold read", "cold verified")
 DIRECT_ENV = "JAXCKPT_DIRECT_READ"
 TS_READS = "jaxckpt (tensorstore reads)"  # --direct-read both: JAXCKPT_DIRECT_READ=0
+WRITE_ENV = "JAXCKPT_DIRECT_WRITE"  # --direct-write both: =0 saves through TensorStore too
 
 # --- the libraries -------------------------------------------------------------------------
 
 
 class Jaxckpt:
-    def __init__(self, chunk_bytes: int | None = None, drop_page_cache: bool = False):
+    def __init__(self, chunk_bytes: int | None = None, cache: str = "keep"):
         import jaxckpt
 
-        self.lib, self.chunk_bytes, self.drop = jaxckpt, chunk_bytes, drop_page_cache
+        self.lib, self.chunk_bytes, self.cache = jaxckpt, chunk_bytes, cache
 
     def save(self, path: str, tree) -> None:
-        self.lib.save(path, tree, chunk_bytes=self.chunk_bytes, drop_page_cache=self.drop)
+        self.lib.save(
+            path,
+            tree,
+            chunk_bytes=self.chunk_bytes,
+            drop_page_cache=self.cache == DROP,
+            direct_io=self.cache == DIRECT_IO,
+        )
 
     def restore(self, path: str, target):
         return self.lib.restore(path, target)
@@ -145,11 +153,12 @@ class Orbax:
 LIBS = {"jaxckpt": Jaxckpt, "orbax": Orbax, "jaxckpt-chunks": Jaxckpt}
 CHUNKED = "jaxckpt-chunks"  # jaxckpt with --chunk-bytes
 DROP = "drop_page_cache"  # --drop-page-cache-gb: jaxckpt saves with drop_page_cache=True
+DIRECT_IO = "direct_io"  # and with direct_io=True
 
 
 def make_lib(args):
-    if args.lib == DROP:
-        return Jaxckpt(drop_page_cache=True)
+    if args.lib in (DROP, DIRECT_IO):
+        return Jaxckpt(cache=args.lib)
     return Jaxckpt(args.chunk_bytes) if args.lib == CHUNKED else LIBS[args.lib]()
 
 
@@ -320,6 +329,7 @@ def orchestrate(args) -> dict:
     load = [os.getloadavg()[0]]
     fio, files_bytes = None, 0
     drops: list[dict] = []
+    ts_writes: list[dict] = []
     for rep in range(args.repeats):
         harness.log(f"repeat {rep + 1}/{args.repeats}: raw")
         r = run_worker(args, "raw", path=os.path.join(args.workdir, "raw"), rotate=rep)
@@ -336,6 +346,11 @@ def orchestrate(args) -> dict:
             saved = run_worker(args, "save", lib=lib, path=path)
             res[lib]["save"].append(saved)
             files[lib].append(count_files(path))
+            if lib == "jaxckpt" and args.direct_write == "both":
+                harness.log(f"repeat {rep + 1}/{args.repeats}: jaxckpt save, {WRITE_ENV}=0")
+                ts_path = path + "-ts"
+                ts_writes.append(run_worker(args, "save", {WRITE_ENV: "0"}, lib=lib, path=ts_path))
+                shutil.rmtree(ts_path)
             # The first read after a write is often slow on a shared disk: rotate which goes
             # first, the raw reads of jaxckpt's files among them.
             ops = [*RESTORES, *([FILES] if lib == "jaxckpt" else [])]
@@ -367,6 +382,7 @@ def orchestrate(args) -> dict:
         load.append(os.getloadavg()[0])
     return {
         "drops": drops,
+        "ts_writes": ts_writes,
         "libs": libs,
         "labels": labels,
         "results": res,
@@ -382,10 +398,11 @@ def orchestrate(args) -> dict:
 
 
 def drop_page_cache_round(args, rep: int) -> dict:
-    """--drop-page-cache-gb: a state of that size saved with and without drop_page_cache,
-    and written raw (first writes, every way), alternating; each save's page cache growth."""
+    """--drop-page-cache-gb: a state of that size saved plainly, with drop_page_cache and
+    with direct_io, and written raw (first writes, every way), alternating; each save's
+    page cache growth."""
     size, out = args.drop_page_cache_gb, {"raw": {FIRST: {}}}
-    for lib in harness.alternate(["jaxckpt", DROP], rep):
+    for lib in harness.alternate(["jaxckpt", DROP, DIRECT_IO], rep):
         path = os.path.join(args.workdir, f"{lib}-big")
         harness.log(f"repeat {rep + 1}/{args.repeats}: {size:g} GB save, {lib}")
         out[lib] = run_worker(args, "save", lib=lib, path=path, size_gb=size)
@@ -405,7 +422,7 @@ def _report_drops(args, drops: list[dict]) -> None:
         for way, recs in d["raw"][FIRST].items():
             raw[FIRST].setdefault(way, []).extend(recs)
     limit = harness.best_ways(raw, nbytes)[FIRST]
-    print(f"\nsave of a {nbytes / GB:.3f} GB state, drop_page_cache off and on "
+    print(f"\nsave of a {nbytes / GB:.3f} GB state: plain, drop_page_cache, direct_io "
           f"(page cache = Cached + Dirty of /proc/meminfo, machine-wide; raw first write "
           f"{limit.gbps:.3f} GB/s, {limit.way})")  # fmt: skip
     table = harness.Table(
@@ -413,7 +430,8 @@ def _report_drops(args, drops: list[dict]) -> None:
         + (("cache growth MiB (max)", ">23.0f"), ("(each repeat)", "<30"))
     )
     rows, figures = [], {}
-    for lib, name in (("jaxckpt", "drop_page_cache=False"), (DROP, "drop_page_cache=True")):
+    named = (("jaxckpt", "plain"), (DROP, "drop_page_cache=True"), (DIRECT_IO, "direct_io=True"))
+    for lib, name in named:
         runs = [d[lib] for d in drops]
         rate = harness.gbps(nbytes, [r["seconds"] for r in runs])
         growth = [r["cache_over"] / 2**20 for r in runs]
@@ -421,9 +439,10 @@ def _report_drops(args, drops: list[dict]) -> None:
         each = ", ".join(f"{g:.0f}" for g in growth)
         rows.append((name, rate, rate / limit.gbps, max(growth), each))
     table.print(rows, rule=True)
-    ratio, growth = figures[DROP]
-    _target(growth <= 256, "drop_page_cache: page cache grows <= 256 MiB", f"{growth:>8.0f} MiB")
-    _target(ratio >= 0.8, "drop_page_cache: save >= 0.8x raw first write", f"{ratio:>8.2f}x")
+    for lib in (DROP, DIRECT_IO):
+        ratio, growth = figures[lib]
+        _target(growth <= 256, f"{lib}: page cache grows <= 256 MiB", f"{growth:>8.0f} MiB")
+        _target(ratio >= 0.8, f"{lib}: save >= 0.8x raw first write", f"{ratio:>8.2f}x")
 
 
 def _collect(raw: dict, got: dict, kinds: dict[str, str]) -> None:
@@ -494,6 +513,8 @@ def report(args, out: dict) -> None:
           "jx/verified: to the verified-read limit, warm or cold)")  # fmt: skip
     if TS_READS in labels:
         _report_direct(speed, cpu)
+    if out.get("ts_writes"):
+        _report_writes(out["ts_writes"], res["jaxckpt"]["save"], lim.get(FIRST), nbytes)
     _report_cpu(cpu, lim, orbax)
     if CHUNKED in libs:
         print(f"\nchunk_bytes={args.chunk_bytes} vs the default (chunks follow the shards):")
@@ -544,6 +565,21 @@ def _report_direct(speed: dict, cpu: dict) -> None:
         jx, ts = speed["jaxckpt"][op], speed[TS_READS][op]
         rows.append((op, jx, ts, jx / ts, cpu["jaxckpt"][op], cpu[TS_READS][op]))
     table.print(rows, rule=True)
+
+
+def _report_writes(ts: list[dict], ours: list[dict], first: harness.Limit | None, n: int) -> None:
+    """--direct-write both: the same state saved by jaxckpt's own writer and TensorStore's."""
+    print(f"\njaxckpt saves, {WRITE_ENV}=1 (own writer) vs =0 (tensorstore writes):")
+    table = harness.Table(
+        (("writer", "<24"), ("GB/s", ">8.3f"), ("x raw first", ">12.2f"), ("CPU s/GB", ">9.3f"))
+    )
+    rows = []
+    for name, runs in (("own", ours), ("tensorstore", ts)):
+        rate = harness.gbps(n, [r["seconds"] for r in runs])
+        cpu = harness.median(r["cpu"] for r in runs) / (n / GB)
+        rows.append((name, rate, first and rate / first.gbps, cpu))
+    table.print(rows, rule=True)
+    print(f"  own / tensorstore: {rows[0][1] / rows[1][1]:.2f}x")
 
 
 def _report_cpu(cpu: dict, lim: dict[str, harness.Limit], orbax: bool) -> None:
@@ -660,6 +696,12 @@ def main() -> None:
         choices=["on", "off", "both"],
         help=f"set {DIRECT_ENV}=1/0 in jaxckpt's restore workers; both: each restore both "
         "ways, alternating (default: the library's own choice)",
+    )
+    ap.add_argument(
+        "--direct-write",
+        choices=["both"],
+        help=f"also save each repeat with {WRITE_ENV}=0 (TensorStore writes), beside the own "
+        "writer's save",
     )
     ap.add_argument("--no-fio", action="store_true", help="skip fio even where it is installed")
     ap.add_argument(

@@ -27,3 +27,38 @@ def drop_page_cache(path: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def cached_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` that are in the page cache now (``mincore`` of a
+    read-only mapping: mapping a file brings none of it in)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            size = os.path.getsize(os.path.join(root, name))
+            if not size:
+                continue
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    raise OSError(ctypes.get_errno(), f"mmap of {name} failed")
+                pages = -(-size // mmap.PAGESIZE)
+                vec = ctypes.create_string_buffer(pages)
+                try:
+                    if libc.mincore(addr, size, vec) != 0:
+                        raise OSError(ctypes.get_errno(), f"mincore of {name} failed")
+                finally:
+                    libc.munmap(addr, size)
+                total += sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
+            finally:
+                os.close(fd)
+    return total

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src import arrays, direct
+from jaxckpt._src import arrays, direct, ocdbt_write
 from jaxckpt._src.storage import location
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
@@ -160,13 +160,20 @@ def test_zstd_chunks_are_read_by_tensorstore(preadv, mesh42, tmp_path):
     assert preadv.calls == 0
 
 
-def test_small_values_inline_in_the_btree_are_read_by_tensorstore(preadv, tmp_path):
+def test_small_values_inline_in_the_btree_are_read_by_tensorstore(preadv, tmp_path, monkeypatch):
+    """TensorStore stores values of up to 1 KiB inside the B-tree node (checkpoints it
+    wrote); jaxckpt's own writer stores every chunk in a data file, small ones too."""
     tree = {"small": np.arange(16, dtype=np.int32), "big": np.arange(4096, dtype=np.int32)}
-    jaxckpt.save(tmp_path / "c", tree)
-    out = jaxckpt.restore(tmp_path / "c", target=tree)
-    np.testing.assert_array_equal(out["small"], tree["small"])
-    np.testing.assert_array_equal(out["big"], tree["big"])
-    assert preadv.bytes == tree["big"].nbytes + 4
+    monkeypatch.setenv(ocdbt_write.ENV, "0")
+    jaxckpt.save(tmp_path / "ts", tree)
+    monkeypatch.delenv(ocdbt_write.ENV)
+    jaxckpt.save(tmp_path / "ours", tree)
+    for name, direct_bytes in [("ts", 0), ("ours", tree["small"].nbytes + 4)]:
+        preadv.bytes = 0
+        out = jaxckpt.restore(tmp_path / name, target=tree)
+        np.testing.assert_array_equal(out["small"], tree["small"])
+        np.testing.assert_array_equal(out["big"], tree["big"])
+        assert preadv.bytes == tree["big"].nbytes + 4 + direct_bytes, name
 
 
 def test_which_slices_are_whole_contiguous_chunks():

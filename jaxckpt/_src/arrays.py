@@ -1,6 +1,8 @@
 """Shards in and out of TensorStore: zarr v3 arrays, one per leaf, in OCDBT databases.
 
-Each process writes the shards it owns into its own OCDBT database under
+(A local save of uncompressed leaves is written by ``ocdbt_write`` instead, in the same
+format; ``write`` here takes the rest.) Each process writes the shards it owns into its own
+OCDBT database under
 ``<step>/arrays/p<index>/``; after every process finished, process 0 merges them into the
 root database ``<step>/arrays/`` (by reference, no data copied). A single process writes the
 root database directly. A process writes everything in one non-atomic transaction that

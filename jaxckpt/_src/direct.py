@@ -66,7 +66,7 @@ class Layout:
     separator: str  # of the chunk keys: ``c/0/1`` ("/") or ``c.0.1`` (".")
 
 
-def _whole_bytes(dtype: np.dtype) -> bool:
+def whole_bytes(dtype: np.dtype) -> bool:
     """Every bit of every byte is the value's (no bool, no sub-byte type padded to a byte)."""
     if dtype.kind in "iufc":
         return dtype.itemsize == 1 or (dtype.isnative and sys.byteorder == "little")
@@ -92,7 +92,7 @@ def layout(store: ts.TensorStore) -> Layout | None:
         codecs != raw
         or grid.get("name") != "regular"
         or keys.get("name") != "default"
-        or not _whole_bytes(dtype)
+        or not whole_bytes(dtype)
     ):
         return None
     chunk_shape = tuple(int(c) for c in grid["configuration"]["chunk_shape"])

@@ -213,6 +213,7 @@ class CheckpointManager:
                 compression=opts.compression,
                 chunk_bytes=opts.chunk_bytes,
                 drop_page_cache=opts.drop_page_cache,
+                direct_io=opts.direct_io,
             )
             background = opts.async_save and (
                 isinstance(state, Staged) or not self._over_budget(prepared.staged)

@@ -64,6 +64,10 @@ class Options:
         MiB of cache at most instead of its whole size, and does not evict what training
         reads. A restore of the step then reads from the disk. (TensorStore writes through
         the cache: this is what O_DIRECT would give, done with ``posix_fadvise``; Linux.)
+    direct_io: write a save's local files with O_DIRECT: the bytes go from the host buffers
+        to the disk without entering the page cache at all (``ocdbt_write``; a compressed
+        save, or a filesystem without O_DIRECT such as tmpfs, falls back to
+        ``drop_page_cache``'s way). A restore of the step then reads from the disk.
     """
 
     save_interval_steps: int | Literal["auto"] = 1
@@ -86,6 +90,7 @@ class Options:
     run_log: bool = True
     heartbeat_s: float = 30.0
     drop_page_cache: bool = False
+    direct_io: bool = False
 
     def __post_init__(self) -> None:
         _interval(self, "save_interval_steps", "min_interval_steps", "max_interval_steps")
@@ -149,6 +154,7 @@ class EmergencyOptions:
     step_digits: zero padding of both tiers' step directory names (``00001000``).
     drop_page_cache: keep both tiers' local files out of the page cache as they are written
         (see ``Options``); a restore from local copies then reads from the disk.
+    direct_io: write both tiers' local files with O_DIRECT (see ``Options``).
     """
 
     local_interval_steps: int | Literal["auto"] = 10
@@ -168,6 +174,7 @@ class EmergencyOptions:
     run_log: bool = True
     heartbeat_s: float = 30.0
     drop_page_cache: bool = False
+    direct_io: bool = False
 
     def __post_init__(self) -> None:
         _interval(self, "local_interval_steps", "min_interval_steps", "max_interval_steps")

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
-from . import arrays, multihost, page_cache, steps, writer
+from . import arrays, multihost, ocdbt_write, steps, writer
 from . import per_process as pp
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
@@ -49,6 +49,7 @@ def save(
     per_process: Any = None,
     metadata: Any = None,
     drop_page_cache: bool = False,
+    direct_io: bool = False,
 ) -> Figures:
     """Writes ``tree`` as one checkpoint directory at ``path``; blocks until committed.
 
@@ -62,7 +63,8 @@ def save(
     touches. ``per_process``: this process's own value (a data iterator's ``get_state()``,
     bytes, JSON, or a pytree of NumPy arrays), which may differ between processes; read back
     by :func:`per_process`. ``drop_page_cache``: keep a local save's files out of the page
-    cache as they are written (see ``Options.drop_page_cache``). (``metadata=`` is the
+    cache as they are written (see ``Options.drop_page_cache``). ``direct_io``: write a
+    local save's files with O_DIRECT (see ``Options.direct_io``). (``metadata=`` is the
     deprecated name of ``custom_metadata=``.)
 
     Shards held by several processes are written in parts, one part by each (see
@@ -81,6 +83,7 @@ def save(
         compression=compression,
         chunk_bytes=chunk_bytes,
         drop_page_cache=drop_page_cache,
+        direct_io=direct_io,
     )
     return commit(prepared, timeout_s)
 
@@ -96,6 +99,7 @@ class Prepared:
     record: pp.Record | None  # this process's per-process value, encoded
     clock: Stopwatch
     drop_page_cache: bool = False
+    direct_io: bool = False
 
     def snapshot(self, host: HostCopies) -> Prepared:
         """The same save with the pieces this process writes copied to the host now."""
@@ -113,6 +117,7 @@ def prepare(
     compression: str | None = None,
     chunk_bytes: int | None = None,
     drop_page_cache: bool = False,
+    direct_io: bool = False,
 ) -> Prepared:
     """Checks a save's arguments and describes ``tree`` (see :func:`save`); writes nothing
     and reads no storage (``commit`` checks the path is free)."""
@@ -130,7 +135,9 @@ def prepare(
     with clock.phase("describe"):
         staged = describe(tree, compression=compression, chunk_bytes=chunk_bytes)
     _check_unique_names(staged.leaves, loc)
-    return Prepared(loc, staged, custom_metadata, metrics, record, clock, drop_page_cache)
+    return Prepared(
+        loc, staged, custom_metadata, metrics, record, clock, drop_page_cache, direct_io
+    )
 
 
 @dataclass(frozen=True)
@@ -200,8 +207,12 @@ def commit(
                     # the cancelled save of this step may have written here after process 0
                     # cleared the step's objects: a leftover database would refuse ``create``
                     db.remove()
-            with page_cache.dropping(db.url, prepared.drop_page_cache and db.is_local):
-                arrays.write(db, writes)
+            ocdbt_write.write(
+                db,
+                writes,
+                direct_io=prepared.direct_io,
+                drop_page_cache=prepared.drop_page_cache,
+            )
             if cancel is not None:
                 cancel.check()
             if prepared.record is not None:

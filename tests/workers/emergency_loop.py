@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._src import arrays  # noqa: E402
+from jaxckpt._src import ocdbt_write  # noqa: E402
 
 SPECS = {"w": P("data", "model"), "b": P("model"), "c": P()}  # c: 0-d
 
@@ -71,15 +71,15 @@ def check(out: dict, step: int) -> None:
 
 
 def kill_after_local_write(step: int) -> None:
-    real = arrays.write
+    real = ocdbt_write.write
 
-    def write(db, writes) -> None:
-        real(db, writes)
+    def write(db, writes, **options) -> None:
+        real(db, writes, **options)
         if f"{step:08d}.tmp-" in db.url:
             print("killing myself", jax.process_index(), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    arrays.write = write
+    ocdbt_write.write = write
 
 
 def main(mode: str, root: str, rest: list[str]) -> None:

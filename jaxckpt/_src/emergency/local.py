@@ -24,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
-from .. import arrays, page_cache, steps
+from .. import arrays, ocdbt_write, steps
 from ..boxes import Index, extent, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
 from ..manifest import (
@@ -227,10 +227,11 @@ def write_step(
     digits: int = 8,
     *,
     drop_page_cache: bool = False,
+    direct_io: bool = False,
 ) -> Location:
     """Writes one committed local step (tmp dir, rename, marker last) holding ``slices``
-    (``doc.held`` lists them); returns its path. ``drop_page_cache``: see
-    ``page_cache.dropping``."""
+    (``doc.held`` lists them); returns its path. ``drop_page_cache``, ``direct_io``: see
+    ``ocdbt_write.write``."""
     final = steps.step_dir(directory, doc.step, digits)
     by_leaf: dict[str, list[tuple[Index, Callable[[], np.ndarray]]]] = {}
     for key, data in slices.items():
@@ -248,8 +249,7 @@ def write_step(
     with steps.committing(final, replace_committed=True) as work:  # saved again: replaced
         db = work.join("arrays")
         db.makedirs()
-        with page_cache.dropping(db.url, drop_page_cache):
-            arrays.write(db, writes)
+        ocdbt_write.write(db, writes, direct_io=direct_io, drop_page_cache=drop_page_cache)
         work.write_bytes(LOCAL_FILE, json.dumps(doc.to_json()).encode())
     return final
 

@@ -94,6 +94,7 @@ class EmergencyCheckpointManager:
                 step_digits=opts.step_digits,
                 run_log=False,  # this manager logs both tiers
                 drop_page_cache=opts.drop_page_cache,
+                direct_io=opts.direct_io,
             ),
         )
         # the run log, in both tiers' directories (a replaced host keeps the remote one),
@@ -117,7 +118,11 @@ class EmergencyCheckpointManager:
         self._local_steps = set(steps.committed(self.local_directory))
         # writes the local steps, keeping the host buffers it reuses
         self._saver = local_save.LocalSaver(
-            self.local_directory, opts.timeout_s, opts.step_digits, opts.drop_page_cache
+            self.local_directory,
+            opts.timeout_s,
+            opts.step_digits,
+            opts.drop_page_cache,
+            opts.direct_io,
         )
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
         self._closed = self._failed = False
@@ -300,7 +305,7 @@ class EmergencyCheckpointManager:
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
         self._saver = local_save.LocalSaver(
-            self.local_directory, o.timeout_s, o.step_digits, o.drop_page_cache
+            self.local_directory, o.timeout_s, o.step_digits, o.drop_page_cache, o.direct_io
         )
         tag = self._tag("restore")
         fig = Stopwatch("emergency_restore", self.local_directory.url)

@@ -54,10 +54,15 @@ class LocalSaver:
     buffers they reuse from one save to the next; every wait is bounded by ``timeout_s``."""
 
     def __init__(
-        self, directory: Location, timeout_s: float, digits: int, drop_page_cache: bool = False
+        self,
+        directory: Location,
+        timeout_s: float,
+        digits: int,
+        drop_page_cache: bool = False,
+        direct_io: bool = False,
     ) -> None:
         self.directory, self.timeout_s, self.digits = directory, timeout_s, digits
-        self.drop_page_cache = drop_page_cache
+        self.drop_page_cache, self.direct_io = drop_page_cache, direct_io
         self.host = HostCopies()  # snapshots of NumPy leaves and accelerator shards
         self.received: PeerCopies | None = None  # the last peer copies: they receive the next
         self.pack_buffer: np.ndarray | None = None  # the packed peer-exchange row
@@ -142,7 +147,12 @@ class LocalSaver:
                 per_process={str(q): r.to_json() for q, r in sorted(p.records.items())},
             )
             local.write_step(
-                self.directory, doc, p.slices, self.digits, drop_page_cache=self.drop_page_cache
+                self.directory,
+                doc,
+                p.slices,
+                self.digits,
+                drop_page_cache=self.drop_page_cache,
+                direct_io=self.direct_io,
             )
             fig.bytes = sum(v.nbytes for v in p.slices.values())
 

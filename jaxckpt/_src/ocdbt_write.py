@@ -1,0 +1,466 @@
+"""A process's OCDBT database written by jaxckpt itself: one pass from the host buffers.
+
+TensorStore's write of a chunk copies it into its own buffers, checksums it and hands it to
+the kernel, which copies it into the page cache. Where every leaf is stored raw (codecs
+``bytes`` then ``crc32c``, no compression) in a local directory and each chunk lies whole
+inside one piece this process writes, ``write`` lays the chunks out itself: each data file
+is written by one thread with positional writes straight from the host buffer, in 1 MiB
+steps, each step checksummed (hardware CRC32C) right before it is written, while it is in
+the CPU's cache. With ``direct_io`` the files are opened with ``O_DIRECT``: the bytes go
+through one aligned buffer per file to the disk and never enter the page cache (the tail of
+a file that does not fill a 4 KiB block is written normally).
+
+The result is the format TensorStore writes (docs/FORMAT.md; TensorStore's OCDBT format:
+https://google.github.io/tensorstore/kvstore/ocdbt/index.html): a ``manifest.ocdbt`` of kind
+"single" with one version, one B+tree leaf node holding every key (each leaf's
+``zarr.json`` inline in it), and every chunk's stored bytes in ``d/<32 hex>`` data files.
+(TensorStore would store a chunk of up to 1 KiB inline in the node, where only TensorStore
+reads it; out of line, the direct reader reads it with its neighbours.) TensorStore opens it, the merge of a multi-process save links it, every reader
+takes it unchanged. Anything else returns False and TensorStore writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import mmap
+import os
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import crc32c
+import numpy as np
+import tensorstore as ts
+
+from ..errors import StorageError
+from . import arrays, boxes, direct, page_cache
+from .arrays import DATA_FILES_PER_PROCESS, MIN_DATA_FILE_BYTES, ArrayWrite
+from .boxes import Index
+from .storage import Location, fsync_dir
+
+log = logging.getLogger("jaxckpt")
+
+ENV = "JAXCKPT_DIRECT_WRITE"
+MAX_INLINE_VALUE_BYTES = 1024  # the database's configuration (arrays._OCDBT_CONFIG)
+MAX_DECODED_NODE_BYTES = 100_000_000
+VERSION_TREE_ARITY_LOG2 = 4  # TensorStore's default
+_MANIFEST_MAGIC = 0x0CDB3A2A
+_NODE_MAGIC = 0x0CDB20DE
+STEP_BYTES = 1 << 20  # checksummed then written at a time: still in cache for the write
+BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and memory
+BOUNCE_BYTES = 8 << 20  # one aligned buffer per file with O_DIRECT
+_GATHER_BYTES = 64 << 10  # smaller writes are gathered into the file's buffer first
+
+
+# --- the encodings ---------------------------------------------------------------------------
+
+
+def varint(n: int) -> bytes:
+    """``uleb128``, the format's variable-length unsigned integer."""
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _varints(values: Sequence[int]) -> bytes:
+    return b"".join(varint(v) for v in values)
+
+
+def _common(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def _prefix_coded(keys: Sequence[bytes]) -> tuple[bytes, bytes, bytes]:
+    """Each key's common prefix length with the one before it, the lengths of the rest
+    (suffixes), and the suffixes: the three columns both tables and nodes store."""
+    prefixes = [_common(a, b) for a, b in itertools.pairwise(keys)]
+    suffixes = [k[p:] for k, p in zip(keys, [0, *prefixes][: len(keys)], strict=True)]
+    return _varints(prefixes), _varints([len(s) for s in suffixes]), b"".join(suffixes)
+
+
+def data_file_table(paths: Sequence[str]) -> bytes:
+    """The files a node or manifest refers to, by index (every base path empty)."""
+    prefixes, lengths, suffixes = _prefix_coded([p.encode() for p in paths])
+    return varint(len(paths)) + prefixes + lengths + _varints([0] * len(paths)) + suffixes
+
+
+def framed(magic: int, body: bytes) -> bytes:
+    """Header (magic, total length, version 0, uncompressed), ``body``, CRC32C footer."""
+    head = struct.pack(">I", magic)
+    length = len(head) + 8 + 2 + len(body) + 4
+    out = head + struct.pack("<Q", length) + b"\x00\x00" + body
+    return out + struct.pack("<I", crc32c.crc32c(out))
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An out-of-line value: ``length`` bytes at ``offset`` of data file ``file``."""
+
+    file: int
+    offset: int
+    length: int
+
+
+def leaf_node(entries: Sequence[tuple[bytes, bytes | Ref]], files: Sequence[str]) -> bytes:
+    """An encoded B+tree leaf node (height 0) of ``entries``, sorted by key."""
+    keys = [k for k, _ in entries]
+    values = [v for _, v in entries]
+    refs = [v for v in values if isinstance(v, Ref)]
+    body = [
+        b"\x00",  # height
+        data_file_table(files),
+        varint(len(entries)),
+        *_prefix_coded(keys),
+        _varints([v.length if isinstance(v, Ref) else len(v) for v in values]),
+        _varints([1 if isinstance(v, Ref) else 0 for v in values]),
+        _varints([r.file for r in refs]),
+        _varints([r.offset for r in refs]),
+        *(v for v in values if not isinstance(v, Ref)),
+    ]
+    return framed(_NODE_MAGIC, b"".join(body))
+
+
+def manifest(root: Ref, files: Sequence[str], keys: int, indirect_bytes: int) -> bytes:
+    """An encoded manifest of kind "single": the configuration TensorStore writes for
+    ``arrays.kvstore_spec`` (zstd named for its own B+tree nodes; ours are uncompressed,
+    which each node's header says) and one version, generation 1, whose root is ``root``."""
+    config = [
+        uuid.uuid4().bytes,
+        b"\x00",  # manifest kind: single
+        varint(MAX_INLINE_VALUE_BYTES),
+        varint(MAX_DECODED_NODE_BYTES),
+        bytes([VERSION_TREE_ARITY_LOG2]),
+        varint(1) + struct.pack("<i", 0),  # zstd, level 0 (TensorStore's default)
+    ]
+    version = [
+        varint(1),  # one inline version
+        varint(1),  # generation number
+        b"\x00",  # root height
+        varint(root.file),
+        varint(root.offset),
+        varint(root.length),
+        varint(keys),
+        varint(root.length),  # bytes of every B+tree node
+        varint(indirect_bytes),
+        struct.pack("<Q", time.time_ns()),
+        varint(0),  # no version tree nodes
+    ]
+    return framed(_MANIFEST_MAGIC, b"".join(config + [data_file_table(files)] + version))
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    key: bytes
+    box: tuple[slice, ...]  # inside the piece
+    shape: tuple[int, ...]  # the chunk's (zarr pads edge chunks to it)
+
+    def bytes_of(self, piece: np.ndarray) -> np.ndarray:
+        """The chunk's stored bytes (C order, padded with the fill value 0), flat uint8."""
+        part = piece[self.box]
+        if part.shape != self.shape:
+            whole = np.zeros(self.shape, part.dtype)
+            whole[tuple(slice(0, n) for n in part.shape)] = part
+            part = whole
+        return np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+
+
+@dataclass
+class _Piece:
+    get: Callable[[], np.ndarray]
+    dtype: np.dtype  # stored
+    chunks: list[_Chunk]
+    nbytes: int  # stored, CRC32C trailers included
+
+
+@dataclass
+class _File:
+    name: str  # relative to the database: d/<32 hex>
+    pieces: list[_Piece] = field(default_factory=list)
+    size: int = 0
+    head: bytes = b""  # the B+tree node and zeros up to a block boundary, before the pieces
+
+
+def _stored(w: ArrayWrite) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The stored dtype and chunk shape of a leaf stored raw, or None."""
+    dtype = ts.dtype(w.metadata["data_type"]).numpy_dtype
+    codecs = [c["name"] for c in w.metadata.get("codecs", [])]
+    endian = w.metadata["codecs"][0].get("configuration", {}).get("endian", "little")
+    grid = w.metadata.get("chunk_grid", {})
+    keys = w.metadata.get("chunk_key_encoding", {})
+    if (
+        codecs != ["bytes", "crc32c"]
+        or endian != "little"
+        or grid.get("name") != "regular"
+        or keys != {"name": "default"}
+        or not (direct.whole_bytes(dtype) or dtype.itemsize == 1)
+    ):  # (bool and sub-byte types: one byte an element, stored as NumPy holds it)
+        return None
+    return dtype, tuple(int(c) for c in grid["configuration"]["chunk_shape"])
+
+
+def _chunks(name: str, index: Index, shape: Sequence[int], chunk: Sequence[int]) -> list | None:
+    """The chunks of a piece, or None when one is cut by the piece's edge (and so needs
+    bytes of another piece, or of another process)."""
+    for (a, b), c, n in zip(index, chunk, shape, strict=True):
+        if a % c or (b % c and b != n):
+            return None
+    out = []
+    for g in boxes.chunks_in(index, chunk):
+        box = tuple(
+            slice(i * c - a, min((i + 1) * c, b) - a)
+            for i, c, (a, b) in zip(g, chunk, index, strict=True)
+        )
+        key = direct.chunk_key(name, g, "/").encode()
+        out.append(_Chunk(key, box, tuple(chunk)))
+    return out
+
+
+def _zarr_json(metadata: dict) -> bytes:
+    """``zarr.json`` as TensorStore writes it for ``metadata`` (made in memory by it)."""
+    where = f"memory://zarr_json/{uuid.uuid4().hex}/"
+    ctx = ts.Context()
+    ts.open(
+        {"driver": "zarr3", "kvstore": where, "metadata": metadata, "create": True}, context=ctx
+    ).result()
+    value = ts.KvStore.open(where, context=ctx).result().read("zarr.json").result().value
+    return bytes(value)
+
+
+def plan(
+    writes: Sequence[ArrayWrite],
+) -> tuple[list[tuple[bytes, bytes | Ref]], list[_File]] | None:
+    """Every key of the database with its value or where it goes, and the data files with
+    what each holds; None when a leaf needs TensorStore."""
+    entries: dict[bytes, bytes | Ref] = {}
+    pieces: list[_Piece] = []
+    total = 0
+    for w in writes:
+        stored = _stored(w)
+        if stored is None:
+            return None
+        dtype, chunk = stored
+        if w.create:
+            entries[f"{w.name}/zarr.json".encode()] = _zarr_json(w.metadata)
+        for index, get in w.pieces:
+            chunks = _chunks(w.name, index, w.metadata["shape"], chunk)
+            if chunks is None:
+                return None
+            nbytes = len(chunks) * (math.prod(chunk) * dtype.itemsize + 4)
+            pieces.append(_Piece(get, dtype, chunks, nbytes))
+            total += nbytes
+    count = max(1, min(DATA_FILES_PER_PROCESS, total // MIN_DATA_FILE_BYTES, len(pieces)))
+    files = [_File(f"d/{uuid.uuid4().hex}") for _ in range(count)]
+    for piece in sorted(pieces, key=lambda p: -p.nbytes):  # largest first, onto the emptiest
+        f = min(files, key=lambda f: f.size)
+        f.pieces.append(piece)
+        f.size += piece.nbytes
+    for i, f in enumerate(files):
+        offset = 0
+        for piece in f.pieces:
+            stored_bytes = piece.nbytes // len(piece.chunks) if piece.chunks else 0
+            for c in piece.chunks:
+                entries[c.key] = Ref(i, offset, stored_bytes)
+                offset += stored_bytes
+    return sorted(entries.items()), files
+
+
+# --- the files -------------------------------------------------------------------------------
+
+
+class _Sink:
+    """Sequential writes into one new file, at the offsets the plan gave."""
+
+    def __init__(self, path: str, direct_io: bool) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.dfd = -1
+        if direct_io and hasattr(os, "O_DIRECT"):
+            try:
+                self.dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError as e:  # tmpfs and some network filesystems refuse O_DIRECT
+                log.info("jaxckpt: %s: no O_DIRECT (%s); writing through the page cache", path, e)
+        size = BOUNCE_BYTES if self.dfd >= 0 else _GATHER_BYTES * 16
+        self._map = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+        self.buf = np.frombuffer(self._map, np.uint8)
+        self.fill = 0  # bytes waiting in buf
+        self.pos = 0  # the file offset of buf[0]
+
+    def write(self, data: np.ndarray) -> None:
+        """Appends flat uint8 ``data``."""
+        if self.dfd < 0 and len(data) >= _GATHER_BYTES:
+            self.flush()
+            _pwrite_all(self.fd, data.data, self.pos)  # from the host buffer itself
+            self.pos += len(data)
+            return
+        while len(data):
+            n = min(len(data), len(self.buf) - self.fill)
+            np.copyto(self.buf[self.fill : self.fill + n], data[:n])
+            self.fill += n
+            data = data[n:]
+            if self.fill == len(self.buf):
+                self.flush()
+
+    def flush(self) -> None:
+        """Writes what waits in the buffer (with O_DIRECT: its whole blocks)."""
+        if self.dfd >= 0:
+            n = self.fill - self.fill % BLOCK
+            _pwrite_all(self.dfd, self.buf[:n].data, self.pos)
+            rest = self.fill - n
+            self.buf[:rest] = self.buf[n : self.fill]
+        else:
+            n, rest = self.fill, 0
+            _pwrite_all(self.fd, self.buf[:n].data, self.pos)
+        self.pos += n
+        self.fill = rest
+
+    def close(self) -> None:
+        """Flushes (a last part block through the page cache), fsyncs, closes."""
+        try:
+            self.flush()
+            if self.fill:
+                _pwrite_all(self.fd, self.buf[: self.fill].data, self.pos)
+                self.pos += self.fill
+                self.fill = 0
+            os.fsync(self.fd)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        for fd in (self.fd, self.dfd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.dfd = -1
+        self.buf = np.empty(0, np.uint8)
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+def _in_threads(jobs: Sequence[Callable[[], None]]) -> None:
+    """Runs each job on a thread of its own and raises the first error. Plain threads, not
+    an executor: a manager's last save may run at interpreter exit (``writer._close_all``),
+    when ``concurrent.futures`` takes no new work."""
+    errors: list[BaseException] = []
+
+    def run(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # raised in the caller's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(j,), name="jaxckpt-write") for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _write_file(path: str, f: _File, direct_io: bool) -> None:
+    sink = _Sink(path, direct_io)
+    try:
+        sink.write(np.frombuffer(f.head, np.uint8))
+        for piece in f.pieces:
+            data = piece.get()
+            if data.dtype != piece.dtype:
+                data = data.view(piece.dtype)
+            for c in piece.chunks:
+                raw = c.bytes_of(data)
+                crc = 0
+                for start in range(0, len(raw), STEP_BYTES):
+                    step = raw[start : start + STEP_BYTES]
+                    crc = crc32c.crc32c(step.data, crc)
+                    sink.write(step)
+                sink.write(np.frombuffer(struct.pack("<I", crc), np.uint8))
+            del data
+        if sink.pos + sink.fill != len(f.head) + f.size:
+            raise AssertionError(f"{path}: wrote {sink.pos + sink.fill} bytes, planned {f.size}")
+        sink.close()
+    except BaseException:
+        sink.release()
+        raise
+
+
+def write(
+    db: Location,
+    writes: Sequence[ArrayWrite],
+    *,
+    direct_io: bool = False,
+    drop_page_cache: bool = False,
+) -> None:
+    """Writes every piece of ``writes`` into a new OCDBT database at ``db``: ourselves where
+    the module's docstring says we can, else through TensorStore (``arrays.write``).
+    ``direct_io``: our files with O_DIRECT; TensorStore's have their pages dropped as they
+    are written, as ``drop_page_cache`` does (``page_cache.dropping``).
+    ``JAXCKPT_DIRECT_WRITE=0`` always takes TensorStore (for benchmarks and debugging)."""
+    planned = _ours(db, writes)
+    if planned is None:
+        with page_cache.dropping(db.url, db.is_local and (direct_io or drop_page_cache)):
+            arrays.write(db, writes)
+        return
+    with page_cache.dropping(db.url, drop_page_cache and not direct_io):
+        try:
+            _write(db, *planned, direct_io)
+        except OSError as e:
+            raise StorageError(f"writing arrays into {db.url} failed: {e}") from e
+
+
+def _ours(db: Location, writes: Sequence[ArrayWrite]) -> tuple[list, list[_File], Ref, str] | None:
+    """The plan, with the B+tree node placed first in the smallest file (the values after
+    it, from the next block), the node's place and that file; None when TensorStore must write ``db``: not local, a leaf it can't take, an existing
+    database (TensorStore adds to it), or a node over the format's limit."""
+    if not db.is_local or os.environ.get(ENV, "1").strip() == "0":
+        return None
+    if os.path.exists(os.path.join(db.url, "manifest.ocdbt")):
+        return None
+    planned = plan(writes)
+    if planned is None or not planned[0]:
+        return None
+    entries, files = planned
+    home = min(range(len(files)), key=lambda i: files[i].size)
+    node, shift = b"", 0
+    while len(node) > shift or not node:  # the node's offsets include its own length
+        shift = -(-len(node) // BLOCK) * BLOCK
+        placed = [(k, _moved(v, home, shift)) for k, v in entries]
+        node = leaf_node(placed, [f.name for f in files])
+    if len(node) > MAX_DECODED_NODE_BYTES:
+        return None
+    files[home].head = node + bytes(shift - len(node))
+    return placed, files, Ref(0, 0, len(node)), files[home].name
+
+
+def _moved(v: bytes | Ref, home: int, shift: int) -> bytes | Ref:
+    return Ref(v.file, v.offset + shift, v.length) if isinstance(v, Ref) and v.file == home else v
+
+
+def _write(
+    db: Location, entries: list[tuple[bytes, bytes | Ref]], files: list[_File], root: Ref,
+    root_file: str, direct_io: bool,
+) -> None:  # fmt: skip
+    os.makedirs(os.path.join(db.url, "d"), exist_ok=True)
+    _in_threads(
+        [functools.partial(_write_file, os.path.join(db.url, f.name), f, direct_io) for f in files]
+    )
+    fsync_dir(os.path.join(db.url, "d"))
+    indirect = sum(v.length for _, v in entries if isinstance(v, Ref))
+    db.write_bytes("manifest.ocdbt", manifest(root, [root_file], len(entries), indirect))

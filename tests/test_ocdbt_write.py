@@ -1,0 +1,254 @@
+"""jaxckpt's own OCDBT writer: TensorStore reads every byte of what it writes back exactly;
+the encodings are TensorStore's own, byte for byte; whatever it can't take goes to
+TensorStore; with direct_io the files bypass the page cache."""
+
+import os
+
+import iostats
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+from conftest import sharded
+from hostile import DTYPES, assert_same_bits, bits, random_bits
+
+import jaxckpt
+from jaxckpt import errors
+from jaxckpt._src import arrays, ocdbt_write
+from jaxckpt._src.storage import location
+
+
+class Calls:
+    """Counts TensorStore's writes (``arrays.write``), which ours replace."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = arrays.write
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(arrays, "write", counting)
+
+
+@pytest.fixture
+def ts_writes(monkeypatch):
+    return Calls(monkeypatch)
+
+
+def _read_with_tensorstore(path, name: str) -> np.ndarray:
+    db = arrays.database_dir(location(str(path)), None)
+    return (
+        ts.open(arrays.array_spec(db, name), context=arrays.new_context()).result().read().result()
+    )
+
+
+def _dtypes() -> list[np.dtype]:
+    return [d for d in DTYPES if d.itemsize < 8 or jax.config.jax_enable_x64]
+
+
+# --- encodings ------------------------------------------------------------------------------
+
+
+def test_varints_are_uleb128():
+    # values TensorStore wrote into a manifest: 1024 and 100_000_000 (its configuration)
+    assert ocdbt_write.varint(0) == b"\x00"
+    assert ocdbt_write.varint(127) == b"\x7f"
+    assert ocdbt_write.varint(128) == b"\x80\x01"
+    assert ocdbt_write.varint(1024) == b"\x80\x08"
+    assert ocdbt_write.varint(100_000_000) == bytes.fromhex("80c2d72f")
+    assert ocdbt_write.varint(2**64 - 1) == b"\xff" * 9 + b"\x01"
+
+
+def test_a_leaf_node_is_byte_for_byte_the_one_tensorstore_writes(tmp_path):
+    """TensorStore told to write uncompressed nodes: its leaf node of inline values is ours."""
+    kv = {
+        "driver": "ocdbt",
+        "base": f"file://{tmp_path}/",
+        "config": {"compression": None, "max_inline_value_bytes": 1024},
+    }
+    store = ts.KvStore.open(kv).result()
+    entries = [(b"a/c/0/0", b"\x01" * 28), (b"a/c/1/0", b"\x02" * 300), (b"a/zarr.json", b"{}")]
+    txn = ts.Transaction()
+    for key, value in entries:
+        store.with_transaction(txn).write(key, value).result()
+    txn.commit_async().result()
+    base = ts.KvStore.open(f"file://{tmp_path}/").result()
+    root = ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]
+    _, _, path, offset, length = root.split(":")
+    with open(tmp_path / path, "rb") as f:
+        f.seek(int(offset))
+        theirs = f.read(int(length))
+    assert ocdbt_write.leaf_node(entries, []) == theirs
+
+
+def test_tensorstore_reads_our_database(tmp_path):
+    """Keys, inline and out-of-line values, the manifest: TensorStore lists and reads them."""
+    x = np.arange(1000, dtype=np.uint8)
+    write = arrays.ArrayWrite(
+        "x",
+        arrays.zarr_metadata([1000], "uint8", [100], None),
+        [(((0, 1000),), lambda: x)],
+        True,
+        1000,
+    )
+    db = location(str(tmp_path / "db"))
+    db.makedirs()
+    ocdbt_write.write(db, [write])
+    base = ts.KvStore.open(db.kvstore()).result()
+    dumped = ts.ocdbt.dump(base).result()
+    assert [v["generation_number"] for v in dumped["versions"]] == [1]
+    assert dumped["versions"][0]["root"]["statistics"]["num_keys"] == 11
+    kv = ts.KvStore.open(arrays.kvstore_spec(db), context=arrays.new_context()).result()
+    keys = [k.decode() for k in kv.list().result()]
+    assert keys == sorted([f"x/c/{i}" for i in range(10)] + ["x/zarr.json"])
+    for i in range(10):
+        value = kv.read(f"x/c/{i}").result().value
+        assert value[:100] == x[i * 100 : (i + 1) * 100].tobytes()
+    assert len(os.listdir(tmp_path / "db" / "d")) == 1  # 1 KB: one data file, node included
+
+
+# --- the bits, through a save ------------------------------------------------------------------
+
+
+def test_every_dtype_random_bits_written_by_us_read_by_tensorstore(tmp_path, ts_writes):
+    rng = np.random.default_rng(11)
+    tree = {str(d): random_bits((37, 5), d, rng) for d in _dtypes()}
+    jaxckpt.save(tmp_path / "c", tree)
+    assert ts_writes.count == 0  # bool and sub-byte types too: one byte an element
+    for k, v in tree.items():
+        assert_same_bits(v, _read_with_tensorstore(tmp_path / "c", k).view(v.dtype), k)
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    for k, v in tree.items():
+        assert_same_bits(v, out[k], k)
+
+
+def test_whole_byte_dtypes_random_bits_each_chunk_layout(tmp_path, ts_writes, mesh42):
+    """Sharded, split into row chunks, into strided chunks, edge chunks zarr pads, a scalar,
+    an empty array: all written by us, read back by TensorStore alone, bit for bit."""
+    rng = np.random.default_rng(12)
+    dtypes = [d for d in _dtypes() if bits(d) == d.itemsize * 8 and d.kind != "b"]
+    tree = {}
+    for d in dtypes:
+        tree[f"{d}-sharded"] = sharded(random_bits((64, 24), d, rng), mesh42, ("data", "model"))
+        tree[f"{d}-odd"] = random_bits((13, 7, 3), d, rng)
+        tree[f"{d}-scalar"] = random_bits((), d, rng)
+    tree["empty"] = np.zeros((0, 4), np.float32)
+    jaxckpt.save(tmp_path / "c", tree, chunk_bytes=64)  # many chunks, strided and padded ones
+    assert ts_writes.count == 0
+    for k, v in tree.items():
+        if np.asarray(v).size:
+            assert_same_bits(
+                np.asarray(v),
+                _read_with_tensorstore(tmp_path / "c", k).view(np.asarray(v).dtype),
+                k,
+            )
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    for k, v in tree.items():
+        assert_same_bits(np.asarray(v), np.asarray(out[k]), k)
+
+
+def test_a_corrupt_byte_in_our_file_is_a_checksum_error(tmp_path):
+    from conftest import flip_a_chunk_byte
+
+    x = np.random.default_rng(3).standard_normal((256, 64)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"x": x})
+    flip_a_chunk_byte(tmp_path / "c")
+    with pytest.raises(errors.ChecksumError, match="'x'"):
+        jaxckpt.restore(tmp_path / "c")
+
+
+# --- what TensorStore writes instead ---------------------------------------------------------
+
+
+def test_compressed_leaves_go_to_tensorstore(tmp_path, ts_writes):
+    x = np.arange(4096, dtype=np.float32)
+    jaxckpt.save(tmp_path / "c", {"x": x}, compression="zstd")
+    assert ts_writes.count == 1
+    np.testing.assert_array_equal(jaxckpt.restore(tmp_path / "c")["x"], x)
+
+
+def test_the_switch_and_an_existing_database_go_to_tensorstore(tmp_path, ts_writes, monkeypatch):
+    x = np.arange(100, dtype=np.int16)
+    write = arrays.ArrayWrite(
+        "x",
+        arrays.zarr_metadata([100], "int16", [100], None),
+        [(((0, 100),), lambda: x)],
+        True,
+        200,
+    )
+    db = location(str(tmp_path / "db"))
+    db.makedirs()
+    ocdbt_write.write(db, [write])
+    assert ts_writes.count == 0
+    y = arrays.ArrayWrite("y", write.metadata, write.pieces, True, 200)
+    ocdbt_write.write(db, [y])  # adds to the database: TensorStore's job
+    assert ts_writes.count == 1
+    kv = ts.KvStore.open(arrays.kvstore_spec(db), context=arrays.new_context()).result()
+    assert {k.decode() for k in kv.list().result()} == {
+        "x/c/0",
+        "x/zarr.json",
+        "y/c/0",
+        "y/zarr.json",
+    }
+    monkeypatch.setenv(ocdbt_write.ENV, "0")
+    jaxckpt.save(tmp_path / "c", {"x": x})
+    assert ts_writes.count == 2
+
+
+def test_a_failed_read_of_a_piece_commits_nothing(tmp_path):
+    def broken():
+        raise OSError(5, "Input/output error")
+
+    write = arrays.ArrayWrite(
+        "x", arrays.zarr_metadata([100], "int16", [100], None), [(((0, 100),), broken)], True, 200
+    )
+    db = location(str(tmp_path / "db"))
+    db.makedirs()
+    with pytest.raises(errors.StorageError, match="Input/output error"):
+        ocdbt_write.write(db, [write])
+    assert not os.path.exists(tmp_path / "db" / "manifest.ocdbt")
+
+
+# --- direct_io ----------------------------------------------------------------------------------
+
+
+def test_direct_io_keeps_the_files_out_of_the_page_cache(tmp_path):
+    """With direct_io only each file's last part block (< 4 KiB) goes through the cache;
+    without it, the whole step is cached after a save. Measured with mincore."""
+    rng = np.random.default_rng(5)
+    tree = {f"w{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(4)}  # 8 MiB
+    jaxckpt.save(tmp_path / "plain", tree)
+    jaxckpt.save(tmp_path / "direct", tree, direct_io=True)
+    data = lambda name: str(tmp_path / name / "arrays" / "d")  # noqa: E731
+    files = len(os.listdir(data("direct")))
+    if iostats.cached_bytes(data("plain")) < 8 << 20:
+        pytest.skip("this filesystem does not keep written pages cached")
+    assert iostats.cached_bytes(data("direct")) <= files * 4096
+    out = jaxckpt.restore(tmp_path / "direct", target=tree)
+    for k, v in tree.items():
+        assert_same_bits(v, out[k], k)
+
+
+def test_direct_io_on_a_filesystem_without_it_writes_through_the_cache(tmp_path, monkeypatch):
+    real = os.open
+
+    def refuse_direct(path, flags, *rest):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real(path, flags, *rest)
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    x = np.random.default_rng(6).standard_normal((300, 77)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"x": x}, direct_io=True)
+    assert_same_bits(x, jaxckpt.restore(tmp_path / "c")["x"])
+
+
+def test_the_managers_take_direct_io(tmp_path):
+    x = np.random.default_rng(7).standard_normal((64, 33)).astype(np.float32)
+    opts = jaxckpt.Options(direct_io=True, async_save=True)
+    with jaxckpt.CheckpointManager(tmp_path / "m", opts) as m:
+        m.save(1, {"x": x})
+        m.wait_until_finished()
+        assert_same_bits(x, m.restore(1)["x"])
