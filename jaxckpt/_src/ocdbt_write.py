@@ -57,6 +57,7 @@ STEP_BYTES = 1 << 20  # checksummed then written at a time: still in cache for t
 BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and memory
 BOUNCE_BYTES = 8 << 20  # one aligned buffer per file with O_DIRECT
 _GATHER_BYTES = 64 << 10  # smaller writes are gathered into the file's buffer first
+WRITE_BACK_BYTES = 8 << 20  # the disk's write of a file's cached bytes started this often
 
 
 # --- the encodings ---------------------------------------------------------------------------
@@ -298,6 +299,7 @@ class _Sink:
         self.buf = np.frombuffer(self._map, np.uint8)
         self.fill = 0  # bytes waiting in buf
         self.pos = 0  # the file offset of buf[0]
+        self.flushed = 0  # the bytes before it are on their way to the disk
 
     def write(self, data: np.ndarray) -> None:
         """Appends flat uint8 ``data``."""
@@ -305,6 +307,7 @@ class _Sink:
             self.flush()
             _pwrite_all(self.fd, data.data, self.pos)  # from the host buffer itself
             self.pos += len(data)
+            self._write_back()
             return
         while len(data):
             n = min(len(data), len(self.buf) - self.fill)
@@ -326,6 +329,15 @@ class _Sink:
             _pwrite_all(self.fd, self.buf[:n].data, self.pos)
         self.pos += n
         self.fill = rest
+        self._write_back()
+
+    def _write_back(self) -> None:
+        """Starts the disk's write of the cached bytes written since the last start, every
+        ``WRITE_BACK_BYTES``: the disk works while the rest is copied, and the fsync at the
+        end waits for the last part only (the kernel would wait for its dirty limits)."""
+        if self.dfd < 0 and self.pos - self.flushed >= WRITE_BACK_BYTES:
+            start_write_back(self.fd, self.flushed, self.pos - self.flushed)
+            self.flushed = self.pos
 
     def close(self) -> None:
         """Flushes (a last part block through the page cache), fsyncs, closes."""
@@ -347,6 +359,26 @@ class _Sink:
         self.buf = np.empty(0, np.uint8)
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        return fn
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+def start_write_back(fd: int, offset: int, nbytes: int) -> None:
+    """``sync_file_range(SYNC_FILE_RANGE_WRITE)``: the kernel starts writing the range's
+    dirty pages to the disk and returns (Linux; elsewhere nothing)."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, nbytes, 2)
 
 
 def _in_threads(jobs: Sequence[Callable[[], None]]) -> None:
