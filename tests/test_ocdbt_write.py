@@ -252,3 +252,25 @@ def test_the_managers_take_direct_io(tmp_path):
         m.save(1, {"x": x})
         m.wait_until_finished()
         assert_same_bits(x, m.restore(1)["x"])
+
+
+def test_both_emergency_tiers_write_with_o_direct(tmp_path, mesh42, monkeypatch):
+    opened: list[str] = []
+    real = os.open
+
+    def recording(path, flags, *rest):
+        if flags & getattr(os, "O_DIRECT", 0):
+            opened.append(str(path))
+        return real(path, flags, *rest)
+
+    monkeypatch.setattr(os, "open", recording)
+    x = random_bits((64, 32), np.dtype(np.float32), np.random.default_rng(8))
+    tree = {"x": sharded(x, mesh42, ("data", "model"))}
+    o = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=1, direct_io=True)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        mgr.save(1, tree)
+        mgr.wait_until_finished()
+        assert_same_bits(x, np.asarray(mgr.restore()["x"]))
+    if hasattr(os, "O_DIRECT"):
+        assert any(p.startswith(str(tmp_path / "l")) for p in opened), opened
+        assert any(p.startswith(str(tmp_path / "r")) for p in opened), opened

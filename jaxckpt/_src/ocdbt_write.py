@@ -15,8 +15,10 @@ https://google.github.io/tensorstore/kvstore/ocdbt/index.html): a ``manifest.ocd
 "single" with one version, one B+tree leaf node holding every key (each leaf's
 ``zarr.json`` inline in it), and every chunk's stored bytes in ``d/<32 hex>`` data files.
 (TensorStore would store a chunk of up to 1 KiB inline in the node, where only TensorStore
-reads it; out of line, the direct reader reads it with its neighbours.) TensorStore opens it, the merge of a multi-process save links it, every reader
-takes it unchanged. Anything else returns False and TensorStore writes it.
+reads it; out of line, the direct reader reads it with its neighbours.) TensorStore opens
+it, the merge of a multi-process save links it, every reader takes it unchanged. Anything
+else (compression, object stores, adding to a database) TensorStore writes
+(``arrays.write``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import tensorstore as ts
 from ..errors import StorageError
 from . import arrays, boxes, direct, page_cache
 from .arrays import DATA_FILES_PER_PROCESS, MIN_DATA_FILE_BYTES, ArrayWrite
-from .boxes import Index
+from .boxes import Index, extent
 from .storage import Location, fsync_dir
 
 log = logging.getLogger("jaxckpt")
@@ -181,6 +183,8 @@ class _Chunk:
 
 @dataclass
 class _Piece:
+    leaf: str
+    shape: tuple[int, ...]  # what ``get`` returns
     get: Callable[[], np.ndarray]
     dtype: np.dtype  # stored
     chunks: list[_Chunk]
@@ -258,10 +262,11 @@ def plan(
             entries[f"{w.name}/zarr.json".encode()] = _zarr_json(w.metadata)
         for index, get in w.pieces:
             chunks = _chunks(w.name, index, w.metadata["shape"], chunk)
-            if chunks is None:
-                return None
+            if chunks is None or any(c.key in entries for c in chunks):
+                return None  # (two pieces of one chunk: TensorStore writes the last, as ever)
+            entries.update((c.key, b"") for c in chunks)  # their places: below
             nbytes = len(chunks) * (math.prod(chunk) * dtype.itemsize + 4)
-            pieces.append(_Piece(get, dtype, chunks, nbytes))
+            pieces.append(_Piece(w.name, extent(index), get, dtype, chunks, nbytes))
             total += nbytes
     count = max(1, min(DATA_FILES_PER_PROCESS, total // MIN_DATA_FILE_BYTES, len(pieces)))
     files = [_File(f"d/{uuid.uuid4().hex}") for _ in range(count)]
@@ -414,6 +419,11 @@ def _write_file(path: str, f: _File, direct_io: bool) -> None:
         sink.write(np.frombuffer(f.head, np.uint8))
         for piece in f.pieces:
             data = piece.get()
+            if data.shape != piece.shape:
+                raise StorageError(
+                    f"leaf {piece.leaf!r}: a piece of shape {piece.shape} came to the writer "
+                    f"as {data.shape} (a bug: please report it)"
+                )
             if data.dtype != piece.dtype:
                 data = data.view(piece.dtype)
             for c in piece.chunks:
@@ -426,7 +436,7 @@ def _write_file(path: str, f: _File, direct_io: bool) -> None:
                 sink.write(np.frombuffer(struct.pack("<I", crc), np.uint8))
             del data
         if sink.pos + sink.fill != len(f.head) + f.size:
-            raise AssertionError(f"{path}: wrote {sink.pos + sink.fill} bytes, planned {f.size}")
+            raise StorageError(f"{path}: wrote {sink.pos + sink.fill} bytes, planned {f.size}")
         sink.close()
     except BaseException:
         sink.release()
