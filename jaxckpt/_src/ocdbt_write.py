@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import math
 import mmap
@@ -235,7 +236,14 @@ def _chunks(name: str, index: Index, shape: Sequence[int], chunk: Sequence[int])
 
 
 def _zarr_json(metadata: dict) -> bytes:
-    """``zarr.json`` as TensorStore writes it for ``metadata`` (made in memory by it)."""
+    """``zarr.json`` as TensorStore writes it for ``metadata`` (made in memory by it; the
+    leaves of a train state share a few shapes, so each distinct one is made once)."""
+    return _zarr_json_of(json.dumps(metadata, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _zarr_json_of(text: str) -> bytes:
+    metadata = json.loads(text)
     where = f"memory://zarr_json/{uuid.uuid4().hex}/"
     ctx = ts.Context()
     ts.open(
@@ -290,21 +298,23 @@ def plan(
 class _Sink:
     """Sequential writes into one new file, at the offsets the plan gave."""
 
-    def __init__(self, path: str, direct_io: bool) -> None:
-        self.path = path
+    def __init__(self, path: str, direct_io: bool, drop: bool = False) -> None:
+        self.path, self.drop = path, drop
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self.dfd = -1
         if direct_io and hasattr(os, "O_DIRECT"):
             try:
                 self.dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
             except OSError as e:  # tmpfs and some network filesystems refuse O_DIRECT
-                log.info("jaxckpt: %s: no O_DIRECT (%s); writing through the page cache", path, e)
+                log.info("jaxckpt: %s: no O_DIRECT (%s); dropping its pages instead", path, e)
+                self.drop = True
         size = BOUNCE_BYTES if self.dfd >= 0 else _GATHER_BYTES * 16
         self._map = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
         self.buf = np.frombuffer(self._map, np.uint8)
         self.fill = 0  # bytes waiting in buf
         self.pos = 0  # the file offset of buf[0]
         self.flushed = 0  # the bytes before it are on their way to the disk
+        self.dropped = 0  # with ``drop``: the bytes before it are out of the page cache
 
     def write(self, data: np.ndarray) -> None:
         """Appends flat uint8 ``data``."""
@@ -341,7 +351,11 @@ class _Sink:
         ``WRITE_BACK_BYTES``: the disk works while the rest is copied, and the fsync at the
         end waits for the last part only (the kernel would wait for its dirty limits)."""
         if self.dfd < 0 and self.pos - self.flushed >= WRITE_BACK_BYTES:
-            start_write_back(self.fd, self.flushed, self.pos - self.flushed)
+            if self.drop:  # the last window: written by now, mostly; wait for it, drop it
+                sync_range(self.fd, self.dropped, self.flushed - self.dropped, wait=True)
+                drop_pages(self.fd, self.dropped, self.flushed - self.dropped)
+                self.dropped = self.flushed
+            sync_range(self.fd, self.flushed, self.pos - self.flushed)
             self.flushed = self.pos
 
     def close(self) -> None:
@@ -353,6 +367,8 @@ class _Sink:
                 self.pos += self.fill
                 self.fill = 0
             os.fsync(self.fd)
+            if self.drop or self.dfd >= 0:  # (with O_DIRECT: the last part block)
+                drop_pages(self.fd, 0, 0)
         finally:
             self.release()
 
@@ -378,12 +394,19 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
         return None
 
 
-def start_write_back(fd: int, offset: int, nbytes: int) -> None:
-    """``sync_file_range(SYNC_FILE_RANGE_WRITE)``: the kernel starts writing the range's
-    dirty pages to the disk and returns (Linux; elsewhere nothing)."""
+def sync_range(fd: int, offset: int, nbytes: int, wait: bool = False) -> None:
+    """``sync_file_range``: the kernel starts writing the range's dirty pages to the disk
+    and returns (``SYNC_FILE_RANGE_WRITE``), or, ``wait``, also waits for them (and for
+    earlier writes of the range) to be done. Linux; elsewhere nothing."""
     fn = _sync_file_range()
     if fn is not None:
-        fn(fd, offset, nbytes, 2)
+        fn(fd, offset, nbytes, 7 if wait else 2)
+
+
+def drop_pages(fd: int, offset: int, nbytes: int) -> None:
+    """Drops the range's clean pages from the page cache (0 bytes: to the end of the file)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
 
 def _in_threads(jobs: Sequence[Callable[[], None]]) -> None:
@@ -413,8 +436,8 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _write_file(path: str, f: _File, direct_io: bool) -> None:
-    sink = _Sink(path, direct_io)
+def _write_file(path: str, f: _File, direct_io: bool, drop: bool) -> None:
+    sink = _Sink(path, direct_io, drop)
     try:
         sink.write(np.frombuffer(f.head, np.uint8))
         for piece in f.pieces:
@@ -453,18 +476,18 @@ def write(
     """Writes every piece of ``writes`` into a new OCDBT database at ``db``: ourselves where
     the module's docstring says we can, else through TensorStore (``arrays.write``).
     ``direct_io``: our files with O_DIRECT; TensorStore's have their pages dropped as they
-    are written, as ``drop_page_cache`` does (``page_cache.dropping``).
+    are written, as ``drop_page_cache`` does (``page_cache.dropping``; ours are dropped
+    every ``WRITE_BACK_BYTES`` as the disk takes them).
     ``JAXCKPT_DIRECT_WRITE=0`` always takes TensorStore (for benchmarks and debugging)."""
     planned = _ours(db, writes)
     if planned is None:
         with page_cache.dropping(db.url, db.is_local and (direct_io or drop_page_cache)):
             arrays.write(db, writes)
         return
-    with page_cache.dropping(db.url, drop_page_cache and not direct_io):
-        try:
-            _write(db, *planned, direct_io)
-        except OSError as e:
-            raise StorageError(f"writing arrays into {db.url} failed: {e}") from e
+    try:
+        _write(db, *planned, direct_io, drop_page_cache)
+    except OSError as e:
+        raise StorageError(f"writing arrays into {db.url} failed: {e}") from e
 
 
 def _ours(db: Location, writes: Sequence[ArrayWrite]) -> tuple[list, list[_File], Ref, str] | None:
@@ -497,11 +520,14 @@ def _moved(v: bytes | Ref, home: int, shift: int) -> bytes | Ref:
 
 def _write(
     db: Location, entries: list[tuple[bytes, bytes | Ref]], files: list[_File], root: Ref,
-    root_file: str, direct_io: bool,
+    root_file: str, direct_io: bool, drop: bool,
 ) -> None:  # fmt: skip
     os.makedirs(os.path.join(db.url, "d"), exist_ok=True)
     _in_threads(
-        [functools.partial(_write_file, os.path.join(db.url, f.name), f, direct_io) for f in files]
+        [
+            functools.partial(_write_file, os.path.join(db.url, f.name), f, direct_io, drop)
+            for f in files
+        ]
     )
     fsync_dir(os.path.join(db.url, "d"))
     indirect = sum(v.length for _, v in entries if isinstance(v, Ref))
