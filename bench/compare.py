@@ -685,11 +685,18 @@ def _report_async(out: dict, state_gb: float) -> None:
         later = harness.median(b for r in runs for b in r["blocking"][1:])
         total = harness.median(t for r in runs for t in r["total"])
         sync = [t for r in runs for t in r.get("sync_total", [])]
+        pairs = [  # (orbax has no sync run: no pairs)
+            s / a
+            for r in runs
+            if r.get("sync_total")
+            for a, s in zip(r["total"], r["sync_total"], strict=True)
+        ]
         rows[lib] = (
             first,
             later,
             state_gb / total,
             state_gb / harness.median(sync) if sync else None,
+            harness.median(pairs) if pairs else None,
         )
     print()
     harness.Table(

@@ -44,6 +44,18 @@ def _read_with_tensorstore(path, name: str) -> np.ndarray:
     )
 
 
+def _one_leaf(name: str, x: np.ndarray, chunk: int, get=None) -> arrays.ArrayWrite:
+    """A write of 1-D ``x`` as leaf ``name`` in chunks of ``chunk`` elements."""
+    meta = arrays.zarr_metadata(x.shape, x.dtype.name, [chunk], None)
+    return arrays.ArrayWrite(name, meta, [(((0, len(x)),), get or (lambda: x))], True, x.nbytes)
+
+
+def _new_db(tmp_path):
+    db = location(str(tmp_path / "db"))
+    db.makedirs()
+    return db
+
+
 def _dtypes() -> list[np.dtype]:
     return [d for d in DTYPES if d.itemsize < 8 or jax.config.jax_enable_x64]
 
@@ -86,16 +98,8 @@ def test_a_leaf_node_is_byte_for_byte_the_one_tensorstore_writes(tmp_path):
 def test_tensorstore_reads_our_database(tmp_path):
     """Keys, inline and out-of-line values, the manifest: TensorStore lists and reads them."""
     x = np.arange(1000, dtype=np.uint8)
-    write = arrays.ArrayWrite(
-        "x",
-        arrays.zarr_metadata([1000], "uint8", [100], None),
-        [(((0, 1000),), lambda: x)],
-        True,
-        1000,
-    )
-    db = location(str(tmp_path / "db"))
-    db.makedirs()
-    ocdbt_write.write(db, [write])
+    db = _new_db(tmp_path)
+    ocdbt_write.write(db, [_one_leaf("x", x, 100)])
     base = ts.KvStore.open(db.kvstore()).result()
     dumped = ts.ocdbt.dump(base).result()
     assert [v["generation_number"] for v in dumped["versions"]] == [1]
@@ -171,15 +175,8 @@ def test_compressed_leaves_go_to_tensorstore(tmp_path, ts_writes):
 
 def test_the_switch_and_an_existing_database_go_to_tensorstore(tmp_path, ts_writes, monkeypatch):
     x = np.arange(100, dtype=np.int16)
-    write = arrays.ArrayWrite(
-        "x",
-        arrays.zarr_metadata([100], "int16", [100], None),
-        [(((0, 100),), lambda: x)],
-        True,
-        200,
-    )
-    db = location(str(tmp_path / "db"))
-    db.makedirs()
+    write = _one_leaf("x", x, 100)
+    db = _new_db(tmp_path)
     ocdbt_write.write(db, [write])
     assert ts_writes.count == 0
     y = arrays.ArrayWrite("y", write.metadata, write.pieces, True, 200)
@@ -201,11 +198,8 @@ def test_a_failed_read_of_a_piece_commits_nothing(tmp_path):
     def broken():
         raise OSError(5, "Input/output error")
 
-    write = arrays.ArrayWrite(
-        "x", arrays.zarr_metadata([100], "int16", [100], None), [(((0, 100),), broken)], True, 200
-    )
-    db = location(str(tmp_path / "db"))
-    db.makedirs()
+    write = _one_leaf("x", np.zeros(100, np.int16), 100, get=broken)
+    db = _new_db(tmp_path)
     with pytest.raises(errors.StorageError, match="Input/output error"):
         ocdbt_write.write(db, [write])
     assert not os.path.exists(tmp_path / "db" / "manifest.ocdbt")
