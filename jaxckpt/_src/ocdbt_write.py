@@ -278,10 +278,13 @@ def plan(
             total += nbytes
     count = max(1, min(DATA_FILES_PER_PROCESS, total // MIN_DATA_FILE_BYTES, len(pieces)))
     files = [_File(f"d/{uuid.uuid4().hex}") for _ in range(count)]
+    order = {id(p): i for i, p in enumerate(pieces)}
     for piece in sorted(pieces, key=lambda p: -p.nbytes):  # largest first, onto the emptiest
         f = min(files, key=lambda f: f.size)
         f.pieces.append(piece)
         f.size += piece.nbytes
+    for f in files:  # in the tree's order, as a restore reads them: each file front to back
+        f.pieces.sort(key=lambda p: order[id(p)])
     for i, f in enumerate(files):
         offset = 0
         for piece in f.pieces:
