@@ -271,3 +271,14 @@ def test_both_emergency_tiers_write_with_o_direct(tmp_path, mesh42, monkeypatch)
     if hasattr(os, "O_DIRECT"):
         assert any(p.startswith(str(tmp_path / "l")) for p in opened), opened
         assert any(p.startswith(str(tmp_path / "r")) for p in opened), opened
+
+
+def test_views_that_are_not_c_contiguous_are_written_in_c_order(tmp_path, ts_writes):
+    x = random_bits((48, 20), np.dtype(np.float32), np.random.default_rng(9))
+    tree = {"t": x.T, "f": np.asfortranarray(x), "step": x[::2, 3:17]}
+    jaxckpt.save(tmp_path / "c", tree)
+    assert ts_writes.count == 0
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    for k, v in tree.items():
+        assert_same_bits(np.ascontiguousarray(v), out[k], k)
+        assert_same_bits(np.ascontiguousarray(v), _read_with_tensorstore(tmp_path / "c", k), k)
