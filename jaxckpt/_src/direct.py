@@ -305,9 +305,15 @@ class Reader:
         self._lock = threading.Lock()
         self._scratch = threading.local()  # each thread's buffer for chunks read in part
 
-    def start(self, sr: SliceRead) -> Future[np.ndarray]:
+    def start(self, sr: SliceRead, into: np.ndarray | None = None) -> Future[np.ndarray]:
+        """Reads ``sr`` on a thread, into a fresh buffer or ``into`` (C-contiguous, of the
+        slice's shape and dtype)."""
+        if into is not None and not (
+            into.flags.c_contiguous and into.shape == sr.shape and into.dtype == sr.dtype
+        ):
+            raise ValueError(f"a {sr.dtype} buffer of shape {sr.shape}, C-contiguous, is needed")
         self._prefetch(sr)
-        return self._pool.submit(self._read, sr)
+        return self._pool.submit(self._read, sr, into)
 
     def _prefetch(self, sr: SliceRead) -> None:
         """Asks the kernel to start reading the slice's chunks (``POSIX_FADV_WILLNEED``) as
@@ -342,8 +348,8 @@ class Reader:
                     raise StorageError(f"opening the data file {path} failed: {e}") from e
             return self._fds[path]
 
-    def _read(self, sr: SliceRead) -> np.ndarray:
-        buf = arrays.aligned_empty(sr.shape, sr.dtype)
+    def _read(self, sr: SliceRead, into: np.ndarray | None = None) -> np.ndarray:
+        buf = arrays.aligned_empty(sr.shape, sr.dtype) if into is None else into
         if sr.parts:
             for p in sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)):
                 self._read_part(p, buf)

@@ -11,12 +11,13 @@ carries a CRC32C (zarr codec), checked on read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
-from .. import arrays, ocdbt_write, steps
+from .. import arrays, direct, ocdbt_write, steps
 from ..boxes import Index, extent, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
 from ..manifest import (
@@ -254,6 +255,28 @@ def write_step(
     return final
 
 
+def _direct_plans(
+    db: Location, keys: list[SliceKey], stores: dict[str, Any]
+) -> dict[Hashable, direct.SliceRead]:
+    """The slices the direct reader reads (``direct``): those of whole uncompressed chunks.
+    Anything it can't plan (a leaf that won't open, a B-tree naming a file cut short) is
+    left to TensorStore, whose read then fails for that slice alone and names it."""
+    if not direct.enabled(db):
+        return {}
+    wanted: dict[Hashable, direct.Wanted] = {}
+    for key in keys:
+        try:
+            lay = direct.layout(stores[key.leaf].result())
+        except Exception:
+            continue
+        if lay is not None:
+            wanted[key] = direct.Wanted(key.leaf, lay, key.box)
+    try:
+        return direct.plan(db, wanted)
+    except Exception:  # (StorageError, or a damaged B-tree TensorStore can't walk)
+        return {}
+
+
 def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
     """``chunk_shape`` halved until <= LOCAL_CHUNK_BYTES, leading dimensions first (chunks
     stay contiguous row blocks) and only where it stays a divisor: shards remain whole
@@ -282,28 +305,36 @@ def read_slices(
     ctx = arrays.new_context()
     keys = sorted(key for key in wanted if key in step.held)
     stores = {name: arrays.open_leaf(db, name, ctx) for name in {key.leaf for key in keys}}
-    reads: list[tuple[SliceKey, np.ndarray, ts.WriteFutures]] = []
+    plans = _direct_plans(db, keys, stores)
+    reads: list[tuple[SliceKey, np.ndarray, Any]] = []
     bad: list[tuple[SliceKey, str]] = []
-    for key in keys:
-        try:
-            store = stores[key.leaf].result()
-        except Exception as e:
-            bad.append((key, f"cannot open: {e}"))
-            continue
-        dtype, shape = store.dtype.numpy_dtype, extent(key.box)
-        dst = (into or {}).get(key)
-        if dst is None or dst.shape != shape or dst.dtype.itemsize != dtype.itemsize:
-            dst = arrays.aligned_empty(shape, dtype)
-        dst = dst.view(dtype)
-        region = store[tuple(slice(a, b) for a, b in key.box)]
-        reads.append((key, dst, ts.array(dst, copy=False, write=True).write(region)))
-    out: Slices = {}
-    for key, dst, written in reads:
-        try:
-            written.result()
-            out[key] = dst
-        except Exception as e:
-            err = arrays.read_error(e, leaf=key.leaf, db=db, writers=lambda _k: db.url)
-            bad.append((key, f"{type(err).__name__}: {err}"))
+    with contextlib.closing(direct.Reader()) as reader:
+        for key in keys:
+            try:
+                store = stores[key.leaf].result()
+            except Exception as e:
+                bad.append((key, f"cannot open: {e}"))
+                continue
+            dtype, shape = store.dtype.numpy_dtype, extent(key.box)
+            dst = (into or {}).get(key)
+            if dst is None or dst.shape != shape or dst.dtype.itemsize != dtype.itemsize:
+                dst = arrays.aligned_empty(shape, dtype)
+            dst = dst.view(dtype)
+            if key in plans and dst.flags.c_contiguous:
+                reads.append((key, dst, reader.start(plans[key], dst)))
+                continue
+            region = store[tuple(slice(a, b) for a, b in key.box)]
+            reads.append((key, dst, ts.array(dst, copy=False, write=True).write(region)))
+        out: Slices = {}
+        for key, dst, written in reads:
+            try:
+                written.result()
+                out[key] = dst
+            except direct.Corrupt as e:
+                err: Exception = arrays.checksum_error(key.leaf, e.key, str(e.at), str(e))
+                bad.append((key, f"{type(err).__name__}: {err}"))
+            except Exception as e:
+                err = arrays.read_error(e, leaf=key.leaf, db=db, writers=lambda _k: db.url)
+                bad.append((key, f"{type(err).__name__}: {err}"))
     arrays.release_free_memory()
     return out, bad
