@@ -22,6 +22,7 @@ import re
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -32,7 +33,7 @@ from .storage import Location
 
 MIN_DATA_FILE_BYTES = 64 << 20
 DATA_FILES_PER_PROCESS = 6  # written in parallel (measured: 6 beat 1, 4 and 8 here)
-_OCDBT_CONFIG = {
+OCDBT_CONFIG: dict[str, Any] = {
     "max_inline_value_bytes": 1024,
     "max_decoded_node_bytes": 100_000_000,
     "manifest_kind": "single",
@@ -99,7 +100,7 @@ def kvstore_spec(db: Location, data_file_bytes: int = 0) -> dict:
     return {
         "driver": "ocdbt",
         "base": db.kvstore(),
-        "config": _OCDBT_CONFIG,
+        "config": OCDBT_CONFIG,
         "assume_config": True,
         "target_data_file_size": data_file_bytes,
         "cache_pool": "cache_pool#ocdbt",

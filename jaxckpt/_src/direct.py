@@ -78,28 +78,36 @@ def whole_bytes(dtype: np.dtype) -> bool:
         return False
 
 
-def layout(store: ts.TensorStore) -> Layout | None:
-    """The leaf's layout from its zarr metadata, or None when the direct path can't read it."""
-    meta = store.spec().to_json().get("metadata", {})
-    dtype = store.dtype.numpy_dtype
-    codecs = meta.get("codecs")
-    little = {"name": "bytes", "configuration": {"endian": "little"}}
-    one_byte = {"name": "bytes"}  # (TensorStore drops the byte order of 1-byte types)
-    raw = [little if dtype.itemsize > 1 else one_byte, {"name": "crc32c"}]
-    grid = meta.get("chunk_grid", {})
-    keys = meta.get("chunk_key_encoding", {})
+def raw_layout(metadata: dict, dtype: np.dtype) -> Layout | None:
+    """The layout of a zarr array stored raw (codecs ``bytes``, little-endian, then
+    ``crc32c``; a regular grid; the default chunk keys), from its metadata; else None.
+    ``dtype``: the stored one. (The writer's test and the reader's: ``ocdbt_write``, ``layout``.)"""
+    codecs = metadata.get("codecs") or [{}]
+    names = [c.get("name") for c in codecs]
+    # (TensorStore drops the byte order of 1-byte types)
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+    grid = metadata.get("chunk_grid", {})
+    keys = metadata.get("chunk_key_encoding", {})
     if (
-        codecs != raw
+        names != ["bytes", "crc32c"]
+        or endian != "little"
         or grid.get("name") != "regular"
         or keys.get("name") != "default"
-        or not whole_bytes(dtype)
     ):
         return None
     chunk_shape = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
     separator = keys.get("configuration", {}).get("separator", "/")
-    if len(chunk_shape) != store.rank or min(chunk_shape, default=1) < 1:
+    if len(chunk_shape) != len(metadata["shape"]) or min(chunk_shape, default=1) < 1:
         return None
     return Layout(chunk_shape, dtype, separator)
+
+
+def layout(store: ts.TensorStore) -> Layout | None:
+    """The leaf's layout from its zarr metadata, or None when the direct path can't read it
+    (not stored raw, or a dtype whose bytes are not all the value's)."""
+    dtype = store.dtype.numpy_dtype
+    lay = raw_layout(store.spec().to_json().get("metadata", {}), dtype)
+    return lay if lay is not None and whole_bytes(dtype) else None
 
 
 def chunks_in(index: Index, lay: Layout) -> list[tuple[tuple[int, ...], int]] | None:

@@ -51,8 +51,8 @@ from .storage import Location, fsync_dir
 log = logging.getLogger("jaxckpt")
 
 ENV = "JAXCKPT_DIRECT_WRITE"
-MAX_INLINE_VALUE_BYTES = 1024  # the database's configuration (arrays._OCDBT_CONFIG)
-MAX_DECODED_NODE_BYTES = 100_000_000
+MAX_INLINE_VALUE_BYTES = arrays.OCDBT_CONFIG["max_inline_value_bytes"]
+MAX_DECODED_NODE_BYTES = arrays.OCDBT_CONFIG["max_decoded_node_bytes"]
 VERSION_TREE_ARITY_LOG2 = 4  # TensorStore's default
 _MANIFEST_MAGIC = 0x0CDB3A2A
 _NODE_MAGIC = 0x0CDB20DE
@@ -200,27 +200,19 @@ class _File:
     head: bytes = b""  # the B+tree node and zeros up to a block boundary, before the pieces
 
 
-def _stored(w: ArrayWrite) -> tuple[np.dtype, tuple[int, ...]] | None:
-    """The stored dtype and chunk shape of a leaf stored raw, or None."""
+def _stored(w: ArrayWrite) -> direct.Layout | None:
+    """The layout of a leaf stored raw whose bytes we can write as NumPy holds them: whole
+    bytes, or one byte an element (bool and sub-byte types, as TensorStore stores them)."""
     dtype = ts.dtype(w.metadata["data_type"]).numpy_dtype
-    codecs = [c["name"] for c in w.metadata.get("codecs", [])]
-    endian = w.metadata["codecs"][0].get("configuration", {}).get("endian", "little")
-    grid = w.metadata.get("chunk_grid", {})
-    keys = w.metadata.get("chunk_key_encoding", {})
-    if (
-        codecs != ["bytes", "crc32c"]
-        or endian != "little"
-        or grid.get("name") != "regular"
-        or keys != {"name": "default"}
-        or not (direct.whole_bytes(dtype) or dtype.itemsize == 1)
-    ):  # (bool and sub-byte types: one byte an element, stored as NumPy holds it)
-        return None
-    return dtype, tuple(int(c) for c in grid["configuration"]["chunk_shape"])
+    lay = direct.raw_layout(w.metadata, dtype)
+    ok = lay is not None and (direct.whole_bytes(dtype) or dtype.itemsize == 1)
+    return lay if ok else None
 
 
-def _chunks(name: str, index: Index, shape: Sequence[int], chunk: Sequence[int]) -> list | None:
+def _chunks(name: str, index: Index, shape: Sequence[int], lay: direct.Layout) -> list | None:
     """The chunks of a piece, or None when one is cut by the piece's edge (and so needs
     bytes of another piece, or of another process)."""
+    chunk = lay.chunk_shape
     for (a, b), c, n in zip(index, chunk, shape, strict=True):
         if a % c or (b % c and b != n):
             return None
@@ -230,7 +222,7 @@ def _chunks(name: str, index: Index, shape: Sequence[int], chunk: Sequence[int])
             slice(i * c - a, min((i + 1) * c, b) - a)
             for i, c, (a, b) in zip(g, chunk, index, strict=True)
         )
-        key = direct.chunk_key(name, g, "/").encode()
+        key = direct.chunk_key(name, g, lay.separator).encode()
         out.append(_Chunk(key, box, tuple(chunk)))
     return out
 
@@ -262,14 +254,14 @@ def plan(
     pieces: list[_Piece] = []
     total = 0
     for w in writes:
-        stored = _stored(w)
-        if stored is None:
+        lay = _stored(w)
+        if lay is None:
             return None
-        dtype, chunk = stored
+        dtype, chunk = lay.dtype, lay.chunk_shape
         if w.create:
             entries[f"{w.name}/zarr.json".encode()] = _zarr_json(w.metadata)
         for index, get in w.pieces:
-            chunks = _chunks(w.name, index, w.metadata["shape"], chunk)
+            chunks = _chunks(w.name, index, w.metadata["shape"], lay)
             if chunks is None or any(c.key in entries for c in chunks):
                 return None  # (two pieces of one chunk: TensorStore writes the last, as ever)
             entries.update((c.key, b"") for c in chunks)  # their places: below
