@@ -1,6 +1,9 @@
 """Host slices onto devices (jaxckpt/_src/placement.py): every device gets the right slice,
 replicas are copies (no two devices share memory), bytes exact."""
 
+import itertools
+import mmap
+
 import jax
 import numpy as np
 import pytest
@@ -43,18 +46,24 @@ def test_a_leaf_replicated_everywhere(mesh42):
         np.testing.assert_array_equal(np.asarray(shard.data), value)
 
 
-def _thp_eligible(address: int) -> bool:
-    """Whether the mapping holding ``address`` may use transparent huge pages (smaps)."""
+def _mapping(address: int) -> tuple[int, int, bool]:
+    """The mapping holding ``address`` (smaps): its start, its end, and whether it may use
+    transparent huge pages."""
     with open("/proc/self/smaps") as f:
-        inside = False
+        inside = None
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
+                inside = (lo, hi) if lo <= address < hi else None
             elif inside and head == "THPeligible:":
-                return line.split()[1] == "1"
+                return inside[0], inside[1], line.split()[1] == "1"
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the mapping holding ``address`` may use transparent huge pages (smaps)."""
+    return _mapping(address)[2]
 
 
 def _thp_offered() -> bool:
@@ -100,3 +109,58 @@ def test_restore_buffers_from_2_mib_are_huge_page_memory(nbytes):
     assert (buf == 7).all()
     if _thp_offered() and nbytes >= arrays.HUGE_PAGE_MIN_BYTES:
         assert _thp_eligible(buf.ctypes.data)
+
+
+@pytest.mark.parametrize(
+    "nbytes", [arrays.HUGE_PAGE_MIN_BYTES, 3 * arrays.HUGE_PAGE_MIN_BYTES + 12345]
+)
+def test_huge_page_bytes_start_on_a_huge_page_and_the_mapping_ends_with_them(nbytes):
+    """The kernel gives huge pages only to whole aligned 2 MiB ranges of a mapping: the
+    bytes start on one, and no range past them is in the mapping (it would be a huge page
+    no array uses)."""
+    buf = arrays.huge_page_bytes(nbytes)
+    buf[:] = 3
+    start = buf.ctypes.data
+    assert buf.size == nbytes and start % arrays.HUGE_PAGE_MIN_BYTES == 0 and (buf == 3).all()
+    lo, hi, eligible = _mapping(start)
+    assert hi == start + -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # (whole pages)
+    assert start - lo < arrays.HUGE_PAGE_MIN_BYTES
+    if _thp_offered():
+        assert eligible
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_shards_of_a_leaf_share_one_huge_page_mapping_but_no_bytes(dtype, x64, mesh42):
+    """Slices far below 2 MiB whose copies come to more: each copy (replicas too) gets its
+    own place in one huge-page mapping of the leaf, read there by the caller
+    (``host_buffer``) and adopted by its device; bytes exact, no two devices' overlapping.
+    Sub-byte types, which XLA repacks, get no such buffers."""
+    rows = -(-2 * arrays.HUGE_PAGE_MIN_BYTES // (64 * np.dtype(dtype).itemsize))
+    full = random_bits((rows, 64), dtype, np.random.default_rng(2))
+    sharding = NamedSharding(mesh42, P("data"))  # 4 slices, each on 2 devices
+    out = Placement(sharding, full.shape, full.dtype)
+    whole_bytes = jax.dtypes.itemsize_bits(dtype) == 8 * np.dtype(dtype).itemsize
+    for index in out.indices:
+        part = full[tuple(slice(a, b) for a, b in index)]
+        buf = out.host_buffer(index)
+        if not whole_bytes:
+            assert buf is None
+            buf = np.empty_like(part)
+        assert buf is not None and buf.shape == part.shape and buf.dtype == full.dtype
+        buf[...] = part
+        out.put(index, buf)
+    arr = out.array()
+    assert_same_bits(full, np.asarray(arr), str(dtype))
+    spans = []
+    for shard in arr.addressable_shards:
+        assert_same_bits(full[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
+        start = shard.data.unsafe_buffer_pointer()
+        spans.append((start, start + shard.data.nbytes))
+    assert len({a for a, _ in spans}) == len(spans) == len(jax.devices())
+    if whole_bytes:  # (XLA packs sub-byte types: their shards' nbytes are not their buffers')
+        spans.sort()
+        assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(spans))  # no overlap
+        mappings = {_mapping(a)[:2] for a, _ in spans}
+        assert len(mappings) == 1  # the leaf's one mapping, adopted without a copy
+        if _thp_offered():
+            assert _thp_eligible(spans[0][0])

@@ -1,6 +1,7 @@
 """restore of one checkpoint: targets, other meshes, dtype casts, partial restores, read errors."""
 
 import collections
+import itertools
 import json
 import os
 import re
@@ -54,17 +55,36 @@ def test_single_device_sharding_restore(tmp_path):
     np.testing.assert_array_equal(out["x"], x)
 
 
-def test_restored_replicas_do_not_share_memory(mesh42, tmp_path):
-    """Read buffers become device buffers without a copy, but never two devices' at once."""
-    x = sharded(np.arange(512 * 64, dtype=np.float32).reshape(512, 64), mesh42, ("data",))
+@pytest.mark.parametrize("direct", ["1", "0"])
+@pytest.mark.parametrize("rows", [512, 8192])  # 128 KiB; 2 MiB, its copies 4 MiB (one mapping)
+def test_restored_replicas_do_not_share_memory(rows, direct, mesh42, tmp_path, monkeypatch):
+    """Read buffers become device buffers without a copy, but never two devices' at once;
+    shards smaller than a huge page are read into the leaf's one huge-page mapping, by the
+    direct path and by TensorStore alike, bytes exact."""
+    monkeypatch.setenv("JAXCKPT_DIRECT_READ", direct)
+    bits = np.random.default_rng(rows).integers(0, 2**32, (rows, 64), dtype=np.uint32)
+    x = sharded(bits.view(np.float32), mesh42, ("data",))  # NaN payloads, -0.0, subnormals
     jaxckpt.save(tmp_path / "c", {"x": x})
     out = jaxckpt.restore(tmp_path / "c", target={"x": x})["x"]
-    pointers = [s.data.unsafe_buffer_pointer() for s in out.addressable_shards]
-    assert len(set(pointers)) == len(pointers) == 8
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), bits)
+    spans = sorted((s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in out.addressable_shards)
+    assert len({a for a, _ in spans}) == len(spans) == 8
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))
+    if rows == 8192 and os.path.exists("/proc/self/maps"):
+        assert len({_mapping_of(a) for a, _ in spans}) == 1
     # donating the restored array must not disturb anything else restored
     other = jaxckpt.restore(tmp_path / "c", target={"x": x})["x"]
     jax.jit(lambda a: a * 2, donate_argnums=0)(out).block_until_ready()
-    np.testing.assert_array_equal(np.asarray(other), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(other).view(np.uint32), bits)
+
+
+def _mapping_of(address: int) -> str:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.split()[0]
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 # --- a Flax TrainState with Optax AdamW onto other meshes ---------------------------------

@@ -254,26 +254,48 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.
     """An uninitialized C-order array whose data starts on an ``align``-byte boundary.
 
     XLA's CPU client adopts such a buffer as a device buffer without copying it. One of
-    ``HUGE_PAGE_MIN_BYTES`` or more is its own anonymous mapping in transparent huge pages
-    where the kernel offers them (``MADV_HUGEPAGE``): a restore fills fresh memory, and
-    faulting it in 4 KiB pages (each zeroed by the kernel) cost more than the reads.
-    (NumPy advises its own allocations of 4 MiB or more the same way; restored shards are
-    often smaller.)
+    ``HUGE_PAGE_MIN_BYTES`` or more is fresh memory in transparent huge pages where the
+    kernel offers them (``huge_page_bytes``): a restore fills fresh memory, and faulting it
+    in 4 KiB pages (each zeroed by the kernel) cost more than the reads.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= HUGE_PAGE_MIN_BYTES and HUGE_PAGES:
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        with contextlib.suppress(OSError):  # a kernel without THP: plain pages
-            region.madvise(mmap.MADV_HUGEPAGE)
-        return np.frombuffer(region, np.uint8).view(dtype).reshape(shape)
+        return huge_page_bytes(nbytes).view(dtype).reshape(shape)
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def read_slice(store: ts.TensorStore, index: Index) -> _ReadInto:
-    """Reads ``store[index]`` into a fresh aligned buffer."""
-    buf = aligned_empty([b - a for a, b in index], store.dtype.numpy_dtype)
+def huge_page_bytes(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh memory (uint8) starting on a huge-page boundary, in an anonymous
+    mapping of its own advised for transparent huge pages (``MADV_HUGEPAGE``) that ends
+    where the bytes end. The kernel backs only the whole aligned 2 MiB ranges of a mapping
+    with huge pages, so a mapping that starts anywhere loses one (a 3 MiB one got none
+    here); one that ended past the bytes would get a huge page for the tail, memory no
+    array uses. (NumPy advises its own allocations of 4 MiB or more, unaligned.)"""
+    region = mmap.mmap(
+        -1, nbytes + HUGE_PAGE_MIN_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
+    probe = np.frombuffer(region, np.uint8, count=1)
+    start = -probe.ctypes.data % HUGE_PAGE_MIN_BYTES
+    del probe  # (a buffer exported from the mapping stops ``resize``)
+    with contextlib.suppress(OSError, ValueError, BufferError, SystemError):
+        region.resize(start + nbytes)  # mremap: shrinks the mapping in place
+    with contextlib.suppress(OSError):  # a kernel without THP: plain pages
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(region, np.uint8, count=nbytes, offset=start)
+
+
+def read_slice(store: ts.TensorStore, index: Index, into: np.ndarray | None = None) -> _ReadInto:
+    """Reads ``store[index]`` into ``into`` (C-contiguous, of the slice's shape and the
+    store's dtype) or a fresh aligned buffer."""
+    dtype = store.dtype.numpy_dtype
+    shape = [b - a for a, b in index]
+    if into is not None and not (
+        into.flags.c_contiguous and list(into.shape) == shape and into.dtype == dtype
+    ):
+        raise ValueError(f"a {dtype} buffer of shape {tuple(shape)}, C-contiguous, is needed")
+    buf = aligned_empty(shape, dtype) if into is None else into
     target = ts.array(buf, copy=False, write=True)
     return _ReadInto(target.write(store[_slices(index)]), buf)
 

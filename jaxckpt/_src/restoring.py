@@ -211,9 +211,15 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
     for index in out.indices:
         if store_fut is None or not volume(index):
             out.put(index, np.zeros(extent(index), want_dtype))
-        else:
-            reader.add(store_fut, rec, index, functools.partial(place, index))
+        else:  # read straight into the array's own memory where it has some (CPU devices)
+            into = out.host_buffer(index)
+            reader.add(store_fut, rec, index, functools.partial(place, index), into)
     return out.array
+
+
+def _fits(into: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
+    """``into`` where a read of ``dtype`` can fill it as it is (no conversion)."""
+    return into if into is not None and into.dtype == dtype else None
 
 
 @dataclass(frozen=True)
@@ -224,6 +230,7 @@ class _Request:
     rec: LeafRecord
     index: Index | None
     consume: Callable[[np.ndarray], None]
+    into: np.ndarray | None = None  # where to read it, if of the dtype read; else fresh memory
 
 
 @dataclass(frozen=True)
@@ -242,9 +249,11 @@ class _Reader:
         rec: LeafRecord,
         index: Index | None,
         consume: Callable[[np.ndarray], None],
+        into: np.ndarray | None = None,
     ) -> None:
-        """Asks for ``index`` of ``rec`` (None: all of it), to hand to ``consume``."""
-        self.requests.append(_Request(store_fut, rec, index, consume))
+        """Asks for ``index`` of ``rec`` (None: all of it), to hand to ``consume``; read
+        into ``into`` where its dtype is the one read."""
+        self.requests.append(_Request(store_fut, rec, index, consume, into))
 
     def issue(
         self,
@@ -260,10 +269,12 @@ class _Reader:
 
         def start() -> Any:
             if plan is not None:
-                return direct_reader.start(plan)
+                return direct_reader.start(plan, _fits(r.into, plan.dtype))
             try:
                 store = r.store_fut.result()
-                return store.read() if index is None else arrays.read_slice(store, index)
+                if index is None:
+                    return store.read()
+                return arrays.read_slice(store, index, _fits(r.into, store.dtype.numpy_dtype))
             except Exception as e:
                 raise self.error(e, rec) from e
 
