@@ -7,6 +7,7 @@ bytes (TensorStore reads files with its own C++ code, never through Python's ``o
 import itertools
 import os
 import shutil
+import threading
 
 import jax
 import multiproc
@@ -27,13 +28,16 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
 
 
 class Preadv:
-    """Counts ``os.preadv`` calls, the buffers handed to them and the bytes read."""
+    """Counts ``os.preadv`` calls, the buffers handed to them, the bytes read and the
+    threads that read."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = self.buffers = self.bytes = 0
+        self.threads: set[int] = set()
         real = os.preadv
 
         def counting(fd, buffers, offset, *rest):
+            self.threads.add(threading.get_ident())
             self.calls += 1
             self.buffers += len(buffers)
             n = real(fd, buffers, offset, *rest)
@@ -328,3 +332,82 @@ def test_two_process_checkpoints_read_directly(tmp_path, preadv):
     )
     assert preadv.calls > 0
     multiproc.run(WORKER, 2, devices_per_process=4, args=["restore", path]).check()
+
+
+# --- a slice read in spans on several threads ---------------------------------------------
+
+
+def _one_big_chunk(tmp_path, mib: int = 20) -> tuple[np.ndarray, arrays.ChunkBytes]:
+    """A leaf of ``mib`` MiB of random bits in one chunk (one device): its values and where
+    its chunk is."""
+    bits = np.random.default_rng(mib).integers(0, 2**32, (mib << 18,), dtype=np.uint32)
+    jaxckpt.save(tmp_path / "c", {"x": bits.view(np.float32)})
+    (at,) = [v for v in _chunk_values(tmp_path / "c") if v.stop - v.start == bits.nbytes + 4]
+    return bits, at
+
+
+def test_a_large_chunk_is_read_in_spans_by_several_threads(tmp_path, preadv, monkeypatch):
+    """A 20 MiB chunk: its spans are read by more than one thread, every byte lands where
+    it belongs, and the CRC32C put together from the spans' matches the stored one."""
+    monkeypatch.setattr(direct, "reader_threads", lambda: 4)
+    bits, _ = _one_big_chunk(tmp_path)
+    out = jaxckpt.restore(tmp_path / "c")
+    np.testing.assert_array_equal(np.asarray(out["x"]).view(np.uint32), bits)
+    assert preadv.bytes == bits.nbytes + 4
+    assert len(preadv.threads) > 1
+
+
+@pytest.mark.parametrize("where", ["first", "split", "last", "trailer"])
+def test_a_flipped_byte_anywhere_in_a_split_chunk_is_caught(where, tmp_path, preadv):
+    """The first byte, the first of the second span, the last data byte, the stored CRC."""
+    bits, at = _one_big_chunk(tmp_path)
+    offset = {
+        "first": at.start,
+        "split": at.start + direct.SPLIT_BYTES,
+        "last": at.stop - 5,
+        "trailer": at.stop - 1,
+    }[where]
+    with open(at.file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(errors.ChecksumError, match=r"leaf 'x': chunk 'x/c/0'") as e:
+        jaxckpt.restore(tmp_path / "c")
+    assert f"{at.file} (bytes {at.start}-{at.stop - 1})" in str(e.value)
+    assert preadv.calls > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_spans_cover_every_byte_once_in_file_order(seed):
+    """_spans: chunks (runs back to back, and gaps) cut into spans of about SPLIT_BYTES
+    whose pieces, in order, are each chunk's bytes then its trailer, at consecutive file
+    positions; no piece larger than PIECE_BYTES."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(n) for n in rng.integers(1, 3 * direct.SPLIT_BYTES // 2, 7)]
+    chunks, pos, offset = [], 0, 0
+    for i, n in enumerate(sizes):
+        pos += int(rng.integers(0, 2)) * 4096  # now and then a gap: a new run
+        file = "a" if i < 4 else "b"
+        if i == 4:
+            pos = 0
+        chunks.append(
+            direct.ChunkRead(f"k{i}", arrays.ChunkBytes(file, pos, pos + n + 4), offset, n)
+        )
+        pos, offset = pos + n + 4, offset + n
+    flat = memoryview(bytearray(offset))
+    trailers = memoryview(bytearray(4 * len(chunks)))
+    spans = direct._spans(chunks, flat, trailers)
+    seen = {i: 0 for i in range(len(chunks))}
+    for span in spans:
+        at = span.start
+        assert sum(len(v) for v, _ in span.pieces) <= direct.SPLIT_BYTES + direct.PIECE_BYTES
+        for view, i in span.pieces:
+            assert len(view) <= direct.PIECE_BYTES
+            if i >= 0:
+                r = chunks[i]
+                assert at == r.at.start + seen[i] and span.chunks[0].at.file == r.at.file
+                seen[i] += len(view)
+            at += len(view)
+    assert seen == {i: n for i, n in enumerate(sizes)}
+    assert sum(len(v) for s in spans for v, _ in s.pieces) == offset + 4 * len(chunks)

@@ -21,6 +21,7 @@ length or past its file's end) is read by TensorStore.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -29,6 +30,7 @@ import threading
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c
 import ml_dtypes
@@ -36,12 +38,13 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import StorageError
-from . import arrays, boxes
+from . import arrays, boxes, crc
 from .boxes import Index, extent
 from .storage import Location
 
 ENV = "JAXCKPT_DIRECT_READ"
 PIECE_BYTES = 1 << 20  # read and checksummed at a time: stays in cache between the two
+SPLIT_BYTES = 8 << 20  # a thread's share of a slice's whole chunks
 PART_CHUNK_BYTES = 64 << 20
 """The largest chunk read whole into a thread's scratch buffer when a slice needs only part
 of it; a larger one is left to TensorStore (each reader thread would hold one)."""
@@ -314,14 +317,48 @@ class Reader:
         self._scratch = threading.local()  # each thread's buffer for chunks read in part
 
     def start(self, sr: SliceRead, into: np.ndarray | None = None) -> Future[np.ndarray]:
-        """Reads ``sr`` on a thread, into a fresh buffer or ``into`` (C-contiguous, of the
-        slice's shape and dtype)."""
+        """Reads ``sr`` on the threads, into a fresh buffer or ``into`` (C-contiguous, of
+        the slice's shape and dtype). Whole chunks are read in spans of about
+        ``SPLIT_BYTES``, each on a thread of its own, so one large slice keeps every thread
+        busy; each chunk's CRC32C is put together from its spans' (``crc.combine``)."""
         if into is not None and not (
             into.flags.c_contiguous and into.shape == sr.shape and into.dtype == sr.dtype
         ):
             raise ValueError(f"a {sr.dtype} buffer of shape {sr.shape}, C-contiguous, is needed")
         self._prefetch(sr)
-        return self._pool.submit(self._read, sr, into)
+        buf = arrays.aligned_empty(sr.shape, sr.dtype) if into is None else into
+        if sr.parts:
+            return self._pool.submit(self._read_parts, sr, buf)
+        chunks = sorted(sr.chunks, key=lambda r: (r.at.file, r.at.start))
+        trailers = bytearray(_TRAILER * len(chunks))
+        spans = _spans(chunks, buf.reshape(-1).view(np.uint8).data, memoryview(trailers))
+        out: Future[np.ndarray] = Future()
+        partial: list[dict[int, list[int]] | None] = [None] * len(spans)
+        left = [len(spans)]
+        lock = threading.Lock()
+
+        def done(k: int, fut: Future[dict[int, list[int]]]) -> None:
+            try:
+                partial[k] = fut.result()
+            except BaseException as e:  # (a cancelled span too)
+                with lock:
+                    if not out.done():
+                        out.set_exception(e)
+                return
+            with lock:
+                left[0] -= 1
+                if left[0] or out.done():
+                    return
+            try:
+                _check(chunks, trailers, partial)
+            except BaseException as e:
+                out.set_exception(e)
+            else:
+                out.set_result(buf)
+
+        for k, span in enumerate(spans):
+            self._pool.submit(self._read_span, span).add_done_callback(functools.partial(done, k))
+        return out
 
     def _prefetch(self, sr: SliceRead) -> None:
         """Asks the kernel to start reading the slice's chunks (``POSIX_FADV_WILLNEED``) as
@@ -356,22 +393,9 @@ class Reader:
                     raise StorageError(f"opening the data file {path} failed: {e}") from e
             return self._fds[path]
 
-    def _read(self, sr: SliceRead, into: np.ndarray | None = None) -> np.ndarray:
-        buf = arrays.aligned_empty(sr.shape, sr.dtype) if into is None else into
-        if sr.parts:
-            for p in sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)):
-                self._read_part(p, buf)
-            return buf
-        flat = buf.reshape(-1).view(np.uint8).data
-        chunks = sorted(sr.chunks, key=lambda r: (r.at.file, r.at.start))
-        run: list[ChunkRead] = []
-        for r in chunks:
-            if run and (r.at.file != run[-1].at.file or r.at.start != run[-1].at.stop):
-                self._read_run(run, flat)
-                run = []
-            run.append(r)
-        if run:
-            self._read_run(run, flat)
+    def _read_parts(self, sr: SliceRead, buf: np.ndarray) -> np.ndarray:
+        for p in sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)):
+            self._read_part(p, buf)
         return buf
 
     def _read_part(self, p: ChunkPart, buf: np.ndarray) -> None:
@@ -389,34 +413,89 @@ class Reader:
         chunk = scratch[: p.nbytes].view(buf.dtype).reshape(p.chunk_shape)
         buf[p.dst] = chunk[p.src]
 
-    def _read_run(self, run: list[ChunkRead], flat: memoryview) -> None:
-        """Chunks stored back to back in one file: read in pieces of about PIECE_BYTES,
-        each checksummed as soon as it is in."""
-        trailers = bytearray(_TRAILER * len(run))
-        tail = memoryview(trailers)
-        # (destination, index of its chunk or -1 for a trailer)
-        iov: list[tuple[memoryview, int]] = []
-        for i, r in enumerate(run):
-            for lo in range(0, r.nbytes, PIECE_BYTES):
-                hi = min(r.nbytes, lo + PIECE_BYTES)
-                iov.append((flat[r.offset + lo : r.offset + hi], i))
-            iov.append((tail[_TRAILER * i : _TRAILER * (i + 1)], -1))
-        fd, pos = self._fd(run[0].at.file), run[0].at.start
-        crcs = [0] * len(run)
+    def _read_span(self, span: _Span) -> dict[int, list[int]]:
+        """Reads one span in ``preadv`` calls of about PIECE_BYTES, each piece checksummed
+        as soon as it is in; returns {chunk: [CRC32C, length] of its bytes in the span}."""
+        fd, pos = self._fd(span.chunks[0].at.file), span.start
+        crcs: dict[int, list[int]] = {}
         group: list[tuple[memoryview, int]] = []
         size = 0
-        for view, i in [*iov, (memoryview(b""), -2)]:  # -2: the end
+        for view, i in [*span.pieces, (memoryview(b""), -2)]:  # -2: the end
             if group and (i == -2 or size + len(view) > PIECE_BYTES or len(group) == _IOV_MAX):
-                pos = _preadv_all(fd, [v for v, _ in group], pos, run)
+                pos = _preadv_all(fd, [v for v, _ in group], pos, span.chunks)
                 for v, j in group:
                     if j >= 0:
-                        crcs[j] = crc32c.crc32c(v, crcs[j])
+                        c = crcs.setdefault(j, [0, 0])
+                        c[0] = crc32c.crc32c(v, c[0])
+                        c[1] += len(v)
                 group, size = [], 0
             group.append((view, i))
             size += len(view)
-        for i, r in enumerate(run):
-            if crcs[i] != int.from_bytes(trailers[_TRAILER * i : _TRAILER * (i + 1)], "little"):
-                raise Corrupt(r.key, r.at)
+        return crcs
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Consecutive bytes of one data file that one thread reads: from ``start`` on, into
+    ``pieces`` (a destination, and the index of its chunk or -1 for a CRC trailer);
+    ``chunks``: those it touches, for errors."""
+
+    start: int
+    pieces: list[tuple[memoryview, int]]
+    chunks: list[ChunkRead]
+
+
+def _spans(chunks: list[ChunkRead], flat: memoryview, trailers: memoryview) -> list[_Span]:
+    """The reads of ``chunks`` (sorted by file and offset) into ``flat``, their trailers into
+    ``trailers``: chunks back to back in one file are one run, cut into spans of about
+    ``SPLIT_BYTES`` (wherever that falls, inside a chunk too), each made of pieces of at
+    most PIECE_BYTES."""
+    spans: list[_Span] = []
+    pieces: list[tuple[memoryview, int]] = []
+    touched: list[ChunkRead] = []
+    start = pos = size = 0
+    prev: ChunkRead | None = None
+
+    def cut() -> None:
+        if pieces:
+            spans.append(_Span(start, list(pieces), list(touched)))
+        pieces.clear()
+        touched.clear()
+
+    for i, r in enumerate(chunks):
+        if prev is None or r.at.file != prev.at.file or r.at.start != prev.at.stop:
+            cut()
+            start = pos = r.at.start
+            size = 0
+        prev = r
+        touched.append(r)
+        views = [flat[r.offset + lo : r.offset + min(r.nbytes, lo + PIECE_BYTES)]
+                 for lo in range(0, r.nbytes, PIECE_BYTES)]  # fmt: skip
+        for j, view in [
+            *((i, v) for v in views),
+            (-1, trailers[_TRAILER * i : _TRAILER * (i + 1)]),
+        ]:
+            if size >= SPLIT_BYTES:
+                cut()
+                start, size = pos, 0
+                touched.append(r)
+            pieces.append((view, j))
+            pos += len(view)
+            size += len(view)
+    cut()
+    return spans
+
+
+def _check(chunks: list[ChunkRead], trailers: bytearray, partial: Sequence[Any]) -> None:
+    """Raises Corrupt for the first chunk whose bytes' CRC32C, put together from the spans'
+    ``partial`` ones (in file order), is not the one stored after it."""
+    for i, r in enumerate(chunks):
+        got = 0
+        for p in partial:
+            if i in p:
+                got = crc.combine(got, *p[i])
+        if got != int.from_bytes(trailers[_TRAILER * i : _TRAILER * (i + 1)], "little"):
+            raise Corrupt(r.key, r.at)
 
 
 def _preadv_all(fd: int, views: list[memoryview], pos: int, run: list[ChunkRead]) -> int:
