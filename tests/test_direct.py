@@ -9,6 +9,7 @@ import os
 import shutil
 import threading
 
+import iostats
 import jax
 import multiproc
 import numpy as np
@@ -29,7 +30,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
 
 class Preadv:
     """Counts ``os.preadv`` calls, the buffers handed to them, the bytes read and the
-    threads that read."""
+    threads that read (not the 1-byte page-cache probes, ``RWF_NOWAIT``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = self.buffers = self.bytes = 0
@@ -37,6 +38,8 @@ class Preadv:
         real = os.preadv
 
         def counting(fd, buffers, offset, *rest):
+            if rest and rest[0] & getattr(os, "RWF_NOWAIT", 0):
+                return real(fd, buffers, offset, *rest)
             self.threads.add(threading.get_ident())
             self.calls += 1
             self.buffers += len(buffers)
@@ -117,12 +120,21 @@ def test_chunks_of_a_shard_are_coalesced(preadv, mesh42, tmp_path):
     assert preadv.buffers == 2 * len(keys)
 
 
-def test_each_read_asks_the_kernel_to_prefetch_its_chunks(mesh42, tmp_path, monkeypatch):
+@pytest.mark.parametrize("rows,cold", [(4096, True), (4096, False), (262144, True)])
+def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
+    rows, cold, mesh42, tmp_path, monkeypatch
+):
     """As a slice's read is issued, the byte ranges of its chunks are advised WILLNEED
     (seen from outside: ``os.posix_fadvise`` wrapped), merged where they touch; they cover
-    every chunk read and nothing else."""
-    x = np.random.default_rng(0).standard_normal((4096, 32)).astype(np.float32)
-    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=16 << 10)
+    every chunk read and nothing else: small stretches always, those of PROBE_MIN_BYTES or
+    more (262144 rows: 8 MiB shards) when not in the page cache."""
+    x = np.random.default_rng(0).standard_normal((rows, 32)).astype(np.float32)
+    chunk_bytes = 16 << 10 if rows == 4096 else None
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=chunk_bytes)
+    if cold:
+        iostats.drop_page_cache(str(tmp_path / "c"))
+    else:
+        jaxckpt.restore(tmp_path / "c")  # every chunk read once: in the page cache
     advised: list[tuple[str, int, int]] = []
     real = os.posix_fadvise
 
@@ -136,7 +148,7 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(mesh42, tmp_path, monk
     out = jaxckpt.restore(tmp_path / "c")
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     chunks = _chunk_values(tmp_path / "c")
-    assert len(chunks) == 32 and len(advised) < len(chunks)  # touching chunks merged
+    assert len(chunks) == (32 if rows == 4096 else 4) and len(advised) <= len(chunks)
     covered = {(os.path.realpath(c.file), c.start, c.stop) for c in chunks}
     for f, a, b in covered:
         assert any(f == g and s <= a and b <= e for g, s, e in advised), (f, a, b)
@@ -411,3 +423,30 @@ def test_spans_cover_every_byte_once_in_file_order(seed):
             at += len(view)
     assert seen == {i: n for i, n in enumerate(sizes)}
     assert sum(len(v) for s in spans for v, _ in s.pieces) == offset + 4 * len(chunks)
+
+
+def test_cached_stretches_get_no_prefetch_advice(mesh42, tmp_path, monkeypatch):
+    """Shards of 8 MiB, read once (in the page cache): their stretches are not advised (the
+    advice would only walk the cache); each probe is a 1-byte RWF_NOWAIT read."""
+    x = np.random.default_rng(0).standard_normal((262144, 32)).astype(np.float32)
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
+    jaxckpt.restore(tmp_path / "c")
+    advice, probes = [], []
+    real_advise, real_preadv = os.posix_fadvise, os.preadv
+
+    def advise(fd, offset, length, what):
+        advice.append(what)
+        return real_advise(fd, offset, length, what)
+
+    def preadv(fd, buffers, offset, *flags):
+        if flags and flags[0] & os.RWF_NOWAIT:
+            probes.append(sum(len(b) for b in buffers))
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.delenv(direct.ENV, raising=False)
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    monkeypatch.setattr(os, "preadv", preadv)
+    out = jaxckpt.restore(tmp_path / "c")
+    np.testing.assert_array_equal(np.asarray(out["x"]), x)
+    assert os.POSIX_FADV_WILLNEED not in advice
+    assert probes and set(probes) == {1}
