@@ -62,3 +62,18 @@ def cached_bytes(path: str) -> int:
             finally:
                 os.close(fd)
     return total
+
+
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of this process's memory from ``address`` on (page-aligned) that are resident
+    (``mincore``): pages never touched are not."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    if libc.mincore(address, nbytes, vec) != 0:
+        raise OSError(ctypes.get_errno(), f"mincore at {address:#x} failed")
+    return sum(b & 1 for b in vec.raw) * mmap.PAGESIZE

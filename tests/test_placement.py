@@ -4,6 +4,7 @@ replicas are copies (no two devices share memory), bytes exact."""
 import itertools
 import mmap
 
+import iostats
 import jax
 import numpy as np
 import pytest
@@ -164,3 +165,24 @@ def test_small_shards_of_a_leaf_share_one_huge_page_mapping_but_no_bytes(dtype, 
         assert len(mappings) == 1  # the leaf's one mapping, adopted without a copy
         if _thp_offered():
             assert _thp_eligible(spans[0][0])
+
+
+def test_buffers_of_the_callers_own_leave_the_first_copies_untouched(mesh42):
+    """A caller that puts buffers of its own (the emergency tier, safetensors) instead of
+    reading into ``host_buffer``: the first copies' places lie together at the start of
+    the leaf's mapping and stay untouched (``mincore``), whatever the page size, so the
+    mapping holds about the replicas' bytes, not twice that."""
+    rows = 4 * (arrays.HUGE_PAGE_MIN_BYTES // (64 * 4))  # 4 slices of 1 MiB, 2 devices each
+    full = np.random.default_rng(3).standard_normal((rows, 64)).astype(np.float32)
+    out = Placement(NamedSharding(mesh42, P("data")), full.shape, full.dtype)
+    firsts = [out.host_buffer(i) for i in out.indices]
+    assert all(b is not None for b in firsts)
+    start = min(b.ctypes.data for b in firsts)
+    assert start % arrays.HUGE_PAGE_MIN_BYTES == 0
+    for index in out.indices:
+        own = arrays.aligned_empty(extent(index), full.dtype)
+        own[...] = full[tuple(slice(a, b) for a, b in index)]
+        out.put(index, own)
+    arr = out.array()
+    np.testing.assert_array_equal(np.asarray(arr), full)
+    assert iostats.resident_bytes(start, sum(b.nbytes for b in firsts)) == 0

@@ -63,13 +63,14 @@ class Placement:
         if total < arrays.HUGE_PAGE_MIN_BYTES or not arrays.HUGE_PAGES:
             return {}
         region, at = arrays.huge_page_bytes(total), 0
-        out: dict[Index, list[np.ndarray]] = {}
-        for i, ds in self.devices.items():
-            out[i] = []
-            for _ in ds:
-                view = region[at : at + sizes[i]].view(self.dtype).reshape(extent(i))
-                out[i].append(view)
-                at += padded[i]
+        out: dict[Index, list[np.ndarray]] = {i: [] for i in self.devices}
+        # first copies first, then the replicas: where a caller puts buffers of its own
+        # instead (``host_buffer`` unused), the first copies' stretch is never touched
+        for k in range(max(len(ds) for ds in self.devices.values())):
+            for i, ds in self.devices.items():
+                if k < len(ds):
+                    out[i].append(region[at : at + sizes[i]].view(self.dtype).reshape(extent(i)))
+                    at += padded[i]
         return out
 
     def host_buffer(self, index: Index) -> np.ndarray | None:
