@@ -450,3 +450,22 @@ def test_cached_stretches_get_no_prefetch_advice(mesh42, tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     assert os.POSIX_FADV_WILLNEED not in advice
     assert probes and set(probes) == {1}
+
+
+def test_a_buffer_to_read_into_must_fit_exactly():
+    """``into`` of another shape, dtype or layout is refused before any read (the reader
+    and TensorStore's fallback share the check); None gets a fresh aligned buffer."""
+    shape, dtype = (4, 8), np.dtype(np.float32)
+    good = np.empty(shape, dtype)
+    assert arrays.buffer_for(good, shape, dtype) is good
+    fresh = arrays.buffer_for(None, shape, dtype)
+    assert fresh.shape == shape and fresh.dtype == dtype and fresh.ctypes.data % 64 == 0
+    for bad in (np.empty((8, 4), dtype), np.empty(shape, np.int32), np.empty((8, 4), dtype).T):
+        with pytest.raises(ValueError, match="C-contiguous, is needed"):
+            arrays.buffer_for(bad, shape, dtype)
+    reader = direct.Reader(1)
+    try:
+        with pytest.raises(ValueError, match="C-contiguous, is needed"):
+            reader.start(direct.SliceRead(shape, dtype, ()), np.empty(shape, np.int32))
+    finally:
+        reader.close()

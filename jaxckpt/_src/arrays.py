@@ -286,16 +286,20 @@ def huge_page_bytes(nbytes: int) -> np.ndarray:
     return np.frombuffer(region, np.uint8, count=nbytes, offset=start)
 
 
+def buffer_for(into: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The buffer a read of ``shape`` and ``dtype`` fills: ``into``, checked to be exactly
+    that and C-contiguous, or a fresh ``aligned_empty`` one."""
+    if into is None:
+        return aligned_empty(shape, dtype)
+    if not (into.flags.c_contiguous and into.shape == tuple(shape) and into.dtype == dtype):
+        raise ValueError(f"a {dtype} buffer of shape {tuple(shape)}, C-contiguous, is needed")
+    return into
+
+
 def read_slice(store: ts.TensorStore, index: Index, into: np.ndarray | None = None) -> _ReadInto:
     """Reads ``store[index]`` into ``into`` (C-contiguous, of the slice's shape and the
     store's dtype) or a fresh aligned buffer."""
-    dtype = store.dtype.numpy_dtype
-    shape = [b - a for a, b in index]
-    if into is not None and not (
-        into.flags.c_contiguous and list(into.shape) == shape and into.dtype == dtype
-    ):
-        raise ValueError(f"a {dtype} buffer of shape {tuple(shape)}, C-contiguous, is needed")
-    buf = aligned_empty(shape, dtype) if into is None else into
+    buf = buffer_for(into, tuple(b - a for a, b in index), store.dtype.numpy_dtype)
     target = ts.array(buf, copy=False, write=True)
     return _ReadInto(target.write(store[_slices(index)]), buf)
 

@@ -322,12 +322,8 @@ class Reader:
         the slice's shape and dtype). Whole chunks are read in spans of about
         ``SPLIT_BYTES``, each on a thread of its own, so one large slice keeps every thread
         busy; each chunk's CRC32C is put together from its spans' (``crc.combine``)."""
-        if into is not None and not (
-            into.flags.c_contiguous and into.shape == sr.shape and into.dtype == sr.dtype
-        ):
-            raise ValueError(f"a {sr.dtype} buffer of shape {sr.shape}, C-contiguous, is needed")
+        buf = arrays.buffer_for(into, sr.shape, sr.dtype)
         self._prefetch(sr)
-        buf = arrays.aligned_empty(sr.shape, sr.dtype) if into is None else into
         if sr.parts:
             return self._pool.submit(self._read_parts, sr, buf)
         chunks = sorted(sr.chunks, key=lambda r: (r.at.file, r.at.start))
@@ -496,12 +492,12 @@ def _spans(chunks: list[ChunkRead], flat: memoryview, trailers: memoryview) -> l
 def _check(chunks: list[ChunkRead], trailers: bytearray, partial: Sequence[Any]) -> None:
     """Raises Corrupt for the first chunk whose bytes' CRC32C, put together from the spans'
     ``partial`` ones (in file order), is not the one stored after it."""
+    got: dict[int, int] = {}
+    for p in partial:
+        for i, (c, n) in p.items():  # most chunks lie in one span: nothing to combine
+            got[i] = crc.combine(got[i], c, n) if i in got else c
     for i, r in enumerate(chunks):
-        got = 0
-        for p in partial:
-            if i in p:
-                got = crc.combine(got, *p[i])
-        if got != int.from_bytes(trailers[_TRAILER * i : _TRAILER * (i + 1)], "little"):
+        if got.get(i) != int.from_bytes(trailers[_TRAILER * i : _TRAILER * (i + 1)], "little"):
             raise Corrupt(r.key, r.at)
 
 
