@@ -52,6 +52,21 @@ def test_the_budget_holds_and_reads_are_used_in_order(threads):
         assert sorted(ledger.used) == list(range(len(sizes)))
 
 
+def test_worker_threads_use_each_read_without_waiting_for_the_caller():
+    """With worker threads, a read's use starts as soon as the read is added, well within
+    the budget and before ``drain``: the caller does not hand uses over one at a time (a
+    round trip of threads per read, most of a restore of many small slices)."""
+    used = [threading.Event() for _ in range(3)]
+    reads = InFlight(budget=1 << 30, threads=1)
+    try:
+        for i in range(len(used)):
+            reads.add(1, lambda i=i: i, lambda i: used[i].set())
+        assert all(ev.wait(timeout=10) for ev in used)  # no drain yet
+        reads.drain()
+    finally:
+        reads.close()
+
+
 def test_a_read_larger_than_the_budget_runs_alone():
     ledger = Ledger()
     reads = InFlight(budget=10)

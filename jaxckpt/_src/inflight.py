@@ -51,12 +51,16 @@ class InFlight(Generic[H]):
 
     def add(self, nbytes: int, start: Callable[[], H], use: Callable[[H], None]) -> None:
         """Starts a read of ``nbytes`` (``start()``, once it fits) and queues ``use`` of
-        what it returned. Errors of ``start`` raise here; those of ``use`` here or in
-        ``drain``, in order."""
+        what it returned: on the worker threads at once (a use waits there for its read),
+        else on this thread when the budget or ``drain`` needs it. Errors of ``start``
+        raise here; those of ``use`` here or in ``drain``, in order."""
         while self._held + nbytes > self.budget and (self._started or self._using):
             self._advance()
         handle = start()
-        self._started.append((nbytes, handle, use))
+        if self._pool is None:
+            self._started.append((nbytes, handle, use))
+        else:  # (handing uses over one at a time cost a round trip of threads per read)
+            self._using.append((self._pool.submit(use, handle), nbytes))
         self._held += nbytes
         self.total += nbytes
 
@@ -71,15 +75,11 @@ class InFlight(Generic[H]):
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _advance(self) -> None:
-        """Uses the oldest read (or hands it to a free thread), else waits for a thread."""
-        if self._started and (self._pool is None or len(self._using) < self._threads):
+        """Uses the oldest read on this thread, or waits for the oldest use on a worker."""
+        if self._started:
             nbytes, handle, use = self._started.popleft()
-            if self._pool is None:
-                use(handle)
-                self._held -= nbytes
-            else:
-                self._using.append((self._pool.submit(use, handle), nbytes))
+            use(handle)
         else:
             done, nbytes = self._using.popleft()
             done.result()
-            self._held -= nbytes
+        self._held -= nbytes
