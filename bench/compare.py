@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shutil
 import time
@@ -98,7 +99,8 @@ RESTORES = {  # operation -> (mesh shape, device count)
 WARM = [op for op in RESTORES if op != COLD]
 FILES = "raw reads of its files"  # not a restore: cold reads of jaxckpt's checkpoint files
 FIRST = "first write"  # raw write + fsync as a fresh process's first big write, like a save
-RAW_KINDS = ("write", FIRST, "read", "verified", "cold read", "cold verified")
+REPLICAS = "verified + replicas"  # a verified read, then each array's replicas copied
+RAW_KINDS = ("write", FIRST, "read", "verified", REPLICAS, "cold read", "cold verified")
 DIRECT_ENV = "JAXCKPT_DIRECT_READ"
 TS_READS = "jaxckpt (tensorstore reads)"  # --direct-read both: JAXCKPT_DIRECT_READ=0
 WRITE_ENV = "JAXCKPT_DIRECT_WRITE"  # --direct-write both: =0 saves through TensorStore too
@@ -285,7 +287,21 @@ def worker_raw(args) -> dict:
     """The limits for the state's bytes: ``harness.raw_io`` (write + fsync, read, verified
     read, several ways)."""
     sizes = [int(np.prod(s)) * np.dtype(t).itemsize for _, s, t, _ in layout(args.size_gb)]
-    return harness.raw_io(args.path, sizes, args.rotate)
+    return harness.raw_io(
+        args.path, sizes, args.rotate, replica_copies(args.size_gb, RESTORES[SAME_MESH])
+    )
+
+
+def replica_copies(size_gb: float, mesh_devices: tuple[tuple[int, int], int]) -> list[int]:
+    """For each array of the state at ``size_gb``, the copies of its bytes beyond one that a restore onto
+    that mesh holds (CPU devices: each replica is host memory of its own)."""
+    mesh = make_mesh(*mesh_devices)
+    out = []
+    for _, shape, _, spec in layout(size_gb):
+        sharding = NamedSharding(mesh, spec)
+        shards = math.prod(shape) // math.prod(sharding.shard_shape(shape))
+        out.append(len(sharding.device_set) // shards - 1)
+    return out
 
 
 def worker_first_write(args) -> dict:
@@ -350,7 +366,8 @@ def orchestrate(args) -> dict:
     for rep in range(args.repeats):
         harness.log(f"repeat {rep + 1}/{args.repeats}: raw")
         r = run_worker(args, "raw", path=os.path.join(args.workdir, "raw"), rotate=rep)
-        _collect(raw, r, {"write": "write", "read": "read", "verified": "verified"})
+        _collect(raw, r, {"write": "write", "read": "read", "verified": "verified",
+                          "replicas": REPLICAS})  # fmt: skip
         for n in harness.rotated([1, *harness.RAW_THREADS], rep):
             path = os.path.join(args.workdir, "raw")
             _collect(raw, run_worker(args, "first_write", path=path, threads=n), {FIRST: FIRST})
@@ -623,6 +640,8 @@ def _report_limits(out: dict, nbytes: int) -> None:
         FIRST: "raw first write (each way a fresh process's first big write, as a save)",
         "read": "raw read",
         "verified": f"verified read (read + CRC32C by {out['crc32c']})",
+        REPLICAS: "verified read + each array's replicas on the (4,2) mesh copied into "
+        "fresh memory, as a restore onto 8 CPU devices holds them",
         "cold read": "cold raw read of jaxckpt's files",
         "cold verified": "cold verified read of jaxckpt's files",
     })  # fmt: skip
@@ -662,6 +681,10 @@ def _report_targets(speed: dict, cpu: dict, lim: dict[str, harness.Limit], orbax
     for name, ratio, need in rows:
         ok = None if ratio is None else ratio >= need
         _target(ok, name, f"{'-' if ratio is None else f'{ratio:.2f}x':>9}")
+    replicas = vs(SAME_MESH, REPLICAS)
+    if replicas is not None:
+        print(f"  (restore same mesh / the verified read + its replica copies, the least a "
+              f"restore onto 8 CPU devices must do: {replicas:.2f}x)")  # fmt: skip
     warmer = vs("save", "write")
     if warmer is not None:
         print(f"  (save / the raw write on warmer memory, later in one process: {warmer:.2f}x)")

@@ -300,15 +300,21 @@ def read_files(
     threads: int = 1,
     check: Callable[[bytes], int] | None = None,
     keep: list | None = None,
+    copies: Sequence[int] = (),
 ) -> int:
     """Every byte of ``paths`` read into fresh memory, one buffer per file that the reads
     fill in blocks of ``READ_BLOCK`` (as a restore fills the arrays it returns: every page
     touched for the first time, none reused), spread over ``threads`` threads, each block
-    passed to ``check`` (a CRC) if given; the buffers go to ``keep`` (freed by the caller,
-    outside its clock) or are dropped on return. Returns the bytes read."""
+    passed to ``check`` (a CRC) if given, then copied ``copies[i]`` more times for the i-th
+    file, into fresh buffers of its own (as a restore onto CPU devices fills each replica);
+    the buffers go to ``keep`` (freed by the caller, outside its clock) or are dropped on
+    return. Returns the bytes read."""
     buffers = {p: np.empty(os.path.getsize(p), np.uint8) for p in paths}
+    pairs = zip(paths, copies, strict=True) if copies else ()
+    dups = {p: [np.empty_like(buffers[p]) for _ in range(n)] for p, n in pairs}
     if keep is not None:
         keep.extend(buffers.values())
+        keep.extend(d for ds in dups.values() for d in ds)
     blocks = [
         (p, off, min(READ_BLOCK, buf.size - off))
         for p, buf in buffers.items()
@@ -330,6 +336,8 @@ def read_files(
             os.close(fd)
         if check is not None:
             check(view)
+        for dup in dups.get(path, ()):
+            dup[offset : offset + n] = buffers[path][offset : offset + n]
         return n
 
     if threads == 1:
@@ -350,13 +358,17 @@ def _filled(n: int, block: np.ndarray) -> np.ndarray:
     return out
 
 
-def raw_io(path: str, sizes: Sequence[int], rotate: int = 0) -> dict[str, dict[str, dict]]:
+def raw_io(
+    path: str, sizes: Sequence[int], rotate: int = 0, copies: Sequence[int] = ()
+) -> dict[str, dict[str, dict]]:
     """The limits for a state of arrays of ``sizes`` bytes: NumPy write + fsync, read, and
-    verified read (read + CRC32C) of the same bytes, several ways, from the page cache.
+    verified read (read + CRC32C) of the same bytes, several ways, from the page cache;
+    with ``copies`` (per array), also "replicas": the verified read of the per-array files
+    with each array's bytes then copied that many more times into fresh memory.
 
     The ways: one file on one thread, or one file per array on 2, 4 or 8 threads; their
-    order rotates with ``rotate`` so none always comes first, and a plain and a verified
-    read alternate. Returns {"write" | "read" | "verified": {way: Clock.record()}}.
+    order rotates with ``rotate`` so none always comes first, and the reads alternate.
+    Returns {"write" | "read" | "verified" [| "replicas"]: {way: Clock.record()}}.
     """
     block = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
     arrays = [_filled(n, block) for n in sizes]
@@ -366,6 +378,8 @@ def raw_io(path: str, sizes: Sequence[int], rotate: int = 0) -> dict[str, dict[s
     ways = rotated([1, *RAW_THREADS], rotate)
     name = {n: way_name(n, len(sizes)) for n in ways}
     out: dict[str, dict[str, dict]] = {"write": {}, "read": {}, "verified": {}}
+    if copies:
+        out["replicas"] = {}
     for n in ways:
         for p in per_array if n > 1 else []:
             if os.path.exists(p):
@@ -377,12 +391,13 @@ def raw_io(path: str, sizes: Sequence[int], rotate: int = 0) -> dict[str, dict[s
     warm_page_cache(path)
     crc = crc32c()[1]
     for i, n in enumerate(ways):
-        for kind in alternate(["read", "verified"], rotate + i):
+        kinds = ["read", "verified"] + (["replicas"] if copies and n > 1 else [])
+        for kind in alternate(kinds, rotate + i):
             gc.collect()
             kept: list = []
             with Clock() as clock:
-                read_files(one if n == 1 else per_array, n, crc if kind == "verified" else None,
-                           kept)  # fmt: skip
+                read_files(one if n == 1 else per_array, n, None if kind == "read" else crc,
+                           kept, copies if kind == "replicas" else ())  # fmt: skip
             del kept  # freed outside the clock, as a restore's result outlives its clock
             out[kind][name[n]] = clock.record()
     shutil.rmtree(path)
