@@ -4,6 +4,7 @@ copies, from safetensors files) turns the slices it read into a ``jax.Array``.""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -19,16 +20,18 @@ class Placement:
     """One array of ``shape`` and ``dtype`` on ``sharding``, built slice by slice.
 
     ``indices`` are the distinct slices this process's devices hold; ``put`` each one's host
-    data once. The first device of a slice may adopt the host buffer (zero-copy on CPU when
-    it is aligned and nothing else keeps it); its replicas are copies, so no two devices
-    share memory. ``array`` works on a process that holds no slice at all (a leaf that
-    lives on other processes' devices).
+    data once, then take the ``array``. It works on a process that holds no slice at all (a
+    leaf that lives on other processes' devices). No two devices share memory: a replica is
+    a copy (a device may donate its buffer and write it).
 
-    On CPU devices, whose buffers are host memory, every copy of the leaf this process
-    holds gets its place in one fresh huge-page mapping (``host_buffer`` gives a slice's:
-    read it there): a restore's shards are often smaller than a huge page, and faulting
-    them in 4 KiB pages cost more than reading them. The leaf's shards then free their
-    memory together, when the last of them is gone.
+    An accelerator gets each slice as it is put (host to device, overlapping the next
+    reads), its replicas copied device to device. CPU devices, whose buffers are host
+    memory, adopt the host data as it is (aligned: no copy): every copy of the leaf this
+    process holds gets its place in one fresh huge-page mapping (``host_buffer`` gives a
+    slice's: read it there), and the slices wait until ``array`` puts all of them in one
+    call. (Faulting shards smaller than a huge page in 4 KiB pages cost more than reading
+    them; a ``device_put`` per shard cost more than the rest of a restore of small ones.)
+    The leaf's shards then free their memory together, when the last of them is gone.
     """
 
     def __init__(
@@ -47,14 +50,15 @@ class Placement:
             d: jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in self.index_map
         }
         self._host = self._host_buffers()
+        self._cpu = self._adopts()
+        self._waiting: dict[Index, np.ndarray] = {}
+        _release_dropped()  # before this leaf's memory is filled
 
     def _host_buffers(self) -> dict[Index, list[np.ndarray]]:
         """Each slice's buffer for each of its devices, in one mapping, where the devices
         adopt host buffers (CPU, whole-byte dtype) and the leaf's copies come to a huge
         page or more; else none."""
-        if not self.devices or not _adopted(self.dtype):
-            return {}
-        if any(d.platform != "cpu" for ds in self.devices.values() for d in ds):
+        if not self._adopts():
             return {}
         item = self.dtype.itemsize
         sizes = {i: math.prod(extent(i)) * item for i in self.devices}
@@ -73,6 +77,15 @@ class Placement:
                     at += padded[i]
         return out
 
+    def _adopts(self) -> bool:
+        """Whether this process's devices take host buffers of this dtype as they are (CPU
+        devices: their memory is host memory)."""
+        return (
+            bool(self.devices)
+            and _adopted(self.dtype)
+            and all(d.platform == "cpu" for ds in self.devices.values() for d in ds)
+        )
+
     def host_buffer(self, index: Index) -> np.ndarray | None:
         """Where to read slice ``index`` for ``put`` (C-contiguous, this array's dtype), or
         None where any fresh buffer will do."""
@@ -84,32 +97,61 @@ class Placement:
         return list(self.devices)
 
     def put(self, index: Index, data: np.ndarray) -> None:
+        if self._cpu:
+            self._waiting[index] = data
+            return
         first, *rest = self.devices[index]
         self.placed[first] = jax.device_put(data, self.on[first], may_alias=True)
-        if not rest:
-            return
-        if index in self._host:
-            for d, copy in zip(rest, self._host[index][1:], strict=True):
-                np.copyto(copy, data)
-                self.placed[d] = jax.device_put(copy, self.on[d], may_alias=True)
-            return
-        big = data.nbytes >= arrays.HUGE_PAGE_MIN_BYTES and arrays.HUGE_PAGES
-        if big and first.platform == "cpu" and _adopted(data.dtype):
-            # a CPU device's copy is a host memcpy into memory XLA faults in 4 KiB pages;
-            # the same copy into a buffer of ours gets huge pages, and the device adopts it
-            for d in rest:
-                copy = arrays.aligned_empty(data.shape, data.dtype)
-                np.copyto(copy, data)
-                self.placed[d] = jax.device_put(copy, self.on[d], may_alias=True)
-            return
-        copies = jax.device_put([self.placed[first]] * len(rest), [self.on[d] for d in rest])
-        self.placed.update(zip(rest, copies, strict=True))
+        if rest:
+            copies = jax.device_put([self.placed[first]] * len(rest), [self.on[d] for d in rest])
+            self.placed.update(zip(rest, copies, strict=True))
 
     def array(self) -> jax.Array:
+        if self._waiting:
+            self._put_waiting()
         singles = [self.placed[d] for d in self.index_map]
         return jax.make_array_from_single_device_arrays(
             self.shape, self.sharding, singles, dtype=self.dtype
         )
+
+    def _put_waiting(self) -> None:
+        """The waiting slices onto their CPU devices in one ``device_put``: each slice's
+        first device adopts its buffer, each replica a copy in its place in the leaf's
+        mapping (or in fresh memory), so that no two devices share memory."""
+        bufs, devices = [], []
+        for index, data in self._waiting.items():
+            places = self._host.get(index) or []
+            for k, d in enumerate(self.devices[index]):
+                if k:
+                    copy = (
+                        places[k]
+                        if k < len(places)
+                        else arrays.aligned_empty(data.shape, data.dtype)
+                    )
+                    np.copyto(copy, data)
+                    data = copy
+                bufs.append(data)
+                devices.append(d)
+        self._waiting.clear()
+        placed = jax.device_put(bufs, [self.on[d] for d in devices], may_alias=True)
+        self.placed.update(zip(devices, placed, strict=True))
+
+
+def _collector() -> Callable[[], None]:
+    """jaxlib's hand-back of the host buffers of arrays the program dropped, or a no-op."""
+    try:
+        from jax._src.lib import _jax  # (no public name for it)
+
+        return _jax.collect_garbage
+    except (ImportError, AttributeError):
+        return lambda: None
+
+
+_release_dropped = _collector()
+"""jax frees the Python owners of the host buffers a CPU device adopted (the arrays a
+program dropped) only at its next transfer. A restore that puts its leaves at the end would
+fill fresh memory while a state the caller dropped before it still holds its own: twice the
+memory (and, on a VM, pages that cost more to fault in than to reuse)."""
 
 
 def _adopted(dtype: np.dtype) -> bool:
