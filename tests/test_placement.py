@@ -186,3 +186,53 @@ def test_buffers_of_the_callers_own_leave_the_first_copies_untouched(mesh42):
     arr = out.array()
     np.testing.assert_array_equal(np.asarray(arr), full)
     assert iostats.resident_bytes(start, sum(b.nbytes for b in firsts)) == 0
+
+
+def _distinct_buffers(arr: jax.Array) -> int:
+    return len({s.data.unsafe_buffer_pointer() for s in arr.addressable_shards})
+
+
+def test_cpu_slices_go_onto_their_devices_in_one_call(mesh42, monkeypatch):
+    """On CPU devices a leaf's slices wait for ``array``, which puts them all in one
+    ``make_array_from_callback`` (one device_put per shard cost most of a restore of small
+    shards); each device adopts a buffer of its own, replicas included."""
+    calls = []
+    real = jax.make_array_from_callback
+    monkeypatch.setattr(jax, "make_array_from_callback", lambda *a: calls.append(a) or real(*a))
+    full = random_bits((8, 6), np.dtype(np.float32), np.random.default_rng(1))
+    out = Placement(NamedSharding(mesh42, P("data")), full.shape, full.dtype)
+    for index in out.indices:
+        out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
+    assert not calls  # nothing on a device yet
+    arr = out.array()
+    assert len(calls) == 1 and _distinct_buffers(arr) == 8
+    assert_same_bits(full, np.asarray(arr))
+
+
+def test_replicas_stay_apart_if_jax_gave_one_buffer_to_several_devices(mesh42, monkeypatch):
+    """Should jax ask the callback once per distinct slice and give every device of a slice
+    that one buffer (it does so for a leaf replicated everywhere), the devices would share
+    memory and a donation on one would write the others: Placement sees copies left over
+    and puts each device its own instead (it checks the buffers, not how often it was
+    asked)."""
+    real = jax.make_array_from_callback
+
+    def once_per_slice(shape, sharding, give):
+        seen: dict = {}
+
+        def cached(index):
+            if str(index) not in seen:
+                seen[str(index)] = give(index)
+            return seen[str(index)]
+
+        return real(shape, sharding, cached)
+
+    monkeypatch.setattr(jax, "make_array_from_callback", once_per_slice)
+    full = random_bits((8, 6), np.dtype(np.float32), np.random.default_rng(2))
+    for spec in (P("data"), P()):
+        out = Placement(NamedSharding(mesh42, spec), full.shape, full.dtype)
+        for index in out.indices:
+            out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
+        arr = out.array()
+        assert _distinct_buffers(arr) == 8, spec
+        assert_same_bits(full, np.asarray(arr))

@@ -108,33 +108,47 @@ class Placement:
 
     def array(self) -> jax.Array:
         if self._waiting:
-            self._put_waiting()
+            return self._adopt_waiting()
         singles = [self.placed[d] for d in self.index_map]
         return jax.make_array_from_single_device_arrays(
             self.shape, self.sharding, singles, dtype=self.dtype
         )
 
-    def _put_waiting(self) -> None:
-        """The waiting slices onto their CPU devices in one ``device_put``: each slice's
-        first device adopts its buffer, each replica a copy in its place in the leaf's
-        mapping (or in fresh memory), so that no two devices share memory."""
-        bufs, devices = [], []
+    def _adopt_waiting(self) -> jax.Array:
+        """The array of the waiting slices, adopted by their CPU devices: each slice's
+        first device takes its buffer, each replica a copy in its place in the leaf's
+        mapping (or in fresh memory), so that no two devices share memory. One call
+        (``make_array_from_callback``) puts them all, where it hands each device a copy
+        of its own; else one ``device_put`` of the list."""
+        copies: dict[Index, list[np.ndarray]] = {}
         for index, data in self._waiting.items():
             places = self._host.get(index) or []
-            for k, d in enumerate(self.devices[index]):
-                if k:
-                    copy = (
-                        places[k]
-                        if k < len(places)
-                        else arrays.aligned_empty(data.shape, data.dtype)
-                    )
-                    np.copyto(copy, data)
-                    data = copy
-                bufs.append(data)
-                devices.append(d)
+            copies[index] = [data]
+            for k in range(1, len(self.devices[index])):
+                copy = (
+                    places[k] if k < len(places) else arrays.aligned_empty(data.shape, data.dtype)
+                )
+                np.copyto(copy, data)
+                copies[index].append(copy)
         self._waiting.clear()
+        if not self.sharding.is_fully_replicated or len(self.index_map) == 1:
+            left = {i: list(c) for i, c in copies.items()}
+
+            def give(index: tuple[slice, ...] | None) -> np.ndarray:
+                assert index is not None  # (jax gives every device its index)
+                mine = left[from_slices(index, self.shape)]
+                return mine.pop() if mine else np.copy(copies[from_slices(index, self.shape)][0])
+
+            arr = jax.make_array_from_callback(self.shape, self.sharding, give)
+            n = len(self.index_map)
+            if len({arr.addressable_data(i).unsafe_buffer_pointer() for i in range(n)}) == n:
+                return arr  # (each device its own memory: checked, not assumed of jax)
+        # a leaf replicated on every device: jax would ask once and give all one buffer
+        bufs = [copies[i][k] for i, ds in self.devices.items() for k in range(len(ds))]
+        devices = [d for ds in self.devices.values() for d in ds]
         placed = jax.device_put(bufs, [self.on[d] for d in devices], may_alias=True)
         self.placed.update(zip(devices, placed, strict=True))
+        return self.array()
 
 
 def _collector() -> Callable[[], None]:
