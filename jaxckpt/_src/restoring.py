@@ -140,7 +140,7 @@ def _read_all(
     # no thread outlives the restore; the direct reads' threads stop after their users'
     with (
         contextlib.closing(direct.Reader()) as direct_reader,
-        contextlib.closing(InFlight[Any](budget, threads=_place_threads())) as reads,
+        contextlib.closing(InFlight[Any](budget, threads=_place_threads(reading))) as reads,
     ):
         for i, request in enumerate(reader.requests):
             reader.issue(reads, request, plans.get(i), direct_reader)
@@ -150,9 +150,16 @@ def _read_all(
     return [f() for f in finishers]
 
 
-def _place_threads() -> int:
-    """Threads that put read slices onto devices: 2, or 1 on a host of 2 cores or fewer
-    (there the readers need the cores: 1 restored a few % faster)."""
+def _place_threads(reading: list[Want]) -> int:
+    """Threads that put read slices onto devices: none where every leaf goes to CPU devices
+    (``Placement`` only sets a slice aside there, and a hand-over to a thread cost more);
+    else 2, or 1 on a host of 2 cores or fewer (there the readers need the cores: 1
+    restored a few % faster)."""
+    devices: list[jax.Device] = [
+        d for w in reading if w.sharding is not None for d in w.sharding.device_set
+    ]
+    if all(d.platform == "cpu" for d in devices):
+        return 0
     return 1 if (os.cpu_count() or 1) <= 2 else 2
 
 
