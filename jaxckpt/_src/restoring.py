@@ -4,7 +4,8 @@ A restore goes: the manifest (``readers.any_manifest``: jaxckpt's, or an Orbax c
 -> one ``Want`` per leaf (``wants``) -> leaves that devices on several hosts need are read
 once with a finer sharding and moved afterwards (``read_once``) -> each leaf's slices, one
 per distinct device index, are read under a byte budget (``inflight.InFlight``) while two
-threads copy them onto their devices (``placement.Placement``) -> the tree (``result``).
+threads copy them onto their devices (``placement.Placement``; CPU devices adopt a leaf's
+slices together, no thread needed) -> the tree (``result``).
 A local checkpoint's slices made of whole uncompressed chunks are read with ``preadv``
 straight into their buffers (``direct``); TensorStore reads the others.
 (Named ``restoring`` so that ``jaxckpt.restore`` stays the function, unshadowed.)
