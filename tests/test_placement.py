@@ -192,24 +192,32 @@ def _distinct_buffers(arr: jax.Array) -> int:
     return len({s.data.unsafe_buffer_pointer() for s in arr.addressable_shards})
 
 
-def test_cpu_slices_go_onto_their_devices_in_one_call(mesh42, monkeypatch):
+ADOPTED = [d for d in DTYPES if jax.dtypes.itemsize_bits(d) == 8 * d.itemsize]
+"""The dtypes CPU devices take as NumPy holds them (sub-byte ones are packed, copied)."""
+
+
+@pytest.mark.parametrize("dtype", ADOPTED, ids=str)
+def test_cpu_slices_go_onto_their_devices_in_one_call(dtype, x64, mesh42, monkeypatch):
     """On CPU devices a leaf's slices wait for ``array``, which puts them all in one
     ``make_array_from_callback`` (one device_put per shard cost most of a restore of small
     shards); each device adopts a buffer of its own, replicas included."""
     calls = []
     real = jax.make_array_from_callback
     monkeypatch.setattr(jax, "make_array_from_callback", lambda *a: calls.append(a) or real(*a))
-    full = random_bits((8, 6), np.dtype(np.float32), np.random.default_rng(1))
+    full = random_bits((8, 6), dtype, np.random.default_rng(1))
     out = Placement(NamedSharding(mesh42, P("data")), full.shape, full.dtype)
     for index in out.indices:
         out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
     assert not calls  # nothing on a device yet
     arr = out.array()
     assert len(calls) == 1 and _distinct_buffers(arr) == 8
-    assert_same_bits(full, np.asarray(arr))
+    assert_same_bits(full, np.asarray(arr), str(dtype))
 
 
-def test_replicas_stay_apart_if_jax_gave_one_buffer_to_several_devices(mesh42, monkeypatch):
+@pytest.mark.parametrize("dtype", ADOPTED, ids=str)
+def test_replicas_stay_apart_if_jax_gave_one_buffer_to_several_devices(
+    dtype, x64, mesh42, monkeypatch
+):
     """Should jax ask the callback once per distinct slice and give every device of a slice
     that one buffer (it does so for a leaf replicated everywhere), the devices would share
     memory and a donation on one would write the others: Placement sees copies left over
@@ -228,11 +236,11 @@ def test_replicas_stay_apart_if_jax_gave_one_buffer_to_several_devices(mesh42, m
         return real(shape, sharding, cached)
 
     monkeypatch.setattr(jax, "make_array_from_callback", once_per_slice)
-    full = random_bits((8, 6), np.dtype(np.float32), np.random.default_rng(2))
+    full = random_bits((8, 6), dtype, np.random.default_rng(2))
     for spec in (P("data"), P()):
         out = Placement(NamedSharding(mesh42, spec), full.shape, full.dtype)
         for index in out.indices:
             out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
         arr = out.array()
         assert _distinct_buffers(arr) == 8, spec
-        assert_same_bits(full, np.asarray(arr))
+        assert_same_bits(full, np.asarray(arr), f"{dtype} {spec}")

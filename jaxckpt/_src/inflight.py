@@ -41,7 +41,6 @@ class InFlight(Generic[H]):
     def __init__(self, budget: int = READ_BUDGET_BYTES, *, threads: int = 0) -> None:
         self.budget = budget
         self.total = 0  # bytes of every read started, for the figures
-        self._threads = threads
         self._held = 0
         self._started: collections.deque[tuple[int, H, Callable[[H], None]]] = collections.deque()
         self._using: collections.deque[tuple[Future[None], int]] = collections.deque()

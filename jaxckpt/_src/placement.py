@@ -4,7 +4,7 @@ copies, from safetensors files) turns the slices it read into a ``jax.Array``.""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -49,17 +49,18 @@ class Placement:
         self.on = {
             d: jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in self.index_map
         }
-        self._host = self._host_buffers()
-        self._cpu = self._adopts()
+        self._cpu = (  # the devices take host buffers of this dtype as they are
+            bool(self.devices)
+            and _adopted(self.dtype)
+            and on_cpu(d for ds in self.devices.values() for d in ds)
+        )
+        self._host = self._host_buffers() if self._cpu else {}
         self._waiting: dict[Index, np.ndarray] = {}
         _release_dropped()  # before this leaf's memory is filled
 
     def _host_buffers(self) -> dict[Index, list[np.ndarray]]:
-        """Each slice's buffer for each of its devices, in one mapping, where the devices
-        adopt host buffers (CPU, whole-byte dtype) and the leaf's copies come to a huge
-        page or more; else none."""
-        if not self._adopts():
-            return {}
+        """Each slice's buffer for each of its devices, in one mapping, where the leaf's
+        copies come to a huge page or more; else none."""
         item = self.dtype.itemsize
         sizes = {i: math.prod(extent(i)) * item for i in self.devices}
         padded = {i: -(-n // _ALIGN) * _ALIGN for i, n in sizes.items()}
@@ -76,15 +77,6 @@ class Placement:
                     out[i].append(region[at : at + sizes[i]].view(self.dtype).reshape(extent(i)))
                     at += padded[i]
         return out
-
-    def _adopts(self) -> bool:
-        """Whether this process's devices take host buffers of this dtype as they are (CPU
-        devices: their memory is host memory)."""
-        return (
-            bool(self.devices)
-            and _adopted(self.dtype)
-            and all(d.platform == "cpu" for ds in self.devices.values() for d in ds)
-        )
 
     def host_buffer(self, index: Index) -> np.ndarray | None:
         """Where to read slice ``index`` for ``put`` (C-contiguous, this array's dtype), or
@@ -136,8 +128,8 @@ class Placement:
 
             def give(index: tuple[slice, ...] | None) -> np.ndarray:
                 assert index is not None  # (jax gives every device its index)
-                mine = left[from_slices(index, self.shape)]
-                return mine.pop() if mine else np.copy(copies[from_slices(index, self.shape)][0])
+                key = from_slices(index, self.shape)
+                return left[key].pop() if left[key] else np.copy(copies[key][0])
 
             arr = jax.make_array_from_callback(self.shape, self.sharding, give)
             n = len(self.index_map)
@@ -166,6 +158,11 @@ _release_dropped = _collector()
 program dropped) only at its next transfer. A restore that puts its leaves at the end would
 fill fresh memory while a state the caller dropped before it still holds its own: twice the
 memory (and, on a VM, pages that cost more to fault in than to reuse)."""
+
+
+def on_cpu(devices: Iterable[jax.Device]) -> bool:
+    """Whether every one of ``devices`` is a CPU device, whose memory is host memory."""
+    return all(d.platform == "cpu" for d in devices)
 
 
 def _adopted(dtype: np.dtype) -> bool:

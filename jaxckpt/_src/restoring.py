@@ -32,7 +32,7 @@ from .inflight import InFlight, default_budget
 from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
-from .placement import Placement
+from .placement import Placement, on_cpu
 from .readers import any_manifest
 from .sharding import saved_writers
 from .storage import Location, location
@@ -156,10 +156,7 @@ def _place_threads(reading: list[Want]) -> int:
     (``Placement`` only sets a slice aside there, and a hand-over to a thread cost more);
     else 2, or 1 on a host of 2 cores or fewer (there the readers need the cores: 1
     restored a few % faster)."""
-    devices: list[jax.Device] = [
-        d for w in reading if w.sharding is not None for d in w.sharding.device_set
-    ]
-    if all(d.platform == "cpu" for d in devices):
+    if on_cpu(d for w in reading if w.sharding is not None for d in w.sharding.device_set):
         return 0
     return 1 if (os.cpu_count() or 1) <= 2 else 2
 
