@@ -39,7 +39,12 @@ with mixed PartitionSpecs, then, ``--repeats`` times, alternating the libraries:
   *first* write: each way in a fresh process that builds the arrays, warms up with a tiny
   write and then writes every byte once, as the save worker does (on this VM memory left
   idle is slow to touch again, so the later writes of one process run faster than any
-  first one; that figure is printed beside it). Cold: jaxckpt's own checkpoint files read
+  first one; that figure is printed beside it). For the same reason a restore is also held,
+  beside the targets, against a *first* verified read (``worker_first_read``): a fresh
+  process with the restore worker's own preamble reads jaxckpt's files once, with a CRC32C,
+  into fresh memory and fills as many bytes again as the replicas hold (on this VM a restore
+  spends most of its time in the kernel zeroing fresh pages the hypervisor took back while
+  the process started: ``perf`` shows ``clear_page_erms``). Cold: jaxckpt's own checkpoint files read
   plainly and verified from the disk on 1/2/4/8 threads (``harness.cold_reads``). fio, where
   installed: sequential write and read of a file of the state's size, O_DIRECT and not,
   psync and io_uring.
@@ -103,7 +108,9 @@ WARM = [op for op in RESTORES if op != COLD]
 FILES = "raw reads of its files"  # not a restore: cold reads of jaxckpt's checkpoint files
 FIRST = "first write"  # raw write + fsync as a fresh process's first big write, like a save
 REPLICAS = "verified + replicas"  # a verified read, then each array's replicas copied
-RAW_KINDS = ("write", FIRST, "read", "verified", REPLICAS, "cold read", "cold verified")
+FIRST_READ = "first verified read"  # of jaxckpt's files + replicas, in a restore's conditions
+RAW_KINDS = ("write", FIRST, "read", "verified", REPLICAS, FIRST_READ, "cold read", "cold verified")
+FIRST_READ_THREADS = sorted({1, reader_threads()})  # its ways: a fresh process each
 DIRECT_ENV = "JAXCKPT_DIRECT_READ"
 TS_READS = "jaxckpt (tensorstore reads)"  # --direct-read both: JAXCKPT_DIRECT_READ=0
 WRITE_ENV = "JAXCKPT_DIRECT_WRITE"  # --direct-write both: =0 saves through TensorStore too
@@ -314,6 +321,30 @@ def worker_first_write(args) -> dict:
         args.path, sizes, args.threads)}}  # fmt: skip
 
 
+def worker_first_read(args) -> dict:
+    """The verified read in the restore worker's own conditions: a fresh process with the
+    same preamble (devices, a tiny jaxckpt save + restore, the target, the checkpoint's
+    files read into the page cache), then one timed read of every byte of the checkpoint's
+    files into fresh memory with a CRC32C over them, and as many bytes again copied into
+    fresh memory as the restore's replicas on the (4, 2) mesh hold (the files' bytes in
+    proportion). On this VM, memory a process touches for the first time after seconds of
+    other work costs far more than memory just freed (the hypervisor takes back idle guest
+    memory), so a read later in a busy process is not a restore's like."""
+    mesh = make_mesh((4, 2), 8)
+    warm_up(Jaxckpt(), mesh, args.workdir)
+    target = abstract_state(args.size_gb, mesh)
+    paths, crc = harness.files_under(args.path), harness.crc32c()[1]
+    harness.warm_page_cache(args.path)
+    harness.read_files([min(paths, key=os.path.getsize)], 1, crc)
+    share = (device_bytes(target) - state_bytes(args.size_gb)) / sum(map(os.path.getsize, paths))
+    kept: list = []
+    with harness.Clock() as clock:
+        harness.read_files(paths, args.threads, crc, kept, [share] * len(paths))
+    del kept
+    way = f"{len(paths)} files, {args.threads} thread{'s' * (args.threads > 1)}"
+    return {FIRST_READ: {way: clock.record()}}
+
+
 def worker_files(args) -> dict:
     """Cold plain and verified reads of a checkpoint's own files (``harness.cold_reads``)."""
     nbytes = sum(os.path.getsize(p) for p in harness.files_under(args.path))
@@ -326,6 +357,7 @@ WORKERS = {
     "restore": worker_restore,
     "raw": worker_raw,
     "first_write": worker_first_write,
+    "first_read": worker_first_read,
     "files": worker_files,
 }
 
@@ -390,9 +422,14 @@ def orchestrate(args) -> dict:
                 shutil.rmtree(ts_path)
             # The first read after a write is often slow on a shared disk: rotate which goes
             # first, the raw reads of jaxckpt's files among them.
-            ops = [*RESTORES, *([FILES] if lib == "jaxckpt" else [])]
+            ops = [*RESTORES, *([FILES, FIRST_READ] if lib == "jaxckpt" else [])]
             for op in harness.rotated(ops, rep):
                 harness.log(f"repeat {rep + 1}/{args.repeats}: {lib} {op}")
+                if op == FIRST_READ:
+                    for n in harness.alternate(FIRST_READ_THREADS, rep):
+                        r = run_worker(args, "first_read", path=path, threads=n)
+                        _collect(raw, r, {FIRST_READ: FIRST_READ})
+                    continue
                 if op == FILES:
                     r = run_worker(args, "files", path=path, rotate=rep)
                     _collect(raw, r, {"read": "cold read", "verified": "cold verified"})
@@ -645,6 +682,8 @@ def _report_limits(out: dict, nbytes: int) -> None:
         "verified": f"verified read (read + CRC32C by {out['crc32c']})",
         REPLICAS: "verified read + each array's replicas on the (4,2) mesh copied into "
         "fresh memory, as a restore onto 8 CPU devices holds them",
+        FIRST_READ: "first verified read + replicas of jaxckpt's files (each way a fresh "
+        "process with the restore worker's preamble, as a restore)",
         "cold read": "cold raw read of jaxckpt's files",
         "cold verified": "cold verified read of jaxckpt's files",
     })  # fmt: skip
@@ -688,6 +727,12 @@ def _report_targets(speed: dict, cpu: dict, lim: dict[str, harness.Limit], orbax
     if replicas is not None:
         print(f"  (restore same mesh / the verified read + its replica copies, the least a "
               f"restore onto 8 CPU devices must do: {replicas:.2f}x)")  # fmt: skip
+    first = vs(SAME_MESH, FIRST_READ)
+    if first is not None:
+        fcpu = lim[FIRST_READ].cpu_per_gb
+        cpu_ratio = f"{cpu['jaxckpt'][SAME_MESH] / fcpu:.2f}x" if fcpu > 0 else "-"
+        print(f"  (restore same mesh / the first verified read + replicas in a fresh process, "
+              f"the restore's own conditions: {first:.2f}x; CPU/GB {cpu_ratio})")  # fmt: skip
     warmer = vs("save", "write")
     if warmer is not None:
         print(f"  (save / the raw write on warmer memory, later in one process: {warmer:.2f}x)")

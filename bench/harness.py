@@ -300,21 +300,27 @@ def read_files(
     threads: int = 1,
     check: Callable[[bytes], int] | None = None,
     keep: list | None = None,
-    copies: Sequence[int] = (),
+    copies: Sequence[float] = (),
 ) -> int:
     """Every byte of ``paths`` read into fresh memory, one buffer per file that the reads
     fill in blocks of ``READ_BLOCK`` (as a restore fills the arrays it returns: every page
     touched for the first time, none reused), spread over ``threads`` threads, each block
     passed to ``check`` (a CRC) if given, then copied ``copies[i]`` more times for the i-th
-    file, into fresh buffers of its own (as a restore onto CPU devices fills each replica);
-    the buffers go to ``keep`` (freed by the caller, outside its clock) or are dropped on
-    return. Returns the bytes read."""
+    file, into fresh buffers of its own (as a restore onto CPU devices fills each replica;
+    a fraction: that share of each block, into one more buffer: the replicas of a file
+    that holds several arrays); the buffers go to ``keep`` (freed by the caller, outside
+    its clock) or are dropped on return. Returns the bytes read."""
     buffers = {p: np.empty(os.path.getsize(p), np.uint8) for p in paths}
     pairs = zip(paths, copies, strict=True) if copies else ()
-    dups = {p: [np.empty_like(buffers[p]) for _ in range(n)] for p, n in pairs}
+    dups: dict[str, list[tuple[np.ndarray, float]]] = {}
+    for p, n in pairs:
+        size, whole = buffers[p].size, int(n)
+        dups[p] = [(np.empty(size, np.uint8), 1.0) for _ in range(whole)]
+        if n > whole:
+            dups[p].append((np.empty(int(size * (n - whole)), np.uint8), n - whole))
     if keep is not None:
         keep.extend(buffers.values())
-        keep.extend(d for ds in dups.values() for d in ds)
+        keep.extend(d for ds in dups.values() for d, _ in ds)
     blocks = [
         (p, off, min(READ_BLOCK, buf.size - off))
         for p, buf in buffers.items()
@@ -336,8 +342,9 @@ def read_files(
             os.close(fd)
         if check is not None:
             check(view)
-        for dup in dups.get(path, ()):
-            dup[offset : offset + n] = buffers[path][offset : offset + n]
+        for dup, share in dups.get(path, ()):
+            lo, hi = int(offset * share), min(dup.size, int((offset + n) * share))
+            dup[lo:hi] = buffers[path][offset : offset + hi - lo]
         return n
 
     if threads == 1:
