@@ -10,7 +10,8 @@ that alternates, from the page cache:
 
 * ``restore``: ``jaxckpt.restore`` onto the same sharding, ``block_until_ready``;
 * ``reads only``: the same restore with ``Placement.put`` a no-op: every slice read and
-  CRC-checked into host memory, none put on a device;
+  CRC-checked into host memory (onto CPU devices, its replicas' places filled as it is
+  read), none put on a device;
 * ``verified read, N threads``: every byte of the checkpoint's files read into fresh memory
   with a CRC32C over it (``harness.read_files``), on 8 and 16 threads.
 
@@ -81,7 +82,7 @@ def _measure(ckpt: str, target) -> dict[str, list[float]]:
     def restore(reads_only: bool):
         def run() -> float:
             if reads_only:  # every slice read, checked and dropped; the leaves come back None
-                placement.Placement.put = lambda self, index, data: None
+                placement.Placement.put = lambda self, index, data, **kw: None
                 placement.Placement.array = lambda self: None
             try:
                 t = time.perf_counter()

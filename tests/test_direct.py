@@ -418,22 +418,29 @@ def test_spans_cover_every_byte_once_in_file_order(seed):
             direct.ChunkRead(f"k{i}", arrays.ChunkBytes(file, pos, pos + n + 4), offset, n)
         )
         pos, offset = pos + n + 4, offset + n
-    flat = memoryview(bytearray(offset))
+    flats = [np.zeros(offset, np.uint8), np.zeros(offset, np.uint8)]  # a buffer, a copy
     trailers = memoryview(bytearray(4 * len(chunks)))
-    spans = direct._spans(chunks, flat, trailers)
+    spans = direct._spans(chunks, flats, trailers)
     seen = {i: 0 for i in range(len(chunks))}
     for span in spans:
         at = span.start
-        assert sum(len(v) for v, _ in span.pieces) <= direct.SPLIT_BYTES + direct.PIECE_BYTES
-        for view, i in span.pieces:
-            assert len(view) <= direct.PIECE_BYTES
-            if i >= 0:
-                r = chunks[i]
-                assert at == r.at.start + seen[i] and span.chunks[0].at.file == r.at.file
-                seen[i] += len(view)
-            at += len(view)
+        assert sum(len(p.view) for p in span.pieces) <= direct.SPLIT_BYTES + direct.PIECE_BYTES
+        for p in span.pieces:
+            assert len(p.view) <= direct.PIECE_BYTES
+            if p.chunk >= 0:
+                r = chunks[p.chunk]
+                assert at == r.at.start + seen[p.chunk] and span.chunks[0].at.file == r.at.file
+                # the copy's piece is the same bytes of the other buffer
+                (copy,) = p.copies
+                start = r.offset + seen[p.chunk]
+                assert copy.ctypes.data == flats[1].ctypes.data + start
+                assert len(copy) == len(p.view)
+                seen[p.chunk] += len(p.view)
+            else:
+                assert p.copies == ()
+            at += len(p.view)
     assert seen == {i: n for i, n in enumerate(sizes)}
-    assert sum(len(v) for s in spans for v, _ in s.pieces) == offset + 4 * len(chunks)
+    assert sum(len(p.view) for s in spans for p in s.pieces) == offset + 4 * len(chunks)
 
 
 @pytest.mark.parametrize("rows", [4096, 262144])
@@ -483,3 +490,50 @@ def test_a_buffer_to_read_into_must_fit_exactly():
             reader.start(direct.SliceRead(shape, dtype, ()), np.empty(shape, np.int32))
     finally:
         reader.close()
+
+
+class _CountingCopies:
+    """NumPy as ``placement`` sees it, with ``copyto`` counted: the replicas it copies."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def copyto(self, dst, src, *a, **kw):
+        self.copies += 1
+        return np.copyto(dst, src, *a, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+@pytest.mark.parametrize("onto", ["saved mesh", "chunks cut"])
+def test_replicas_are_filled_as_the_reader_reads(dtype, onto, preadv, mesh42, tmp_path,
+                                                 monkeypatch):  # fmt: skip
+    """On CPU devices the direct reader copies each checked piece into the slice's replica
+    places while it is in the CPU's cache (on the reader threads, not after all reads on
+    one): random bits of a leaf replicated over one mesh axis, restored onto the saved mesh
+    (whole chunks, each slice read in several spans) and onto one whose slices cut through
+    the chunks; every device's bytes exact and its own memory, each slice's chunks read
+    once and no replica copied by ``Placement``."""
+    from jaxckpt._src import placement
+
+    dtype = np.dtype(dtype)
+    x = random_bits((2048, 1024), dtype, np.random.default_rng(11))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
+    if onto == "saved mesh":
+        mesh, spec = mesh42, P("data")
+        monkeypatch.setattr(direct, "SPLIT_BYTES", 128 << 10)
+    else:  # columns over 4 devices, replicated over 2: each slice a part of every chunk
+        mesh, spec = jax.make_mesh((2, 4), ("data", "model")), P(None, "model")
+    counting = _CountingCopies()
+    monkeypatch.setattr(placement, "np", counting)
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))}
+    out = jaxckpt.restore(tmp_path / "c", target=target)["x"]
+    assert counting.copies == 0
+    assert len({s.data.unsafe_buffer_pointer() for s in out.addressable_shards}) == 8
+    for shard in out.addressable_shards:
+        assert_same_bits(x[shard.index], np.asarray(shard.data), f"{shard.device}")
+    # four chunks with their CRCs, read once; cut: each of the 4 column slices reads all
+    reads = 1 if onto == "saved mesh" else 4
+    assert preadv.bytes == reads * (x.nbytes + 4 * 4)

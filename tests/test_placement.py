@@ -244,3 +244,31 @@ def test_replicas_stay_apart_if_jax_gave_one_buffer_to_several_devices(
         arr = out.array()
         assert _distinct_buffers(arr) == 8, spec
         assert_same_bits(full, np.asarray(arr), f"{dtype} {spec}")
+
+
+@pytest.mark.parametrize("filled", [True, False])
+def test_replicas_a_reader_filled_are_taken_as_they_are(filled, mesh42):
+    """``put(..., replicas_filled=True)``: the slice was read into ``host_buffer`` and its
+    ``replica_buffers`` already hold its bytes (the direct reader copies each piece as it
+    checks it), so the devices adopt them with no copy: here the replicas' places hold a
+    mark of their own, which the devices then show; without the flag each replica is a
+    copy of the slice."""
+    full = random_bits((1024, 512), np.dtype(np.float32), np.random.default_rng(5))  # 2 MiB
+    out = Placement(NamedSharding(mesh42, P("data")), full.shape, full.dtype)
+    marks = {}
+    for index in out.indices:
+        buf, replicas = out.host_buffer(index), out.replica_buffers(index)
+        assert buf is not None and len(replicas) == 1  # 'model' holds each slice twice
+        buf[...] = full[tuple(slice(a, b) for a, b in index)]
+        marks[index] = np.full_like(buf, index[0][0])
+        replicas[0][...] = marks[index]
+        out.put(index, buf, replicas_filled=filled)
+    arr = out.array()
+    assert _distinct_buffers(arr) == 8
+    seen: dict = {index: [] for index in out.indices}
+    for shard in arr.addressable_shards:
+        seen[from_slices(shard.index, full.shape)].append(np.asarray(shard.data).tobytes())
+    for index, got in seen.items():
+        data = full[tuple(slice(a, b) for a, b in index)].tobytes()
+        want = [data, marks[index].tobytes()] if filled else [data, data]
+        assert sorted(got) == sorted(want), f"slice {index}, filled={filled}"

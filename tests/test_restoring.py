@@ -377,9 +377,9 @@ def test_onto_cpu_devices_the_caller_sets_each_read_slice_aside(mesh42, tmp_path
     threads: set[str] = set()
     real = Placement.put
 
-    def put(self, index, data):
+    def put(self, index, data, **kw):
         threads.add(threading.current_thread().name)
-        return real(self, index, data)
+        return real(self, index, data, **kw)
 
     monkeypatch.setattr(Placement, "put", put)
     out = jaxckpt.restore(tmp_path / "c")

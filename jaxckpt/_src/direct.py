@@ -316,18 +316,24 @@ class Reader:
         self._lock = threading.Lock()
         self._scratch = threading.local()  # each thread's buffer for chunks read in part
 
-    def start(self, sr: SliceRead, into: np.ndarray | None = None) -> Future[np.ndarray]:
+    def start(
+        self, sr: SliceRead, into: np.ndarray | None = None, copies: Sequence[np.ndarray] = ()
+    ) -> Future[np.ndarray]:
         """Reads ``sr`` on the threads, into a fresh buffer or ``into`` (C-contiguous, of
-        the slice's shape and dtype). Whole chunks are read in spans of about
-        ``SPLIT_BYTES``, each on a thread of its own, so one large slice keeps every thread
-        busy; each chunk's CRC32C is put together from its spans' (``crc.combine``)."""
+        the slice's shape and dtype), and its bytes into each of ``copies`` (the same) too,
+        piece by piece as they are checked, while they are in the CPU's cache (a slice's
+        replicas on CPU devices). Whole chunks are read in spans of about ``SPLIT_BYTES``,
+        each on a thread of its own, so one large slice keeps every thread busy; each
+        chunk's CRC32C is put together from its spans' (``crc.combine``)."""
         buf = arrays.buffer_for(into, sr.shape, sr.dtype)
+        extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
         self._prefetch(sr)
         if sr.parts:
-            return self._pool.submit(self._read_parts, sr, buf)
+            return self._pool.submit(self._read_parts, sr, [buf, *extra])
         chunks = sorted(sr.chunks, key=lambda r: (r.at.file, r.at.start))
         trailers = bytearray(_TRAILER * len(chunks))
-        spans = _spans(chunks, buf.reshape(-1).view(np.uint8).data, memoryview(trailers))
+        flats = [b.reshape(-1).view(np.uint8) for b in [buf, *extra]]
+        spans = _spans(chunks, flats, memoryview(trailers))
         if len(spans) == 1:  # most slices: one task reads and checks it
             return self._pool.submit(self._read_whole, spans[0], chunks, trailers, buf)
         out: Future[np.ndarray] = Future()
@@ -398,14 +404,14 @@ class Reader:
                     raise StorageError(f"opening the data file {path} failed: {e}") from e
             return self._fds[path]
 
-    def _read_parts(self, sr: SliceRead, buf: np.ndarray) -> np.ndarray:
+    def _read_parts(self, sr: SliceRead, bufs: list[np.ndarray]) -> np.ndarray:
         for p in sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)):
-            self._read_part(p, buf)
-        return buf
+            self._read_part(p, bufs)
+        return bufs[0]
 
-    def _read_part(self, p: ChunkPart, buf: np.ndarray) -> None:
+    def _read_part(self, p: ChunkPart, bufs: list[np.ndarray]) -> None:
         """Reads chunk ``p`` whole into this thread's scratch buffer, checks its CRC32C,
-        and copies the part the slice needs into ``buf``."""
+        and copies the part the slice needs into each of ``bufs``."""
         size = p.nbytes + _TRAILER
         scratch: np.ndarray | None = getattr(self._scratch, "buf", None)
         if scratch is None or len(scratch) < size:
@@ -415,8 +421,9 @@ class Reader:
         _preadv_all(self._fd(p.at.file), [view], p.at.start, [got])
         if crc32c.crc32c(view[: p.nbytes]) != int.from_bytes(view[p.nbytes :], "little"):
             raise Corrupt(p.key, p.at)
-        chunk = scratch[: p.nbytes].view(buf.dtype).reshape(p.chunk_shape)
-        buf[p.dst] = chunk[p.src]
+        chunk = scratch[: p.nbytes].view(bufs[0].dtype).reshape(p.chunk_shape)
+        for buf in bufs:
+            buf[p.dst] = chunk[p.src]
 
     def _read_whole(
         self, span: _Span, chunks: list[ChunkRead], trailers: bytearray, buf: np.ndarray
@@ -427,43 +434,59 @@ class Reader:
 
     def _read_span(self, span: _Span) -> dict[int, list[int]]:
         """Reads one span in ``preadv`` calls of about PIECE_BYTES, each piece checksummed
-        as soon as it is in; returns {chunk: [CRC32C, length] of its bytes in the span}."""
+        (and copied into the slice's copies) as soon as it is in; returns {chunk: [CRC32C,
+        length] of its bytes in the span}."""
         fd, pos = self._fd(span.chunks[0].at.file), span.start
         crcs: dict[int, list[int]] = {}
-        group: list[tuple[memoryview, int]] = []
+        group: list[_Piece] = []
         size = 0
-        for view, i in [*span.pieces, (memoryview(b""), -2)]:  # -2: the end
+        for piece in [*span.pieces, _Piece(memoryview(b""), -2)]:  # -2: the end
+            i, view = piece.chunk, piece.view
             if group and (i == -2 or size + len(view) > PIECE_BYTES or len(group) == _IOV_MAX):
-                pos = _preadv_all(fd, [v for v, _ in group], pos, span.chunks)
-                for v, j in group:
-                    if j >= 0:
-                        c = crcs.setdefault(j, [0, 0])
-                        c[0] = crc32c.crc32c(v, c[0])
-                        c[1] += len(v)
+                pos = _preadv_all(fd, [g.view for g in group], pos, span.chunks)
+                for g in group:
+                    if g.chunk >= 0:
+                        c = crcs.setdefault(g.chunk, [0, 0])
+                        c[0] = crc32c.crc32c(g.view, c[0])
+                        c[1] += len(g.view)
+                        if g.copies:
+                            got = np.frombuffer(g.view, np.uint8)
+                            for dst in g.copies:
+                                np.copyto(dst, got)
                 group, size = [], 0
-            group.append((view, i))
+            group.append(piece)
             size += len(view)
         return crcs
 
 
 @dataclass(frozen=True)
+class _Piece:
+    """Bytes read in one go: where they go (``view``), the index of their chunk (-1: a CRC
+    trailer) and where else (``copies``: the same bytes of the slice's other buffers)."""
+
+    view: memoryview
+    chunk: int
+    copies: tuple[np.ndarray, ...] = ()
+
+
+@dataclass(frozen=True)
 class _Span:
     """Consecutive bytes of one data file that one thread reads: from ``start`` on, into
-    ``pieces`` (a destination, and the index of its chunk or -1 for a CRC trailer);
-    ``chunks``: those it touches, for errors."""
+    ``pieces``; ``chunks``: those it touches, for errors."""
 
     start: int
-    pieces: list[tuple[memoryview, int]]
+    pieces: list[_Piece]
     chunks: list[ChunkRead]
 
 
-def _spans(chunks: list[ChunkRead], flat: memoryview, trailers: memoryview) -> list[_Span]:
-    """The reads of ``chunks`` (sorted by file and offset) into ``flat``, their trailers into
-    ``trailers``: chunks back to back in one file are one run, cut into spans of about
-    ``SPLIT_BYTES`` (wherever that falls, inside a chunk too), each made of pieces of at
-    most PIECE_BYTES."""
+def _spans(chunks: list[ChunkRead], flats: list[np.ndarray], trailers: memoryview) -> list[_Span]:
+    """The reads of ``chunks`` (sorted by file and offset) into ``flats[0]`` (bytes), copied
+    into the others, their trailers into ``trailers``: chunks back to back in one file are
+    one run, cut into spans of about ``SPLIT_BYTES`` (wherever that falls, inside a chunk
+    too), each made of pieces of at most PIECE_BYTES."""
+    flat, extra = flats[0].data, flats[1:]
     spans: list[_Span] = []
-    pieces: list[tuple[memoryview, int]] = []
+    pieces: list[_Piece] = []
     touched: list[ChunkRead] = []
     start = pos = size = 0
     prev: ChunkRead | None = None
@@ -481,19 +504,19 @@ def _spans(chunks: list[ChunkRead], flat: memoryview, trailers: memoryview) -> l
             size = 0
         prev = r
         touched.append(r)
-        views = [flat[r.offset + lo : r.offset + min(r.nbytes, lo + PIECE_BYTES)]
-                 for lo in range(0, r.nbytes, PIECE_BYTES)]  # fmt: skip
-        for j, view in [
-            *((i, v) for v in views),
-            (-1, trailers[_TRAILER * i : _TRAILER * (i + 1)]),
+        ranges = [(r.offset + lo, r.offset + min(r.nbytes, lo + PIECE_BYTES))
+                  for lo in range(0, r.nbytes, PIECE_BYTES)]  # fmt: skip
+        for piece in [
+            *(_Piece(flat[a:b], i, tuple(e[a:b] for e in extra)) for a, b in ranges),
+            _Piece(trailers[_TRAILER * i : _TRAILER * (i + 1)], -1),
         ]:
             if size >= SPLIT_BYTES:
                 cut()
                 start, size = pos, 0
                 touched.append(r)
-            pieces.append((view, j))
-            pos += len(view)
-            size += len(view)
+            pieces.append(piece)
+            pos += len(piece.view)
+            size += len(piece.view)
     cut()
     return spans
 

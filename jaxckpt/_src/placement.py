@@ -56,6 +56,7 @@ class Placement:
         )
         self._host = self._host_buffers() if self._cpu else {}
         self._waiting: dict[Index, np.ndarray] = {}
+        self._filled: set[Index] = set()  # slices whose replicas' places the reader filled
         _release_dropped()  # before this leaf's memory is filled
 
     def _host_buffers(self) -> dict[Index, list[np.ndarray]]:
@@ -84,13 +85,23 @@ class Placement:
         copies = self._host.get(index)
         return copies[0] if copies else None
 
+    def replica_buffers(self, index: Index) -> list[np.ndarray]:
+        """Where slice ``index``'s replicas go, if any (its other devices' places): a reader
+        that fills them as it reads ``host_buffer`` says so to ``put``, which then copies
+        nothing."""
+        return list(self._host.get(index, [])[1:])
+
     @property
     def indices(self) -> list[Index]:
         return list(self.devices)
 
-    def put(self, index: Index, data: np.ndarray) -> None:
+    def put(self, index: Index, data: np.ndarray, replicas_filled: bool = False) -> None:
+        """Slice ``index``'s host data; ``replicas_filled``: read into ``host_buffer`` and
+        its ``replica_buffers`` already hold the same bytes."""
         if self._cpu:
             self._waiting[index] = data
+            if replicas_filled:
+                self._filled.add(index)
             return
         first, *rest = self.devices[index]
         self.placed[first] = jax.device_put(data, self.on[first], may_alias=True)
@@ -116,13 +127,23 @@ class Placement:
         for index, data in self._waiting.items():
             places = self._host.get(index) or []
             copies[index] = [data]
+            filled = (  # the reader's copies are of these very bytes
+                index in self._filled
+                and bool(places)
+                and data.ctypes.data == places[0].ctypes.data
+                and data.dtype == places[0].dtype
+            )
             for k in range(1, len(self.devices[index])):
+                if filled and k < len(places):
+                    copies[index].append(places[k])
+                    continue
                 copy = (
                     places[k] if k < len(places) else arrays.aligned_empty(data.shape, data.dtype)
                 )
                 np.copyto(copy, data)
                 copies[index].append(copy)
         self._waiting.clear()
+        self._filled.clear()
         if not self.sharding.is_fully_replicated or len(self.index_map) == 1:
             left = {i: list(c) for i, c in copies.items()}
 

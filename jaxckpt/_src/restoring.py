@@ -210,15 +210,15 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
 
     out = Placement(w.sharding, shape, want_dtype)
 
-    def place(index: Index, data: np.ndarray) -> None:
-        out.put(index, convert(data))
+    def place(index: Index, data: np.ndarray, copied: bool = False) -> None:
+        out.put(index, convert(data), replicas_filled=copied)
 
     for index in out.indices:
         if store_fut is None or not volume(index):
             out.put(index, np.zeros(extent(index), want_dtype))
         else:  # read straight into the array's own memory where it has some (CPU devices)
-            into = out.host_buffer(index)
-            reader.add(store_fut, rec, index, functools.partial(place, index), into)
+            into, copies = out.host_buffer(index), out.replica_buffers(index)
+            reader.add(store_fut, rec, index, functools.partial(place, index), into, copies)
     return out.array
 
 
@@ -234,8 +234,9 @@ class _Request:
     store_fut: Any
     rec: LeafRecord
     index: Index | None
-    consume: Callable[[np.ndarray], None]
+    consume: Callable[..., None]  # (data, copied: whether ``copies`` hold it too)
     into: np.ndarray | None = None  # where to read it, if of the dtype read; else fresh memory
+    copies: list[np.ndarray] = dataclasses.field(default_factory=list)  # and fill, if it can
 
 
 @dataclass(frozen=True)
@@ -253,12 +254,14 @@ class _Reader:
         store_fut: Any,
         rec: LeafRecord,
         index: Index | None,
-        consume: Callable[[np.ndarray], None],
+        consume: Callable[..., None],
         into: np.ndarray | None = None,
+        copies: list[np.ndarray] | None = None,
     ) -> None:
         """Asks for ``index`` of ``rec`` (None: all of it), to hand to ``consume``; read
-        into ``into`` where its dtype is the one read."""
-        self.requests.append(_Request(store_fut, rec, index, consume, into))
+        into ``into`` where its dtype is the one read, and then, where the direct path reads
+        it, into ``copies`` too (``consume``'s ``copied=True`` says so)."""
+        self.requests.append(_Request(store_fut, rec, index, consume, into, copies or []))
 
     def issue(
         self,
@@ -272,9 +275,12 @@ class _Reader:
         size: int = math.prod(rec.shape)
         nbytes = rec.nbytes if index is None else volume(index) * (rec.nbytes // max(1, size))
 
+        into = _fits(r.into, plan.dtype) if plan is not None else None
+        copied = into is not None and bool(r.copies)
+
         def start() -> Any:
             if plan is not None:
-                return direct_reader.start(plan, _fits(r.into, plan.dtype))
+                return direct_reader.start(plan, into, r.copies if copied else ())
             try:
                 store = r.store_fut.result()
                 if index is None:
@@ -288,7 +294,10 @@ class _Reader:
                 data = fut.result()
             except Exception as e:
                 raise self.error(e, rec) from e
-            r.consume(data)
+            if copied:
+                r.consume(data, copied=True)
+            else:
+                r.consume(data)
 
         reads.add(nbytes, start, use)
 
