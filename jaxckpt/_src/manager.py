@@ -23,7 +23,7 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
 )
-from . import monitoring, multihost, readers, saving, steps
+from . import gc_pause, monitoring, multihost, readers, saving, steps
 from .cadence import Blocking, Cadence, start_run
 from .manifest import read_manifest
 from .options import Options
@@ -201,7 +201,8 @@ class CheckpointManager:
                 "first (mgr.delete(step)) or save another step"
             )
         clock = monitoring.Stopwatch("manager_save", self.step_path(step).url)
-        with clock.phase("blocking"):
+        # the caller waits (a synchronous save writes here too): no collections meanwhile
+        with clock.phase("blocking"), gc_pause.paused():
             self.wait_until_finished()
             opts = self.options
             prepared = saving.prepare(

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
-from . import arrays, multihost, ocdbt_write, steps, writer
+from . import arrays, gc_pause, multihost, ocdbt_write, steps, writer
 from . import per_process as pp
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
@@ -74,18 +74,19 @@ def save(
 
     >>> jaxckpt.save("/ckpt/run1/step_100", {"params": params, "step": 100})
     """
-    prepared = prepare(
-        path,
-        tree,
-        custom_metadata=renamed_metadata(custom_metadata, metadata),
-        metrics=metrics,
-        per_process=per_process,
-        compression=compression,
-        chunk_bytes=chunk_bytes,
-        drop_page_cache=drop_page_cache,
-        direct_io=direct_io,
-    )
-    return commit(prepared, timeout_s)
+    with gc_pause.paused():  # the caller waits: dozens of collections otherwise
+        prepared = prepare(
+            path,
+            tree,
+            custom_metadata=renamed_metadata(custom_metadata, metadata),
+            metrics=metrics,
+            per_process=per_process,
+            compression=compression,
+            chunk_bytes=chunk_bytes,
+            drop_page_cache=drop_page_cache,
+            direct_io=direct_io,
+        )
+        return commit(prepared, timeout_s)
 
 
 @dataclass(frozen=True)
