@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt import errors
 from jaxckpt._src import arrays, direct, ocdbt_write
-from jaxckpt._src.storage import location
+from jaxckpt._src.storage import Location, location
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
 
@@ -73,7 +73,8 @@ def _direct_dtype(dtype: np.dtype) -> bool:
 def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path):
     """Random bit patterns of every dtype: onto the saved mesh (whole shards, read directly
     where the dtype's bytes are stored as they are), and onto meshes that read two chunks
-    into one slice or cut through chunks (each chunk read whole, the half wanted kept)."""
+    into one slice or cut through chunks (each chunk read whole once, each slice's half
+    copied out of it)."""
     x = random_bits((256, 64), dtype, np.random.default_rng(7))
     tree = {"x": sharded(x, mesh42, ("data",)), "n": x[:64]}
     jaxckpt.save(tmp_path / "c", tree)
@@ -84,7 +85,7 @@ def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path
     expected = (x.nbytes + x[:64].nbytes + 5 * 4) if _direct_dtype(dtype) else 0
     assert preadv.bytes == expected, (preadv.calls, preadv.bytes)
 
-    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), 2 * x.nbytes + 8 * 4)]:
+    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), x.nbytes + 4 * 4)]:
         mesh = jax.make_mesh(shape, ("data", "model"))
         target = {"x": NamedSharding(mesh, P("data")), "n": x[:64]}
         before = preadv.bytes
@@ -92,7 +93,8 @@ def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path
         assert_same_bits(x, np.asarray(out["x"]), f"{dtype} onto {shape}")
         for shard in out["x"].addressable_shards:
             assert_same_bits(x[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
-        if _direct_dtype(dtype):  # 2x4: two whole chunks a slice; 8x1: a chunk for half
+        # 2x4: two whole chunks a slice; 8x1: each chunk read once for the two halves
+        if _direct_dtype(dtype):
             assert preadv.bytes - before == direct_bytes + x[:64].nbytes + 4
 
 
@@ -294,7 +296,8 @@ def test_edge_chunks_read_in_part_match_tensorstore(tmp_path, preadv):
             assert_same_bits(x[tuple(slice(a, b) for a, b in index)], got, str(index))
     finally:
         reader.close()
-    assert preadv.calls == sum(len(p.parts) for p in plans.values())
+    # each chunk read once, however many of the slices need a part of it
+    assert preadv.calls == len({part.key for p in plans.values() for part in p.parts}) == 9
 
 
 def test_a_truncated_data_file_is_named(mesh42, tmp_path, preadv):
@@ -514,8 +517,8 @@ def test_replicas_are_filled_as_the_reader_reads(dtype, onto, preadv, mesh42, tm
     places while it is in the CPU's cache (on the reader threads, not after all reads on
     one): random bits of a leaf replicated over one mesh axis, restored onto the saved mesh
     (whole chunks, each slice read in several spans) and onto one whose slices cut through
-    the chunks; every device's bytes exact and its own memory, each slice's chunks read
-    once and no replica copied by ``Placement``."""
+    the chunks; every device's bytes exact and its own memory, every chunk read once and
+    no replica copied by ``Placement``."""
     from jaxckpt._src import placement
 
     dtype = np.dtype(dtype)
@@ -534,6 +537,71 @@ def test_replicas_are_filled_as_the_reader_reads(dtype, onto, preadv, mesh42, tm
     assert len({s.data.unsafe_buffer_pointer() for s in out.addressable_shards}) == 8
     for shard in out.addressable_shards:
         assert_same_bits(x[shard.index], np.asarray(shard.data), f"{shard.device}")
-    # four chunks with their CRCs, read once; cut: each of the 4 column slices reads all
-    reads = 1 if onto == "saved mesh" else 4
-    assert preadv.bytes == reads * (x.nbytes + 4 * 4)
+    # four chunks with their CRCs, each read once (cut: once for the 4 column slices)
+    assert preadv.bytes == x.nbytes + 4 * 4
+
+
+# --- a chunk several slices need a part of -------------------------------------------------
+
+
+def _shared_chunks(tmp_path) -> tuple[np.ndarray, Location, dict, direct.Layout]:
+    """A 64 x 64 float32 array in chunks of 32 x 32 (4 KiB: not inline), and four slices of
+    16 columns each: every chunk is needed in part by two of them."""
+    db = location(str(tmp_path / "db"))
+    x = random_bits((64, 64), np.dtype(np.float32), np.random.default_rng(9))
+    meta = arrays.zarr_metadata(x.shape, "float32", (32, 32), None)
+    spec = {"driver": "zarr3", "kvstore": arrays.kvstore_spec(db), "path": "x/"}
+    ts.open(
+        {**spec, "metadata": meta, "create": True}, context=arrays.new_context()
+    ).result().write(x).result()
+    store = ts.open(spec, context=arrays.new_context()).result()
+    lay = direct.layout(store)
+    assert lay is not None
+    slices = {k: ((0, 64), (16 * k, 16 * (k + 1))) for k in range(4)}
+    return x, db, slices, lay
+
+
+@pytest.mark.parametrize("keep", [direct.KEEP_BYTES, 0])
+def test_a_chunk_several_slices_need_is_read_once(keep, tmp_path, preadv, monkeypatch):
+    """Each chunk is read and checked once for the slices that need a part of it, and let go
+    after the last; past ``KEEP_BYTES`` each slice reads it again. The bytes are exact
+    either way."""
+    monkeypatch.setattr(direct, "KEEP_BYTES", keep)
+    x, db, slices, lay = _shared_chunks(tmp_path)
+    plans = direct.plan(db, {k: direct.Wanted("x", lay, i) for k, i in slices.items()})
+    assert all(part.users == 2 for p in plans.values() for part in p.parts)
+    reader = direct.Reader()
+    try:
+        futures = {k: reader.start(plans[k]) for k in slices}
+        for k, index in slices.items():
+            assert_same_bits(x[tuple(slice(a, b) for a, b in index)], futures[k].result(), str(k))
+        assert reader._kept == {} and reader._kept_bytes == 0
+    finally:
+        reader.close()
+    chunk = 32 * 32 * 4 + 4
+    assert preadv.bytes == (4 if keep else 8) * chunk
+
+
+def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(tmp_path, preadv):
+    """The slices that share a corrupt chunk each raise Corrupt naming it (none waits
+    forever for the read that failed); the others read exactly."""
+    x, db, slices, lay = _shared_chunks(tmp_path)
+    plans = direct.plan(db, {k: direct.Wanted("x", lay, i) for k, i in slices.items()})
+    bad = next(part for part in plans[0].parts if part.key == "x/c/0/0")
+    with open(bad.at.file, "r+b") as f:
+        f.seek(bad.at.start + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    reader = direct.Reader()
+    try:
+        futures = {k: reader.start(plans[k]) for k in slices}
+        for k in (0, 1):  # columns 0-31: chunk (0, 0)
+            with pytest.raises(direct.Corrupt, match="x/c/0/0"):
+                futures[k].result(timeout=30)
+        for k in (2, 3):
+            index = slices[k]
+            assert_same_bits(x[tuple(slice(a, b) for a, b in index)], futures[k].result(30))
+        assert reader._kept == {}
+    finally:
+        reader.close()

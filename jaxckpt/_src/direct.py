@@ -12,7 +12,8 @@ trailers into a scratch array; each piece is checksummed right after it arrives,
 is still in the CPU's cache. A slice that cuts through chunks (a restore onto another mesh)
 or ends in an edge chunk zarr padded is read chunk by chunk instead: each whole chunk into
 a scratch buffer of the reading thread, checksummed, and the part the slice needs copied
-into place (a chunk must be read whole to check it; TensorStore reads it whole too). Anything
+into place (a chunk must be read whole to check it; TensorStore reads it whole too); a chunk
+that several slices need a part of is read and checked once for all of them. Anything
 else (zstd, inline values, object stores, sub-byte or bool dtypes, a value of an unexpected
 length or past its file's end) is read by TensorStore.
 ``JAXCKPT_DIRECT_READ=0`` turns the path off (for benchmarks and debugging).
@@ -20,6 +21,7 @@ length or past its file's end) is read by TensorStore.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -48,6 +50,9 @@ SPLIT_BYTES = 8 << 20  # a thread's share of a slice's whole chunks
 PART_CHUNK_BYTES = 64 << 20
 """The largest chunk read whole into a thread's scratch buffer when a slice needs only part
 of it; a larger one is left to TensorStore (each reader thread would hold one)."""
+KEEP_BYTES = 256 << 20
+"""At most this many bytes of chunks kept for the other slices that need a part of them
+(read once, checked once); a chunk past it is read again by each."""
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 _TRAILER = 4  # the crc32c codec: a chunk's bytes, then their CRC32C, little-endian
 
@@ -176,6 +181,7 @@ class ChunkPart:
     chunk_shape: tuple[int, ...]
     src: tuple[slice, ...]
     dst: tuple[slice, ...]
+    users: int = 1  # the slices of the plan that read a part of this chunk
 
 
 @dataclass(frozen=True)
@@ -238,10 +244,15 @@ def plan(db: Location, wanted: dict[Hashable, Wanted]) -> dict[Hashable, SliceRe
             _check_inside(w.name, r.key, r.at, sizes)
         if len(reads) == len(ks) and all(_plain(r.at, r.nbytes) for r in reads):
             out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, tuple(reads))
+    users = collections.Counter(key for _, cs in cut.values() for key, _, _ in cs)
     for k, (w, cs) in cut.items():
         nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
         shape = w.layout.chunk_shape
-        got = [ChunkPart(key, where[key], nbytes, shape, s, d) for key, s, d in cs if key in where]
+        got = [
+            ChunkPart(key, where[key], nbytes, shape, s, d, users[key])
+            for key, s, d in cs
+            if key in where
+        ]
         for p in got:
             _check_inside(w.name, p.key, p.at, sizes)
         if len(got) == len(cs) and all(_plain(p.at, p.nbytes) for p in got):
@@ -315,6 +326,8 @@ class Reader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._scratch = threading.local()  # each thread's buffer for chunks read in part
+        self._kept: dict[str, _Kept] = {}  # chunks read in part that other slices need too
+        self._kept_bytes = 0
 
     def start(
         self, sr: SliceRead, into: np.ndarray | None = None, copies: Sequence[np.ndarray] = ()
@@ -391,6 +404,7 @@ class Reader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._kept.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -405,25 +419,97 @@ class Reader:
             return self._fds[path]
 
     def _read_parts(self, sr: SliceRead, bufs: list[np.ndarray]) -> np.ndarray:
+        """The slice's chunks in file order, those another thread is reading for it too
+        put off to the end (waiting for them while there is work left would leave this
+        thread idle: two slices sharing their chunks would read them in turn)."""
+        later = []
         for p in sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)):
+            if p.users > 1 and self._being_read(p.key):
+                later.append(p)
+            else:
+                self._read_part(p, bufs)
+        for p in later:
             self._read_part(p, bufs)
         return bufs[0]
 
+    def _being_read(self, key: str) -> bool:
+        """Whether another thread is reading chunk ``key`` for the slices that share it."""
+        with self._lock:
+            entry = self._kept.get(key)
+        if entry is None or not entry.ready.acquire(blocking=False):
+            return entry is not None
+        entry.ready.release()
+        return False
+
     def _read_part(self, p: ChunkPart, bufs: list[np.ndarray]) -> None:
-        """Reads chunk ``p`` whole into this thread's scratch buffer, checks its CRC32C,
-        and copies the part the slice needs into each of ``bufs``."""
-        size = p.nbytes + _TRAILER
+        """Copies the part of chunk ``p`` the slice needs into each of ``bufs``, from the
+        chunk read whole and checked: by this thread into its scratch buffer, or, where
+        other slices need a part of it too, once for all of them (``_shared``)."""
+        if p.users > 1:
+            kept = self._shared(p)
+            if kept is not None:
+                data, entry = kept
+                try:
+                    _copy_part(p, data, bufs)
+                finally:
+                    self._done_with(p.key, entry)
+                return
         scratch: np.ndarray | None = getattr(self._scratch, "buf", None)
-        if scratch is None or len(scratch) < size:
-            scratch = self._scratch.buf = np.empty(size, np.uint8)
-        view = scratch[:size].data
-        got = ChunkRead(p.key, p.at, 0, p.nbytes)
-        _preadv_all(self._fd(p.at.file), [view], p.at.start, [got])
+        if scratch is None or len(scratch) < p.nbytes + _TRAILER:
+            scratch = self._scratch.buf = np.empty(p.nbytes + _TRAILER, np.uint8)
+        self._read_chunk(p, scratch)
+        _copy_part(p, scratch, bufs)
+
+    def _read_chunk(self, p: ChunkPart, into: np.ndarray) -> None:
+        """Chunk ``p`` whole, with its trailer, into ``into``; raises Corrupt unless its
+        CRC32C matches."""
+        view = into[: p.nbytes + _TRAILER].data
+        _preadv_all(self._fd(p.at.file), [view], p.at.start, [ChunkRead(p.key, p.at, 0, p.nbytes)])
         if crc32c.crc32c(view[: p.nbytes]) != int.from_bytes(view[p.nbytes :], "little"):
             raise Corrupt(p.key, p.at)
-        chunk = scratch[: p.nbytes].view(bufs[0].dtype).reshape(p.chunk_shape)
-        for buf in bufs:
-            buf[p.dst] = chunk[p.src]
+
+    def _shared(self, p: ChunkPart) -> tuple[np.ndarray, _Kept] | None:
+        """Chunk ``p`` read and checked once for the ``p.users`` slices that need it: the
+        first to come reads it while the others wait; None where keeping it would pass
+        KEEP_BYTES (each reads it then). Every caller then calls ``_done_with``."""
+        with self._lock:
+            entry = self._kept.get(p.key)
+            mine = entry is None
+            if mine:
+                if self._kept_bytes + p.nbytes > KEEP_BYTES:
+                    return None
+                entry = self._kept[p.key] = _Kept(p.users, p.nbytes)
+                self._kept_bytes += p.nbytes
+                entry.ready.acquire()  # held until the bytes are in and checked
+        assert entry is not None
+        if mine:
+            try:
+                data = np.empty(p.nbytes + _TRAILER, np.uint8)
+                self._read_chunk(p, data)
+                entry.data = data
+            except BaseException as e:
+                entry.error = e
+                self._done_with(p.key, entry)
+                raise
+            finally:
+                entry.ready.release()
+            return data, entry
+        with entry.ready:  # the first user's read
+            pass
+        if entry.error is not None:
+            self._done_with(p.key, entry)
+            raise entry.error
+        assert entry.data is not None
+        return entry.data, entry
+
+    def _done_with(self, key: str, entry: _Kept) -> None:
+        """One user of a kept chunk less; the last one lets it go."""
+        with self._lock:
+            entry.left -= 1
+            if entry.left <= 0 and self._kept.get(key) is entry:
+                del self._kept[key]
+                self._kept_bytes -= entry.nbytes
+                entry.data = None
 
     def _read_whole(
         self, span: _Span, chunks: list[ChunkRead], trailers: bytearray, buf: np.ndarray
@@ -457,6 +543,25 @@ class Reader:
             group.append(piece)
             size += len(view)
         return crcs
+
+
+class _Kept:
+    """A chunk read in part by several slices: its checked bytes (or the error its read
+    raised), the users still to copy from it, and a lock held while it is read."""
+
+    def __init__(self, users: int, nbytes: int) -> None:
+        self.left, self.nbytes = users, nbytes
+        self.ready = threading.Lock()
+        self.data: np.ndarray | None = None
+        self.error: BaseException | None = None
+
+
+def _copy_part(p: ChunkPart, chunk: np.ndarray, bufs: list[np.ndarray]) -> None:
+    """The part of chunk ``p`` (its bytes, at the start of ``chunk``) a slice needs, into
+    each of ``bufs``."""
+    values = chunk[: p.nbytes].view(bufs[0].dtype).reshape(p.chunk_shape)
+    for buf in bufs:
+        buf[p.dst] = values[p.src]
 
 
 @dataclass(frozen=True)
