@@ -49,7 +49,9 @@ with mixed PartitionSpecs, then, ``--repeats`` times, alternating the libraries:
   installed: sequential write and read of a file of the state's size, O_DIRECT and not,
   psync and io_uring.
 
-Every timed operation runs in a fresh subprocess (``--worker``), which measures its own wall
+Every timed operation runs in a fresh subprocess (``--worker``), which runs a garbage
+collection before its clock starts (building a state in Python leaves a full collection
+due: 50-60 ms that fell inside whichever operation came next) and measures its own wall
 time, CPU seconds (user + sys of all its threads, from /proc/self/stat; the RSS sampler's
 own share taken out) and peak RSS over its baseline (save: with the state built; restore:
 state-free), so memory freed by an earlier operation cannot hide a peak; a tiny warm-up save
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import os
 import shutil
@@ -196,6 +199,7 @@ def worker_save(args) -> dict:
     warm_up(lib, mesh, args.workdir)
     state, crcs = build_state(args.size_gb, mesh)
     jax.block_until_ready(state)
+    gc.collect()  # the garbage of building the state is not the save's (raw_io does the same)
     with harness.PeakRss() as rss, harness.Clock() as clock:
         lib.save(args.path, state)
     lib.close()
@@ -245,6 +249,7 @@ def worker_async(args) -> dict:
             mgr.save(step, args=ocp.args.StandardSave(state))
 
     blocking, total, sync_total = [], [], []
+    gc.collect()
     for step in range(4):
         for which in harness.rotated(["async", "sync"], step):
             if which == "sync" and sync_mgr is not None:
@@ -275,6 +280,7 @@ def worker_restore(args) -> dict:
         harness.drop_cold(args.path)
     else:
         harness.warm_page_cache(args.path)
+    gc.collect()  # as before every timed operation: no garbage of the warm-up in its clock
     with harness.PeakRss() as rss, harness.Clock() as clock:
         restored = jax.block_until_ready(lib.restore(args.path, target))
     lib.close()
@@ -338,6 +344,7 @@ def worker_first_read(args) -> dict:
     harness.read_files([min(paths, key=os.path.getsize)], 1, crc)
     share = (device_bytes(target) - state_bytes(args.size_gb)) / sum(map(os.path.getsize, paths))
     kept: list = []
+    gc.collect()
     with harness.Clock() as clock:
         harness.read_files(paths, args.threads, crc, kept, [share] * len(paths))
     del kept

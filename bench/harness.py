@@ -423,6 +423,7 @@ def first_write(path: str, sizes: Sequence[int], threads: int) -> dict:
     os.makedirs(path)
     write_file(os.path.join(path, "warm.bin"), [block[: 1 << 20]])
     os.remove(os.path.join(path, "warm.bin"))
+    gc.collect()
     with Clock() as clock:
         write_way(path, arrays, threads)
     shutil.rmtree(path)
