@@ -320,8 +320,11 @@ def reader_threads() -> int:
 class Reader:
     """Reads ``SliceRead``s on a few threads; ``close`` stops them and closes the files."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, keep_bytes: int | None = None) -> None:
+        """``keep_bytes``: at most this many bytes of chunks kept for the slices that share
+        them (default ``KEEP_BYTES``; a restore passes the smaller of that and its budget)."""
         threads = threads or reader_threads()
+        self._keep_limit = KEEP_BYTES if keep_bytes is None else keep_bytes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxckpt-direct")
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -471,12 +474,13 @@ class Reader:
     def _shared(self, p: ChunkPart) -> tuple[np.ndarray, _Kept] | None:
         """Chunk ``p`` read and checked once for the ``p.users`` slices that need it: the
         first to come reads it while the others wait; None where keeping it would pass
-        KEEP_BYTES (each reads it then). Every caller then calls ``_done_with``."""
+        the reader's ``keep_bytes`` (each reads it then). Every caller then calls
+        ``_done_with``."""
         with self._lock:
             entry = self._kept.get(p.key)
             mine = entry is None
             if mine:
-                if self._kept_bytes + p.nbytes > KEEP_BYTES:
+                if self._kept_bytes + p.nbytes > self._keep_limit:
                     return None
                 entry = self._kept[p.key] = _Kept(p.users, p.nbytes)
                 self._kept_bytes += p.nbytes

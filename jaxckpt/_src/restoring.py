@@ -61,7 +61,8 @@ def restore(
     ``read_budget_bytes`` bounds the host memory of slices read but not yet on their devices
     (default: 64 MiB per reader thread, at least 128 MiB; 512 MiB on 16 cores or more, see
     ``inflight.default_budget``); reads within it run concurrently, so a larger budget can
-    restore faster. Peak host memory is about the result plus the budget.
+    restore faster. Peak host memory is about the result plus the budget, plus as much again
+    at most for chunks that several slices need a part of (read once, kept for all of them).
 
     >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
     """
@@ -140,7 +141,9 @@ def _read_all(
     plans = _direct_plan(db, reader.requests) if source is None and direct.enabled(loc) else {}
     # no thread outlives the restore; the direct reads' threads stop after their users'
     with (
-        contextlib.closing(direct.Reader()) as direct_reader,
+        contextlib.closing(
+            direct.Reader(keep_bytes=min(direct.KEEP_BYTES, budget))
+        ) as direct_reader,
         contextlib.closing(InFlight[Any](budget, threads=_place_threads(reading))) as reads,
     ):
         for i, request in enumerate(reader.requests):
