@@ -331,6 +331,8 @@ class Reader:
         self._scratch = threading.local()  # each thread's buffer for chunks read in part
         self._kept: dict[str, _Kept] = {}  # chunks read in part that other slices need too
         self._kept_bytes = 0
+        self._came: dict[str, int] = {}  # the slices that came for each shared chunk so far
+        self._spare: list[np.ndarray] = []  # kept chunks' buffers, for the next ones
 
     def start(
         self, sr: SliceRead, into: np.ndarray | None = None, copies: Sequence[np.ndarray] = ()
@@ -408,6 +410,8 @@ class Reader:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._kept.clear()
+        self._came.clear()
+        self._spare.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -477,18 +481,20 @@ class Reader:
         the reader's ``keep_bytes`` (each reads it then). Every caller then calls
         ``_done_with``."""
         with self._lock:
+            came = self._came[p.key] = self._came.get(p.key, 0) + 1
             entry = self._kept.get(p.key)
             mine = entry is None
             if mine:
-                if self._kept_bytes + p.nbytes > self._keep_limit:
+                left = p.users - came + 1  # this slice and those still to come
+                if left <= 1 or self._kept_bytes + p.nbytes > self._keep_limit:
                     return None
-                entry = self._kept[p.key] = _Kept(p.users, p.nbytes)
+                entry = self._kept[p.key] = _Kept(left, p.nbytes)
                 self._kept_bytes += p.nbytes
                 entry.ready.acquire()  # held until the bytes are in and checked
+                data = self._spare_for(p.nbytes + _TRAILER)
         assert entry is not None
         if mine:
             try:
-                data = np.empty(p.nbytes + _TRAILER, np.uint8)
                 self._read_chunk(p, data)
                 entry.data = data
             except BaseException as e:
@@ -513,7 +519,19 @@ class Reader:
             if entry.left <= 0 and self._kept.get(key) is entry:
                 del self._kept[key]
                 self._kept_bytes -= entry.nbytes
+                if entry.data is not None:
+                    self._spare.append(entry.data)
                 entry.data = None
+
+    def _spare_for(self, size: int) -> np.ndarray:
+        """A buffer of at least ``size`` bytes for a kept chunk: one a released chunk left
+        (fresh memory costs a page fault a page), else a new one. (Under ``_lock``.)"""
+        for i, buf in enumerate(self._spare):
+            if len(buf) >= size:
+                return self._spare.pop(i)
+        if self._kept_bytes + sum(len(b) for b in self._spare) > self._keep_limit:
+            self._spare.clear()  # (none fits: let the small ones go)
+        return np.empty(size, np.uint8)
 
     def _read_whole(
         self, span: _Span, chunks: list[ChunkRead], trailers: bytearray, buf: np.ndarray
