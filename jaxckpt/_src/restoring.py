@@ -201,7 +201,7 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
         # Whole leaf on the host (NumPy results; PRNG keys are small and re-wrapped).
         holder: dict[str, np.ndarray] = {}
 
-        def keep(data: np.ndarray) -> None:
+        def keep(data: np.ndarray, copied: bool = False) -> None:
             holder["v"] = convert(data)
 
         if store_fut is None:
@@ -237,7 +237,7 @@ class _Request:
     store_fut: Any
     rec: LeafRecord
     index: Index | None
-    consume: Callable[..., None]  # (data, copied: whether ``copies`` hold it too)
+    consume: Callable[[np.ndarray, bool], None]  # (data, whether ``copies`` hold it too)
     into: np.ndarray | None = None  # where to read it, if of the dtype read; else fresh memory
     copies: list[np.ndarray] = dataclasses.field(default_factory=list)  # and fill, if it can
 
@@ -257,13 +257,13 @@ class _Reader:
         store_fut: Any,
         rec: LeafRecord,
         index: Index | None,
-        consume: Callable[..., None],
+        consume: Callable[[np.ndarray, bool], None],
         into: np.ndarray | None = None,
         copies: list[np.ndarray] | None = None,
     ) -> None:
         """Asks for ``index`` of ``rec`` (None: all of it), to hand to ``consume``; read
         into ``into`` where its dtype is the one read, and then, where the direct path reads
-        it, into ``copies`` too (``consume``'s ``copied=True`` says so)."""
+        it, into ``copies`` too (``consume``'s second argument says so)."""
         self.requests.append(_Request(store_fut, rec, index, consume, into, copies or []))
 
     def issue(
@@ -297,10 +297,7 @@ class _Reader:
                 data = fut.result()
             except Exception as e:
                 raise self.error(e, rec) from e
-            if copied:
-                r.consume(data, copied=True)
-            else:
-                r.consume(data)
+            r.consume(data, copied)
 
         reads.add(nbytes, start, use)
 
