@@ -200,3 +200,16 @@ def test_golden_export_serves(version, tmp_path):
     _edit_json(sig, lambda d: d.update(format_version=[2, 0]))
     with pytest.raises(errors.ExportVersionError, match=r"2\.0.*major version 1"):
         jaxckpt.export.load(copy)
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "checkpoint_2proc", "checkpoint_chunked"])
+def test_the_current_versions_leaf_records_are_written_as_read(name):
+    """The leaf records of the current version's golden manifest, read and written again,
+    are the same JSON (``LeafRecord.to_dict``: the fields set, in their order)."""
+    from jaxckpt._src.manifest import FORMAT_VERSION, Manifest
+
+    path = os.path.join(GOLDEN, "v{}.{}".format(*FORMAT_VERSION), name, "manifest.json")
+    with open(path) as f:
+        text = f.read()
+    written = json.loads(Manifest.from_json(text, where=path).to_json())["leaves"]
+    assert json.dumps(written) == json.dumps(json.loads(text)["leaves"])
