@@ -511,18 +511,20 @@ class _CountingCopies:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
 @pytest.mark.parametrize("onto", ["saved mesh", "chunks cut"])
-def test_replicas_are_filled_as_the_reader_reads(dtype, onto, preadv, mesh42, tmp_path,
+@pytest.mark.parametrize("shape", [(2048, 1024), (64, 32)], ids=["large", "small"])
+def test_replicas_are_filled_as_the_reader_reads(dtype, onto, shape, preadv, mesh42, tmp_path,
                                                  monkeypatch):  # fmt: skip
     """On CPU devices the direct reader copies each checked piece into the slice's replica
     places while it is in the CPU's cache (on the reader threads, not after all reads on
     one): random bits of a leaf replicated over one mesh axis, restored onto the saved mesh
     (whole chunks, each slice read in several spans) and onto one whose slices cut through
-    the chunks; every device's bytes exact and its own memory, every chunk read once and
-    no replica copied by ``Placement``."""
+    the chunks; large leaves and small ones (which have a buffer of their own too); every
+    device's bytes exact and its own memory, every chunk read once and no replica copied
+    by ``Placement``."""
     from jaxckpt._src import placement
 
     dtype = np.dtype(dtype)
-    x = random_bits((2048, 1024), dtype, np.random.default_rng(11))
+    x = random_bits(shape, dtype, np.random.default_rng(11))
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
     if onto == "saved mesh":
         mesh, spec = mesh42, P("data")
