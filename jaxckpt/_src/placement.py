@@ -68,8 +68,6 @@ class Placement:
         sizes = {i: math.prod(extent(i)) * item for i in self.devices}
         padded = {i: -(-n // _ALIGN) * _ALIGN for i, n in sizes.items()}
         total = sum(padded[i] * len(ds) for i, ds in self.devices.items())
-        if not total:
-            return {}
         region, at = arrays.aligned_empty((total,), np.dtype(np.uint8), _ALIGN), 0
         out: dict[Index, list[np.ndarray]] = {i: [] for i in self.devices}
         # first copies first, then the replicas: where a caller puts buffers of its own
@@ -122,28 +120,20 @@ class Placement:
     def _adopt_waiting(self) -> jax.Array:
         """The array of the waiting slices, adopted by their CPU devices: each slice's
         first device takes its buffer, each replica a copy in its place in the leaf's
-        mapping (or in fresh memory), so that no two devices share memory. One call
+        buffer, so that no two devices share memory. One call
         (``make_array_from_callback``) puts them all, where it hands each device a copy
         of its own; else one ``device_put`` of the list."""
         copies: dict[Index, list[np.ndarray]] = {}
         for index, data in self._waiting.items():
-            places = self._host.get(index) or []
-            copies[index] = [data]
+            first, *replicas = self._host[index]  # (every CPU leaf has its places)
             filled = (  # the reader's copies are of these very bytes
                 index in self._filled
-                and bool(places)
-                and data.ctypes.data == places[0].ctypes.data
-                and data.dtype == places[0].dtype
+                and data.ctypes.data == first.ctypes.data
+                and data.dtype == first.dtype
             )
-            for k in range(1, len(self.devices[index])):
-                if filled and k < len(places):
-                    copies[index].append(places[k])
-                    continue
-                copy = (
-                    places[k] if k < len(places) else arrays.aligned_empty(data.shape, data.dtype)
-                )
+            for copy in replicas if not filled else ():
                 np.copyto(copy, data)
-                copies[index].append(copy)
+            copies[index] = [data, *replicas]
         self._waiting.clear()
         self._filled.clear()
         if not self.sharding.is_fully_replicated or len(self.index_map) == 1:
