@@ -225,9 +225,15 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
     return out.array
 
 
-def _fits(into: np.ndarray | None, dtype: np.dtype) -> np.ndarray | None:
-    """``into`` where a read of ``dtype`` can fill it as it is (no conversion)."""
-    return into if into is not None and into.dtype == dtype else None
+def _fits(into: np.ndarray | None, dtype: np.dtype, saved: np.dtype) -> np.ndarray | None:
+    """``into`` as a buffer a read of ``dtype`` fills with no conversion after: itself, or,
+    where ``into`` is of the ``saved`` dtype and ``dtype`` is the unsigned carrier of its
+    bytes (a dtype zarr lacks), its view as ``dtype``; else None."""
+    if into is None or into.dtype == dtype:
+        return into
+    if into.dtype == saved and dtype.itemsize == saved.itemsize:
+        return into.view(dtype)
+    return None
 
 
 @dataclass(frozen=True)
@@ -238,7 +244,7 @@ class _Request:
     rec: LeafRecord
     index: Index | None
     consume: Callable[[np.ndarray, bool], None]  # (data, whether ``copies`` hold it too)
-    into: np.ndarray | None = None  # where to read it, if of the dtype read; else fresh memory
+    into: np.ndarray | None = None  # where to read it (``_fits``); else fresh memory
     copies: list[np.ndarray] = dataclasses.field(default_factory=list)  # and fill, if it can
 
 
@@ -278,17 +284,19 @@ class _Reader:
         size: int = math.prod(rec.shape)
         nbytes = rec.nbytes if index is None else volume(index) * (rec.nbytes // max(1, size))
 
-        into = _fits(r.into, plan.dtype) if plan is not None else None
-        copied = into is not None and bool(r.copies)
+        into = _fits(r.into, plan.dtype, rec.data_dtype) if plan is not None else None
+        copies = [c.view(into.dtype) for c in r.copies] if into is not None else []
+        copied = bool(copies)
 
         def start() -> Any:
             if plan is not None:
-                return direct_reader.start(plan, into, r.copies if copied else ())
+                return direct_reader.start(plan, into, copies)
             try:
                 store = r.store_fut.result()
                 if index is None:
                     return store.read()
-                return arrays.read_slice(store, index, _fits(r.into, store.dtype.numpy_dtype))
+                dtype = store.dtype.numpy_dtype
+                return arrays.read_slice(store, index, _fits(r.into, dtype, rec.data_dtype))
             except Exception as e:
                 raise self.error(e, rec) from e
 
