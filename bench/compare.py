@@ -8,7 +8,7 @@ Run from the repository root (the full run of record is ``--size-gb 1``, a few m
     python bench/compare.py --size-gb 0.1 --only jaxckpt       # skip Orbax
     python bench/compare.py --direct-read both     # jaxckpt's direct reads vs TensorStore's
     python bench/compare.py --chunk-bytes 16777216 # and chunk_bytes=16 MiB vs default
-    python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save: plain, drop_page_cache, direct_io
+    python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save: default, page cache, drop, O_DIRECT
     python bench/compare.py --direct-write both    # jaxckpt's own writer vs TensorStore's
 
 Needs a CRC32C package for the verified-read limit: ``crc32c`` (jaxckpt's own dependency,
@@ -96,6 +96,7 @@ from train_state import (  # noqa: E402, F401  (bench/verify.py and emergency.py
     width,
 )
 
+from jaxckpt._src import page_cache  # noqa: E402
 from jaxckpt._src.direct import reader_threads  # noqa: E402
 from jaxckpt._src.inflight import READ_BUDGET_BYTES, default_budget  # noqa: E402
 
@@ -122,7 +123,7 @@ WRITE_ENV = "JAXCKPT_DIRECT_WRITE"  # --direct-write both: =0 saves through Tens
 
 
 class Jaxckpt:
-    def __init__(self, chunk_bytes: int | None = None, cache: str = "keep"):
+    def __init__(self, chunk_bytes: int | None = None, cache: str = "default"):
         import jaxckpt
 
         self.lib, self.chunk_bytes, self.cache = jaxckpt, chunk_bytes, cache
@@ -133,7 +134,7 @@ class Jaxckpt:
             tree,
             chunk_bytes=self.chunk_bytes,
             drop_page_cache=self.cache == DROP,
-            direct_io=self.cache == DIRECT_IO,
+            direct_io={KEEP: False, DROP: False, DIRECT_IO: True}.get(self.cache),
         )
 
     def restore(self, path: str, target):
@@ -167,12 +168,13 @@ class Orbax:
 
 LIBS = {"jaxckpt": Jaxckpt, "orbax": Orbax, "jaxckpt-chunks": Jaxckpt}
 CHUNKED = "jaxckpt-chunks"  # jaxckpt with --chunk-bytes
-DROP = "drop_page_cache"  # --drop-page-cache-gb: jaxckpt saves with drop_page_cache=True
-DIRECT_IO = "direct_io"  # and with direct_io=True
+KEEP = "page_cache"  # --drop-page-cache-gb: jaxckpt saves with direct_io=False,
+DROP = "drop_page_cache"  # with drop_page_cache=True (and direct_io=False: its own way)
+DIRECT_IO = "direct_io"  # and with direct_io=True (the default: O_DIRECT on a disk filesystem)
 
 
 def make_lib(args):
-    if args.lib in (DROP, DIRECT_IO):
+    if args.lib in (KEEP, DROP, DIRECT_IO):
         return Jaxckpt(cache=args.lib)
     return Jaxckpt(args.chunk_bytes) if args.lib == CHUNKED else LIBS[args.lib]()
 
@@ -479,11 +481,11 @@ def orchestrate(args) -> dict:
 
 
 def drop_page_cache_round(args, rep: int) -> dict:
-    """--drop-page-cache-gb: a state of that size saved plainly, with drop_page_cache and
-    with direct_io, and written raw (first writes, every way), alternating; each save's
-    page cache growth."""
+    """--drop-page-cache-gb: a state of that size saved with the defaults, through the page
+    cache (direct_io=False), with drop_page_cache and with direct_io, and written raw (first
+    writes, every way), alternating; each save's page cache growth."""
     size, out = args.drop_page_cache_gb, {"raw": {FIRST: {}}}
-    for lib in harness.alternate(["jaxckpt", DROP, DIRECT_IO], rep):
+    for lib in harness.alternate(["jaxckpt", KEEP, DROP, DIRECT_IO], rep):
         path = os.path.join(args.workdir, f"{lib}-big")
         harness.log(f"repeat {rep + 1}/{args.repeats}: {size:g} GB save, {lib}")
         out[lib] = run_worker(args, "save", lib=lib, path=path, size_gb=size)
@@ -503,7 +505,8 @@ def _report_drops(args, drops: list[dict]) -> None:
         for way, recs in d["raw"][FIRST].items():
             raw[FIRST].setdefault(way, []).extend(recs)
     limit = harness.best_ways(raw, nbytes)[FIRST]
-    print(f"\nsave of a {nbytes / GB:.3f} GB state: plain, drop_page_cache, direct_io "
+    print(f"\nsave of a {nbytes / GB:.3f} GB state: defaults, direct_io=False, "
+          f"drop_page_cache, direct_io "
           f"(page cache = Cached + Dirty of /proc/meminfo, machine-wide; raw first write "
           f"{limit.gbps:.3f} GB/s, {limit.way})")  # fmt: skip
     table = harness.Table(
@@ -511,7 +514,12 @@ def _report_drops(args, drops: list[dict]) -> None:
         + (("cache growth MiB (max)", ">23.0f"), ("(each repeat)", "<30"))
     )
     rows, figures = [], {}
-    named = (("jaxckpt", "plain"), (DROP, "drop_page_cache=True"), (DIRECT_IO, "direct_io=True"))
+    named = (
+        ("jaxckpt", "defaults"),
+        (KEEP, "direct_io=False"),
+        (DROP, "drop_page_cache=True"),
+        (DIRECT_IO, "direct_io=True"),
+    )
     for lib, name in named:
         runs = [d[lib] for d in drops]
         rate = harness.gbps(nbytes, [r["seconds"] for r in runs])
@@ -618,6 +626,7 @@ def report(args, out: dict) -> None:
             "every restore verified bit-exact against the saved data, with the target's shardings"
         )
     _report_targets(speed, cpu, lim, orbax)
+    _report_vs_fio(args, out, speed)
     limits_rss = [("save peak RSS <= 0.3 GB over the state", peak["jaxckpt"]["save"], 0.3)]
     # the read budget grows with the reader threads (128 MiB up to 5 cores): so does the limit
     slack = 0.3 + (default_budget(reader_threads()) - READ_BUDGET_BYTES) / GB
@@ -752,6 +761,18 @@ def _report_targets(speed: dict, cpu: dict, lim: dict[str, harness.Limit], orbax
             name,
             f"{'-' if ratio is None else f'{ratio:.2f}x':>9}",
         )
+
+
+def _report_vs_fio(args, out: dict, speed: dict) -> None:
+    """The save against fio's O_DIRECT write: the kind of I/O a save does by default on a
+    disk filesystem (``direct_io=None``)."""
+    direct = [f for f in out["fio"] or [] if f["rw"] == "write" and f["direct"] and f["gbps"]]
+    if direct and "save" in speed["jaxckpt"]:  # what a save with O_DIRECT (the default) does
+        best = max(direct, key=lambda f: f["gbps"])
+        print(f"  (save / fio's O_DIRECT sequential write, {best['engine']}: "
+              f"{speed['jaxckpt']['save'] / best['gbps']:.2f}x; the save writes with O_DIRECT "
+              f"on {page_cache.filesystem(args.workdir)} by default: "
+              f"{page_cache.direct_io(args.workdir, None)})")  # fmt: skip
 
 
 def _report_async(out: dict, state_gb: float) -> None:

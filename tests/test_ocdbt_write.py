@@ -217,8 +217,8 @@ def test_the_files_stay_out_of_the_page_cache(tmp_path, option):
     tree = {
         f"w{i}": rng.standard_normal((1024, 1024)).astype(np.float32) for i in range(6)
     }  # 24 MiB
-    jaxckpt.save(tmp_path / "plain", tree)
-    jaxckpt.save(tmp_path / "kept-out", tree, **{option: True})
+    jaxckpt.save(tmp_path / "plain", tree, direct_io=False)
+    jaxckpt.save(tmp_path / "kept-out", tree, **{"direct_io": False, option: True})
     data = lambda name: str(tmp_path / name / "arrays" / "d")  # noqa: E731
     if iostats.cached_bytes(data("plain")) < 24 << 20:
         pytest.skip("this filesystem does not keep written pages cached")

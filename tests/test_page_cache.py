@@ -5,6 +5,7 @@ saved still restores bit-exact."""
 import ctypes
 import mmap
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -79,8 +80,8 @@ def test_a_save_with_drop_page_cache_restores_exactly(tmp_path, mesh42):
                      mesh42, P("data", "model")),
         "b": rng.standard_normal(1000).astype(np.float32),
     }  # fmt: skip
-    jaxckpt.save(tmp_path / "kept", state)
-    jaxckpt.save(tmp_path / "dropped", state, drop_page_cache=True)
+    jaxckpt.save(tmp_path / "kept", state, direct_io=False)  # (None: O_DIRECT on a disk)
+    jaxckpt.save(tmp_path / "dropped", state, drop_page_cache=True, direct_io=False)
     kept, total = cached_under(tmp_path / "kept" / "arrays")
     dropped, same = cached_under(tmp_path / "dropped" / "arrays")
     assert abs(total - same) < 1024 and same > 512 << 10 and kept >= total // 2
@@ -91,11 +92,11 @@ def test_a_save_with_drop_page_cache_restores_exactly(tmp_path, mesh42):
 
 def test_managers_pass_drop_page_cache_on(tmp_path, mesh42):
     state = {"w": sharded(np.arange(64 * 64, dtype=np.float32).reshape(64, 64), mesh42, P())}
-    opts = jaxckpt.Options(drop_page_cache=True, run_log=False)
+    opts = jaxckpt.Options(drop_page_cache=True, direct_io=False, run_log=False)
     with jaxckpt.CheckpointManager(tmp_path / "dir", opts) as mgr:
         mgr.save(1, state)
     assert cached_under(tmp_path / "dir")[0] < 16 << 10  # the small files written after
-    eopts = jaxckpt.EmergencyOptions(1, 1, drop_page_cache=True, run_log=False)
+    eopts = jaxckpt.EmergencyOptions(1, 1, drop_page_cache=True, direct_io=False, run_log=False)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", eopts) as mgr:
         mgr.save(1, state)
         mgr.wait_until_finished()
@@ -112,7 +113,119 @@ def test_hostile_values_saved_with_drop_page_cache_restore_bit_exactly(
 ):
     x = random_bits((64, 32), dtype, np.random.default_rng(3))
     tree = {"x": sharded(x, mesh42, P("data", "model")), "n": x[:8]}
-    jaxckpt.save(tmp_path / "c", tree, drop_page_cache=True)
+    jaxckpt.save(tmp_path / "c", tree, drop_page_cache=True, direct_io=False)
     out = jaxckpt.restore(tmp_path / "c", target=tree)
     assert_same_bits(x, np.asarray(out["x"]), f"{dtype} sharded")
     assert_same_bits(x[:8], out["n"], f"{dtype} numpy")
+
+
+# --- where a save uses O_DIRECT by default ---------------------------------------------------
+
+MOUNTINFO = r"""22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 254:0 / / rw,relatime - ext4 /dev/vda rw,discard
+25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24684084k
+40 27 0:40 / /mnt/ckpt rw,relatime shared:5 - nfs4 srv:/export rw,vers=4.2
+41 40 8:16 / /mnt/ckpt/local rw,relatime - xfs /dev/sdb rw
+42 27 8:17 / /mnt/my\040disk rw,relatime master:3 - btrfs /dev/sdc rw
+43 27 0:50 / /mnt/ckpt2 rw - fuse.gcsfuse bucket rw
+44 27 8:18 / /mnt/ckpt2 rw - ext4 /dev/sdd rw
+not a mount line
+"""
+
+
+@pytest.mark.parametrize(
+    "path,fstype",
+    [
+        ("/", "ext4"),
+        ("/home/me/run", "ext4"),
+        ("/proc/self", "proc"),
+        ("/dev/shm/x", "tmpfs"),
+        ("/mnt/ckpt", "nfs4"),
+        ("/mnt/ckpt/step_1", "nfs4"),
+        ("/mnt/ckpt/local/step_1", "xfs"),  # the mount below the NFS one
+        ("/mnt/ckpt/localx", "nfs4"),  # a name that starts like a mount point is not in it
+        ("/mnt/my disk/run", "btrfs"),  # mountinfo writes the space as \040
+        ("/mnt/ckpt2/a", "ext4"),  # mounted over: the last mount of a point is the one seen
+    ],
+)
+def test_the_filesystem_of_a_path_is_its_deepest_mount(path, fstype):
+    assert page_cache.mount_type(MOUNTINFO, path) == fstype
+
+
+def test_o_direct_by_default_on_disk_filesystems_only(tmp_path):
+    assert page_cache.mount_type("", "/a") is None
+    assert page_cache.direct_io("/dev/shm/run", True) is True  # asked: as asked
+    assert page_cache.direct_io(str(tmp_path), False) is False
+    fstype = page_cache.filesystem(str(tmp_path / "not" / "made" / "yet"))
+    assert fstype is not None  # (Linux: /proc/self/mountinfo)
+    assert page_cache.direct_io(str(tmp_path), None) == (fstype in page_cache.DIRECT_IO_FILESYSTEMS)
+    if os.path.isdir("/dev/shm"):
+        assert page_cache.filesystem("/dev/shm") == "tmpfs"
+        assert page_cache.direct_io("/dev/shm/run", None) is False
+
+
+def _o_direct_opens(monkeypatch) -> list[str]:
+    """The paths opened with O_DIRECT from now on (``os.open`` watched, not changed)."""
+    opened: list[str] = []
+    real = os.open
+
+    def recording(path, flags, *rest):
+        if flags & getattr(os, "O_DIRECT", 0):
+            opened.append(str(path))
+        return real(path, flags, *rest)
+
+    monkeypatch.setattr(os, "open", recording)
+    return opened
+
+
+def test_a_plain_save_writes_with_o_direct_where_its_filesystem_takes_it(
+    tmp_path, mesh42, monkeypatch
+):
+    """``direct_io`` None (the default): O_DIRECT on ext4/xfs/btrfs, then only each data
+    file's last part block went through the page cache (mincore); the page cache elsewhere
+    (tmpfs: /dev/shm). False: never. The bytes restore exactly either way."""
+    x = random_bits((512, 512), np.dtype(np.float32), np.random.default_rng(4))  # 1 MiB
+    tree = {"w": sharded(x, mesh42, P("data", "model")), "b": x[:3]}
+    opened = _o_direct_opens(monkeypatch)
+    jaxckpt.save(tmp_path / "default", tree)
+    disk = page_cache.filesystem(str(tmp_path)) in page_cache.DIRECT_IO_FILESYSTEMS
+    data = tmp_path / "default" / "arrays" / "d"
+    if disk and hasattr(os, "O_DIRECT"):
+        # (written under the step's temporary name, then renamed)
+        assert opened and all(
+            p.startswith(str(tmp_path / "default")) and "/arrays/d/" in p for p in opened
+        ), opened
+        assert cached_under(data)[0] <= 4096 * len(os.listdir(data))
+    else:
+        assert opened == []
+    opened.clear()
+    jaxckpt.save(tmp_path / "off", tree, direct_io=False)
+    assert opened == []
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    if shm is not None:
+        d = os.path.join(shm, f"jaxckpt-test-{os.getpid()}")
+        try:
+            jaxckpt.save(d, tree)
+            assert opened == []
+            assert_tree_equal(jaxckpt.restore(d, target=tree), tree)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    for name in ("default", "off"):
+        assert_tree_equal(jaxckpt.restore(tmp_path / name, target=tree), tree)
+
+
+def test_the_emergency_local_tier_keeps_the_page_cache_by_default(tmp_path, mesh42, monkeypatch):
+    """EmergencyOptions' None: the remote tier as Options does, the local tier through the
+    page cache (a restarted process reads its step back from memory)."""
+    x = random_bits((64, 32), np.dtype(np.float32), np.random.default_rng(5))
+    tree = {"x": sharded(x, mesh42, P("data", "model"))}
+    opened = _o_direct_opens(monkeypatch)
+    o = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=1, run_log=False)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        mgr.save(1, tree)
+        mgr.wait_until_finished()
+        assert_tree_equal(mgr.restore(target=tree), tree)
+    assert not any(p.startswith(str(tmp_path / "l")) for p in opened), opened
+    remote = any(p.startswith(str(tmp_path / "r")) for p in opened)
+    disk = page_cache.filesystem(str(tmp_path)) in page_cache.DIRECT_IO_FILESYSTEMS
+    assert remote == (disk and hasattr(os, "O_DIRECT")), opened

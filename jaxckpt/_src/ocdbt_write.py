@@ -465,22 +465,23 @@ def write(
     db: Location,
     writes: Sequence[ArrayWrite],
     *,
-    direct_io: bool = False,
+    direct_io: bool | None = False,
     drop_page_cache: bool = False,
 ) -> None:
     """Writes every piece of ``writes`` into a new OCDBT database at ``db``: ourselves where
     the module's docstring says we can, else through TensorStore (``arrays.write``).
-    ``direct_io``: our files with O_DIRECT; TensorStore's have their pages dropped as they
-    are written, as ``drop_page_cache`` does (``page_cache.dropping``; ours are dropped
-    every ``WRITE_BACK_BYTES`` as the disk takes them).
+    ``direct_io``: our files with O_DIRECT (None: where ``db`` is on a disk filesystem,
+    ``page_cache.direct_io``); True: TensorStore's have their pages dropped as they are
+    written, as ``drop_page_cache`` does (``page_cache.dropping``; ours are dropped every
+    ``WRITE_BACK_BYTES`` as the disk takes them).
     ``JAXCKPT_DIRECT_WRITE=0`` always takes TensorStore (for benchmarks and debugging)."""
     planned = _ours(db, writes)
     if planned is None:
-        with page_cache.dropping(db.url, db.is_local and (direct_io or drop_page_cache)):
+        with page_cache.dropping(db.url, db.is_local and (direct_io is True or drop_page_cache)):
             arrays.write(db, writes)
         return
     try:
-        _write(db, *planned, direct_io, drop_page_cache)
+        _write(db, *planned, page_cache.direct_io(db.url, direct_io), drop_page_cache)
     except OSError as e:
         raise StorageError(f"writing arrays into {db.url} failed: {e}") from e
 

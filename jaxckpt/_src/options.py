@@ -67,7 +67,10 @@ class Options:
     direct_io: write a save's local files with O_DIRECT: the bytes go from the host buffers
         to the disk without entering the page cache at all (``ocdbt_write``; a compressed
         save, or a filesystem without O_DIRECT such as tmpfs, falls back to
-        ``drop_page_cache``'s way). A restore of the step then reads from the disk.
+        ``drop_page_cache``'s way). A restore of the step then reads from the disk. None
+        (the default): O_DIRECT where the directory is on a disk filesystem (ext4, xfs,
+        btrfs; ``page_cache.DIRECT_IO_FILESYSTEMS``) and jaxckpt writes the files itself
+        (uncompressed), else through the page cache; False: always through it.
     """
 
     save_interval_steps: int | Literal["auto"] = 1
@@ -90,7 +93,7 @@ class Options:
     run_log: bool = True
     heartbeat_s: float = 30.0
     drop_page_cache: bool = False
-    direct_io: bool = False
+    direct_io: bool | None = None
 
     def __post_init__(self) -> None:
         _interval(self, "save_interval_steps", "min_interval_steps", "max_interval_steps")
@@ -154,7 +157,9 @@ class EmergencyOptions:
     step_digits: zero padding of both tiers' step directory names (``00001000``).
     drop_page_cache: keep both tiers' local files out of the page cache as they are written
         (see ``Options``); a restore from local copies then reads from the disk.
-    direct_io: write both tiers' local files with O_DIRECT (see ``Options``).
+    direct_io: write both tiers' local files with O_DIRECT (see ``Options``). None (the
+        default): the remote tier as ``Options`` does, the local tier through the page cache
+        (a process restarted on its host reads its step back from memory).
     """
 
     local_interval_steps: int | Literal["auto"] = 10
@@ -174,7 +179,7 @@ class EmergencyOptions:
     run_log: bool = True
     heartbeat_s: float = 30.0
     drop_page_cache: bool = False
-    direct_io: bool = False
+    direct_io: bool | None = None
 
     def __post_init__(self) -> None:
         _interval(self, "local_interval_steps", "min_interval_steps", "max_interval_steps")

@@ -49,7 +49,7 @@ def save(
     per_process: Any = None,
     metadata: Any = None,
     drop_page_cache: bool = False,
-    direct_io: bool = False,
+    direct_io: bool | None = None,
 ) -> Figures:
     """Writes ``tree`` as one checkpoint directory at ``path``; blocks until committed.
 
@@ -64,7 +64,8 @@ def save(
     bytes, JSON, or a pytree of NumPy arrays), which may differ between processes; read back
     by :func:`per_process`. ``drop_page_cache``: keep a local save's files out of the page
     cache as they are written (see ``Options.drop_page_cache``). ``direct_io``: write a
-    local save's files with O_DIRECT (see ``Options.direct_io``). (``metadata=`` is the
+    local save's files with O_DIRECT (None: where the directory is on a disk filesystem;
+    see ``Options.direct_io``). (``metadata=`` is the
     deprecated name of ``custom_metadata=``.)
 
     Shards held by several processes are written in parts, one part by each (see
@@ -100,7 +101,7 @@ class Prepared:
     record: pp.Record | None  # this process's per-process value, encoded
     clock: Stopwatch
     drop_page_cache: bool = False
-    direct_io: bool = False
+    direct_io: bool | None = None
 
     def snapshot(self, host: HostCopies) -> Prepared:
         """The same save with the pieces this process writes copied to the host now."""
@@ -118,7 +119,7 @@ def prepare(
     compression: str | None = None,
     chunk_bytes: int | None = None,
     drop_page_cache: bool = False,
-    direct_io: bool = False,
+    direct_io: bool | None = None,
 ) -> Prepared:
     """Checks a save's arguments and describes ``tree`` (see :func:`save`); writes nothing
     and reads no storage (``commit`` checks the path is free)."""

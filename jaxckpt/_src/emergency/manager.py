@@ -116,14 +116,7 @@ class EmergencyCheckpointManager:
         self._reached: int | None = None  # the highest step given to save()
         self.last_report: RecoveryReport | None = None
         self._local_steps = set(steps.committed(self.local_directory))
-        # writes the local steps, keeping the host buffers it reuses
-        self._saver = local_save.LocalSaver(
-            self.local_directory,
-            opts.timeout_s,
-            opts.step_digits,
-            opts.drop_page_cache,
-            opts.direct_io,
-        )
+        self._saver = self._local_saver()
         self._shifts: tuple[tuple[int, ...], list[str]] | None = None  # see _peer_shifts
         self._closed = self._failed = False
         self.last_save_figures: Figures | None = None  # the calling thread's part
@@ -220,6 +213,15 @@ class EmergencyCheckpointManager:
                 cadence.saved(step, done.phases.get(tier, 0.0))
         return True
 
+    def _local_saver(self) -> local_save.LocalSaver:
+        """What writes the local steps, keeping the host buffers it reuses (through the page
+        cache unless ``direct_io=True``: a restarted process reads its step back from it)."""
+        o = self.options
+        return local_save.LocalSaver(
+            self.local_directory, o.timeout_s, o.step_digits, o.drop_page_cache,
+            o.direct_io is True,
+        )  # fmt: skip
+
     def _tag(self, what: str) -> str:
         # the same on every process: every process makes the same save/restore calls, in order
         return f"jaxckpt/emergency/{what}/{next(_seq)}"
@@ -304,9 +306,7 @@ class EmergencyCheckpointManager:
         # The host copies of the state being replaced are of no further use; freeing them
         # before reading lets the restore's buffers reuse that memory (the next save stages
         # into fresh buffers).
-        self._saver = local_save.LocalSaver(
-            self.local_directory, o.timeout_s, o.step_digits, o.drop_page_cache, o.direct_io
-        )
+        self._saver = self._local_saver()
         tag = self._tag("restore")
         fig = Stopwatch("emergency_restore", self.local_directory.url)
         mine, views = self._publish_holdings(tag)
