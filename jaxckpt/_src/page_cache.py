@@ -1,10 +1,12 @@
-"""Keeping a save's files out of the page cache (``drop_page_cache=True``).
+"""Keeping a save's files out of the page cache: O_DIRECT where it may (``direct_io``), or
+``drop_page_cache=True``.
 
 A save writes gigabytes its host will not read again soon; through the page cache they
 evict what training does read (the dataset's files) and, where fresh memory is slow to
-hand out (a VM's balloon), they slow the save itself. O_DIRECT would bypass the cache, but
-TensorStore writes through it. So while a save writes a local directory, a thread asks the
-kernel every couple of milliseconds to drop the pages of every file under it:
+hand out (a VM's balloon), they slow the save itself. Where jaxckpt writes the files itself
+(``ocdbt_write``) it opens them O_DIRECT, by default on a disk filesystem (``direct_io``).
+TensorStore writes through the cache: with ``drop_page_cache`` (or ``direct_io=True``), while
+it writes a local directory, a thread asks the kernel every couple of milliseconds to drop the pages of every file under it:
 ``posix_fadvise(DONTNEED)`` starts the write-back of dirty pages and drops the clean ones,
 so the cache holds only what was written since the last pass and what the disk has not
 taken yet (measured by ``bench/compare.py --drop-page-cache-gb 2``). Nothing is lost: the save
