@@ -11,6 +11,7 @@ import threading
 
 import iostats
 import jax
+import ml_dtypes
 import multiproc
 import numpy as np
 import pytest
@@ -619,3 +620,117 @@ def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(tmp_path, preadv
         assert reader._kept == {}
     finally:
         reader.close()
+
+
+# --- each leaf's layout from the B-tree walk, no TensorStore open ------------------------------
+
+
+@pytest.fixture
+def opened(monkeypatch) -> list[str]:
+    """The leaves a restore opens with TensorStore (``arrays.open_leaf`` watched)."""
+    names: list[str] = []
+    real = arrays.open_leaf
+
+    def watching(db, name, ctx):
+        names.append(name)
+        return real(db, name, ctx)
+
+    monkeypatch.setattr(arrays, "open_leaf", watching)
+    monkeypatch.delenv(direct.ENV, raising=False)
+    return names
+
+
+def test_a_restore_opens_with_tensorstore_only_the_leaves_it_reads_with_it(
+    x64, mesh42, tmp_path, opened
+):
+    """Leaves the direct path reads whole are never opened with TensorStore (their layout
+    comes from the ``zarr.json`` found in the B-tree walk): every dtype, random bits, onto
+    the saved mesh and onto one that cuts through chunks; bool and int4 (TensorStore reads
+    them), a zstd save and ``JAXCKPT_DIRECT_READ=0`` open every leaf."""
+    rng = np.random.default_rng(11)
+    tree = {
+        d.name: sharded(random_bits((16, 8), d, rng), mesh42, P("data", "model")) for d in DTYPES
+    }
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()
+    }
+    jaxckpt.save(tmp_path / "raw", tree)
+    other = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
+    for shardings in ({}, {k: other for k in tree}):  # (2, 4) cuts every (4, 2) chunk
+        opened.clear()
+        want = {k: t.update(sharding=shardings.get(k, t.sharding)) for k, t in target.items()}
+        out = jaxckpt.restore(tmp_path / "raw", target=want)
+        for k, v in tree.items():
+            assert_same_bits(np.asarray(v), np.asarray(out[k]), k)
+        assert sorted(opened) == sorted(d.name for d in DTYPES if not _direct_dtype(d))
+    jaxckpt.save(tmp_path / "zstd", tree, compression="zstd")
+    opened.clear()
+    out = jaxckpt.restore(tmp_path / "zstd", target=target)
+    assert sorted(opened) == sorted(tree)
+    for k, v in tree.items():
+        assert_same_bits(np.asarray(v), np.asarray(out[k]), k)
+
+
+def test_switched_off_the_direct_path_opens_every_leaf(mesh42, tmp_path, opened, monkeypatch):
+    x = random_bits((32, 16), np.dtype(np.float32), np.random.default_rng(12))
+    tree = {"a": sharded(x, mesh42, P("data")), "b": x[:4], "empty": np.zeros((0, 3))}
+    jaxckpt.save(tmp_path / "c", tree)
+    monkeypatch.setenv(direct.ENV, "0")
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    assert sorted(opened) == ["a", "b"]  # (nothing to read of "empty")
+    assert_same_bits(x, np.asarray(out["a"]))
+    assert_same_bits(x[:4], out["b"])
+
+
+def test_the_layout_read_from_zarr_json_is_tensorstores(x64, mesh42, tmp_path):
+    """For every dtype, ``stored_layout`` of the inline ``zarr.json`` is ``layout`` of the
+    leaf opened with TensorStore (None for those the direct path leaves to it)."""
+    rng = np.random.default_rng(13)
+    tree = {d.name: random_bits((6, 10), d, rng) for d in DTYPES}
+    jaxckpt.save(tmp_path / "c", tree, chunk_bytes=64)
+    db = arrays.database_dir(location(str(tmp_path / "c")), None)
+    _, inline = direct.index(db)
+    ctx = arrays.new_context()
+    for d in DTYPES:
+        store = arrays.open_leaf(db, d.name, ctx).result()
+        got = direct.stored_layout(inline[f"{d.name}/zarr.json"], (6, 10), d)
+        assert got == direct.layout(store), d
+        assert (got is not None) == _direct_dtype(d), d
+
+
+def test_zarr_json_that_is_not_the_leafs_or_not_raw_gives_no_layout():
+    """Metadata the direct path must not trust gives None (TensorStore reads the leaf)."""
+    import json
+
+    good = {
+        "zarr_format": 3, "node_type": "array", "shape": [8, 4], "data_type": "bfloat16",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 4]}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        "fill_value": 0,
+    }  # fmt: skip
+    bf16 = np.dtype(jax.numpy.bfloat16)
+    lay = direct.stored_layout(json.dumps(good).encode(), (8, 4), bf16)
+    assert lay == direct.Layout((4, 4), bf16, "/")
+    carrier = json.dumps({**good, "data_type": "uint8"}).encode()  # float8_e4m3's bytes
+    f8 = np.dtype(ml_dtypes.float8_e4m3)
+    assert direct.stored_layout(carrier, (8, 4), f8) == direct.Layout((4, 4), np.dtype("u1"), "/")
+    assert direct.stored_layout(carrier, (8, 4), np.dtype(np.int8)) is None  # not a carrier
+    bad = [
+        b"not json",
+        b"[]",
+        json.dumps({**good, "shape": [4, 8]}).encode(),  # another shape than the manifest's
+        json.dumps({**good, "data_type": "float16"}).encode(),  # another dtype, same size
+        json.dumps({**good, "data_type": "float32"}).encode(),
+        json.dumps({**good, "data_type": "finfo"}).encode(),  # not a dtype
+        json.dumps({**good, "data_type": 7}).encode(),
+        json.dumps({k: v for k, v in good.items() if k != "data_type"}).encode(),
+        json.dumps({**good, "codecs": [{"name": "bytes"}, {"name": "zstd"}]}).encode(),
+        json.dumps({**good, "codecs": [
+            {"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}]}).encode(),
+        json.dumps({**good, "chunk_grid": {"name": "regular",
+                    "configuration": {"chunk_shape": [4, 0]}}}).encode(),
+        json.dumps({**good, "chunk_grid": {"name": "rectilinear"}}).encode(),
+    ]  # fmt: skip
+    for b in bad:
+        assert direct.stored_layout(b, (8, 4), bf16) is None, b

@@ -327,13 +327,23 @@ def chunk_bytes(base: ts.KvStore, db: Location, keys: set[str]) -> dict[str, Chu
     """Where the values of ``keys`` live in the OCDBT database at ``db`` (opened as ``base``,
     its underlying key-value store): the data file and byte range, from the B-tree as
     ``tensorstore.ocdbt.dump`` gives it. Keys the database lacks are left out."""
+    wanted = {k.encode() for k in keys}
+    return btree(base, db, lambda key: key in wanted)[0]
+
+
+def btree(
+    base: ts.KvStore, db: Location, keep: Callable[[bytes], bool] = lambda key: True
+) -> tuple[dict[str, ChunkBytes], dict[str, bytes]]:
+    """One walk of the B-tree of the OCDBT database at ``db`` (see ``chunk_bytes``): where
+    the value of every key ``keep`` takes lives, and the bytes of those stored inline in
+    their node (a leaf's ``zarr.json``, as ``ocdbt_write`` stores it)."""
     manifest = ts.ocdbt.dump(base).result()
     versions = manifest.get("versions") or []
     if not versions or "location" not in versions[-1]["root"]:
-        return {}
+        return {}, {}
     root = max(versions, key=lambda v: v["generation_number"])["root"]["location"]
-    wanted = {k.encode() for k in keys}
     found: dict[str, ChunkBytes] = {}
+    values: dict[str, bytes] = {}
     todo = [(root, b"")]
     while todo:
         node_at, prefix = todo.pop()
@@ -344,12 +354,15 @@ def chunk_bytes(base: ts.KvStore, db: Location, keys: set[str]) -> dict[str, Chu
                 todo.append((entry["location"], sub))
                 continue
             key = prefix + entry["key"]
-            if key not in wanted:
+            if not keep(key):
                 continue
             inline = "indirect_value" not in entry
             ref = node_at if inline else entry["indirect_value"]
-            found[key.decode()] = _reference(db, ref, inline=inline)
-    return found
+            name = key.decode(errors="replace")
+            found[name] = _reference(db, ref, inline=inline)
+            if inline and isinstance(entry.get("inline_value"), bytes):
+                values[name] = entry["inline_value"]
+    return found, values
 
 
 def _reference(db: Location, ref: str, *, inline: bool) -> ChunkBytes:

@@ -25,6 +25,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import json
 import math
 import os
 import sys
@@ -118,6 +119,33 @@ def layout(store: ts.TensorStore) -> Layout | None:
     return lay if lay is not None and whole_bytes(dtype) else None
 
 
+def stored_layout(zarr_json: bytes, shape: Sequence[int], saved: np.dtype) -> Layout | None:
+    """The layout of a leaf from its ``zarr.json`` as stored (read in the B-tree walk, no
+    TensorStore open), or None when the direct path can't read it or the metadata is not of
+    the leaf the manifest describes: its shape, and its data type the ``saved`` one or, for
+    an ``ml_dtypes`` type zarr lacks, the unsigned carrier of its bytes. (TensorStore reads such a leaf, and
+    names what is wrong.)"""
+    try:
+        metadata = json.loads(zarr_json)
+        name = metadata["data_type"]
+        dtype = np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+        if [int(n) for n in metadata["shape"]] != list(shape):
+            return None
+        lay = raw_layout(metadata, dtype)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    carrier = saved.kind == "V" and dtype.kind == "u" and dtype.itemsize == saved.itemsize
+    if lay is None or not whole_bytes(dtype) or not (dtype == saved or carrier):
+        return None
+    return lay
+
+
+def index(db: Location) -> tuple[dict[str, arrays.ChunkBytes], dict[str, bytes]]:
+    """One walk of the B-tree of ``db``: every key's ``arrays.ChunkBytes`` and the bytes of
+    the values stored inline (``arrays.btree``), for ``stored_layout`` and ``plan``."""
+    return arrays.btree(ts.KvStore.open(db.kvstore()).result(), db)
+
+
 def chunks_in(index: Index, lay: Layout) -> list[tuple[tuple[int, ...], int]] | None:
     """The chunks that make up slice ``index`` and each one's byte offset in the slice's
     buffer; None unless each lies whole inside the slice as one contiguous region."""
@@ -204,10 +232,14 @@ class Wanted:
     index: Index
 
 
-def plan(db: Location, wanted: dict[Hashable, Wanted]) -> dict[Hashable, SliceRead]:
+def plan(
+    db: Location,
+    wanted: dict[Hashable, Wanted],
+    where: dict[str, arrays.ChunkBytes] | None = None,
+) -> dict[Hashable, SliceRead]:
     """The slices of ``wanted`` that can be read directly, by the same keys: one walk of the
-    B-tree for all their chunks. Raises StorageError when the B-tree points outside the
-    database's directory."""
+    B-tree for all their chunks (or ``where``, a walk's result: ``index``). Raises
+    StorageError when the B-tree points outside the database's directory."""
     whole: dict[Hashable, tuple[Wanted, list[tuple[str, int]]]] = {}
     cut: dict[Hashable, tuple[Wanted, list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]] = {}
     for k, w in wanted.items():
@@ -233,8 +265,8 @@ def plan(db: Location, wanted: dict[Hashable, Wanted]) -> dict[Hashable, SliceRe
         return {}
     keys = {key for _, ks in whole.values() for key, _ in ks}
     keys |= {key for _, ks in cut.values() for key, _, _ in ks}
-    base = ts.KvStore.open(db.kvstore()).result()
-    where = arrays.chunk_bytes(base, db, keys)
+    if where is None:
+        where = arrays.chunk_bytes(ts.KvStore.open(db.kvstore()).result(), db, keys)
     sizes = _file_sizes(db, {at.file for at in where.values() if not at.inline})
     out: dict[Hashable, SliceRead] = {}
     for k, (w, ks) in whole.items():
