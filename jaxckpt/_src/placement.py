@@ -47,10 +47,6 @@ class Placement:
                 raise TypeError(f"{sharding} gives device {device} no index")
             self.devices.setdefault(from_slices(index, shape), []).append(device)
         self.placed: dict[jax.Device, jax.Array] = {}
-        kind = sharding.memory_kind  # each device in the memory the sharding asks for
-        self.on = {
-            d: jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in self.index_map
-        }
         self._cpu = (  # the devices take host buffers of this dtype as they are
             bool(self.devices)
             and _adopted(self.dtype)
@@ -79,6 +75,11 @@ class Placement:
                     at += padded[i]
         return out
 
+    def _on(self, device: jax.Device) -> jax.sharding.Sharding:
+        """``device``, in the memory the sharding asks for (made when first needed: on CPU
+        devices most leaves never need one)."""
+        return jax.sharding.SingleDeviceSharding(device, memory_kind=self.sharding.memory_kind)
+
     def host_buffer(self, index: Index) -> np.ndarray | None:
         """Where to read slice ``index`` for ``put`` (C-contiguous, this array's dtype), or
         None where any fresh buffer will do."""
@@ -104,9 +105,9 @@ class Placement:
                 self._filled.add(index)
             return
         first, *rest = self.devices[index]
-        self.placed[first] = jax.device_put(data, self.on[first], may_alias=True)
+        self.placed[first] = jax.device_put(data, self._on(first), may_alias=True)
         if rest:
-            copies = jax.device_put([self.placed[first]] * len(rest), [self.on[d] for d in rest])
+            copies = jax.device_put([self.placed[first]] * len(rest), [self._on(d) for d in rest])
             self.placed.update(zip(rest, copies, strict=True))
 
     def array(self) -> jax.Array:
@@ -151,7 +152,7 @@ class Placement:
         # a leaf replicated on every device: jax would ask once and give all one buffer
         bufs = [copies[i][k] for i, ds in self.devices.items() for k in range(len(ds))]
         devices = [d for ds in self.devices.values() for d in ds]
-        placed = jax.device_put(bufs, [self.on[d] for d in devices], may_alias=True)
+        placed = jax.device_put(bufs, [self._on(d) for d in devices], may_alias=True)
         self.placed.update(zip(devices, placed, strict=True))
         return self.array()
 
