@@ -272,3 +272,21 @@ def test_replicas_a_reader_filled_are_taken_as_they_are(filled, mesh42):
         data = full[tuple(slice(a, b) for a, b in index)].tobytes()
         want = [data, marks[index].tobytes()] if filled else [data, data]
         assert sorted(got) == sorted(want), f"slice {index}, filled={filled}"
+
+
+def test_populate_faults_the_pages_in_and_changes_no_byte():
+    """``arrays.populate``: every page of a fresh buffer resident after it (``mincore``),
+    none when stopped before the first step; a buffer already filled keeps its bytes."""
+    nbytes = 3 * arrays.POPULATE_STEP // 2 + 4096 * 3 + 100  # several steps, a part page
+    buf = arrays.aligned_empty((nbytes,), np.dtype(np.uint8))
+    at = buf.ctypes.data
+    assert iostats.resident_bytes(at, nbytes) == 0
+    if not arrays.populate(buf, stop=lambda: True):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert iostats.resident_bytes(at, nbytes) == 0  # stopped before the first step
+    assert arrays.populate(buf)
+    assert iostats.resident_bytes(at, nbytes) >= nbytes
+    filled = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8)
+    again = filled.copy()
+    assert arrays.populate(again[7:])  # (a start inside a page)
+    np.testing.assert_array_equal(again, filled)

@@ -396,3 +396,39 @@ def test_onto_cpu_devices_the_caller_sets_each_read_slice_aside(mesh42, tmp_path
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     np.testing.assert_array_equal(np.asarray(out["r"]), x)
     assert threads == {threading.current_thread().name}
+
+
+def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
+    mesh42, tmp_path, monkeypatch
+):
+    """Files not in the page cache: a thread populates the memory the direct reads fill
+    (each slice's buffer and its replicas' places, ``arrays.populate``), every byte once,
+    and the restore is exact; from the page cache nothing is populated."""
+    from jaxckpt._src import arrays, direct
+
+    rng = np.random.default_rng(21)
+    tree = {
+        "w": sharded(rng.standard_normal((1024, 256)).astype(np.float32), mesh42, P("data")),
+        "r": sharded(rng.standard_normal((64, 64)).astype(np.float32), mesh42, P()),
+        "b": sharded(rng.standard_normal((256, 512)).astype(np.float32), mesh42, P(None, "model")),
+    }
+    jaxckpt.save(tmp_path / "c", tree)
+    populated: list[int] = []
+    real = arrays.populate
+
+    def watching(buf, stop=lambda: False):
+        populated.append(buf.nbytes)
+        return real(buf, stop)
+
+    monkeypatch.setattr(arrays, "populate", watching)
+    monkeypatch.delenv(direct.ENV, raising=False)
+    iostats.drop_page_cache(str(tmp_path / "c"))
+    assert_tree_equal(jaxckpt.restore(tmp_path / "c", target=tree), tree)
+    # every device's copy: 8 of each leaf's bytes (each device holds a shard or a replica)
+    held = sum(
+        a.addressable_shards[0].data.nbytes * len(a.addressable_shards) for a in tree.values()
+    )
+    assert sum(populated) == held
+    populated.clear()
+    assert_tree_equal(jaxckpt.restore(tmp_path / "c", target=tree), tree)  # now cached
+    assert populated == []

@@ -286,6 +286,40 @@ def huge_page_bytes(nbytes: int) -> np.ndarray:
     return np.frombuffer(region, np.uint8, count=nbytes, offset=start)
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing them
+POPULATE_STEP = 64 << 20  # populated at a time (a caller may stop between steps)
+
+
+def populate(buf: np.ndarray, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Faults in the pages of ``buf``'s memory now (``MADV_POPULATE_WRITE``), step by step
+    until ``stop()``, without changing a byte: fresh memory filled later then costs no page
+    fault (on this VM the kernel zeroing fresh pages took 0.5 CPU s/GB). False where the
+    kernel can't (not Linux, older than 5.14): nothing done."""
+    fn = _madvise()
+    if fn is None or not buf.nbytes:
+        return False
+    start = buf.ctypes.data - buf.ctypes.data % mmap.PAGESIZE
+    end = buf.ctypes.data + buf.nbytes
+    for at in range(start, end, POPULATE_STEP):
+        if stop():
+            return True
+        if fn(at, min(POPULATE_STEP, end - at), _MADV_POPULATE_WRITE) != 0:
+            return False  # EINVAL: a kernel without it
+    return True
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return fn
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
 def buffer_for(into: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """The buffer a read of ``shape`` and ``dtype`` fills: ``into``, checked to be exactly
     that and C-contiguous, or a fresh ``aligned_empty`` one."""

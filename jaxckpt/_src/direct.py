@@ -367,6 +367,7 @@ class Reader:
         self._came: dict[str, int] = {}  # the slices that came for each shared chunk so far
         self._spare: list[np.ndarray] = []  # kept chunks' buffers, for the next ones
         self._advised: dict[str, set[int]] = {}  # each file's MiB blocks prefetched
+        self._sizes: dict[str, int] = {}  # of the files prefetched from
 
     def start(
         self, sr: SliceRead, into: np.ndarray | None = None, copies: Sequence[np.ndarray] = ()
@@ -422,20 +423,22 @@ class Reader:
         busy while threads copy and check earlier ones (a cold 1 GB restore here: 1.06
         against 0.94 GB/s). Advice goes by whole MiB blocks of a file, each block once a
         restore (those of 2000 leaves of 16 KiB: 32 calls, not 7500), and not where the
-        slice's last byte in the stretch is in the page cache already (a 1-byte
+        stretch's last byte (or its file's) is in the page cache already (a 1-byte
         ``RWF_NOWAIT`` read): on cached files the advice only walks the cache (on a 16-core
         H100 host, 9 % of a warm 2 GB restore). (Its last byte: the kernel's own readahead,
-        started by earlier reads, may have brought in the first ones.) A hint only: errors
-        are the read's."""
+        started by earlier reads and by such probes, may have brought in the first ones.) A
+        hint only: errors are the read's."""
         if not hasattr(os, "posix_fadvise"):
             return
         where = [c.at for c in sr.chunks] + [p.at for p in sr.parts]
         with self._lock:
             stretches = _new_blocks(where, self._advised)
-        for f, a, b, last in stretches:
+        for f, a, b in stretches:
             with contextlib.suppress(OSError, StorageError):  # the read raises, naming it
                 fd = self._fd(f)
-                if not _cached(fd, last):
+                if f not in self._sizes:
+                    self._sizes[f] = os.fstat(fd).st_size
+                if not _cached(fd, min(b, self._sizes[f]) - 1):
                     os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
@@ -444,6 +447,7 @@ class Reader:
         self._came.clear()
         self._spare.clear()
         self._advised.clear()
+        self._sizes.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -694,23 +698,46 @@ def _check(chunks: list[ChunkRead], trailers: bytearray, partial: Sequence[Any])
 
 def _new_blocks(
     where: Sequence[arrays.ChunkBytes], seen: dict[str, set[int]], block: int = ADVICE_BYTES
-) -> list[tuple[str, int, int, int]]:
-    """The stretches of whole ``block``s that hold bytes of ``where`` and are not in
-    ``seen`` yet (which now holds them), runs of consecutive blocks merged: (file, start,
-    stop, the last byte of ``where`` in the stretch)."""
-    out: list[tuple[str, int, int, int]] = []
+) -> list[tuple[str, int, int]]:
+    """The stretches of whole ``block``s (file, start, stop) that hold bytes of ``where``
+    and are not in ``seen`` yet (which now holds them), runs of consecutive blocks merged."""
+    out: list[tuple[str, int, int]] = []
     for at in sorted(where, key=lambda at: (at.file, at.start)):
         done = seen.setdefault(at.file, set())
         for k in range(at.start // block, (at.stop - 1) // block + 1):
             if k in done:
                 continue
             done.add(k)
-            last = min(at.stop, (k + 1) * block) - 1
             if out and out[-1][0] == at.file and out[-1][2] == k * block:
-                out[-1] = (at.file, out[-1][1], (k + 1) * block, last)
+                out[-1] = (at.file, out[-1][1], (k + 1) * block)
             else:
-                out.append((at.file, k * block, (k + 1) * block, last))
+                out.append((at.file, k * block, (k + 1) * block))
     return out
+
+
+def from_disk(plans: Sequence[SliceRead]) -> bool:
+    """Whether the reads of ``plans`` (in the order they are issued) will wait for the disk:
+    the first and last bytes of the first and last slices' first chunks are not all in the
+    page cache (1-byte ``RWF_NOWAIT`` reads; False where that can't be told)."""
+    if not plans or getattr(os, "RWF_NOWAIT", None) is None:
+        return False
+    probes = {(at.file, at.start) for sr in (plans[0], plans[-1]) for at in _first(sr)}
+    probes |= {(at.file, at.stop - 1) for sr in (plans[0], plans[-1]) for at in _first(sr)}
+    for file, offset in sorted(probes):
+        try:
+            fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False  # the read raises, naming it
+        try:
+            if not _cached(fd, offset):
+                return True
+        finally:
+            os.close(fd)
+    return False
+
+
+def _first(sr: SliceRead) -> list[arrays.ChunkBytes]:
+    return [c.at for c in sr.chunks[:1]] + [p.at for p in sr.parts[:1]]
 
 
 def _cached(fd: int, offset: int) -> bool:

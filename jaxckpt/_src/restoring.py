@@ -19,7 +19,7 @@ import functools
 import math
 import os
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,8 +143,12 @@ def _read_all(
     for i, r in enumerate(reader.requests):  # TensorStore opens what it is to read, at once
         if i not in plans:
             r.store_fut.start()
+    planned = [(r, plans[i]) for i, r in enumerate(reader.requests) if i in plans]
+    cold = direct.from_disk([sr for _, sr in planned])
+    fills = [b for r, sr in planned for b in r.buffers(sr)] if cold else []
     # no thread outlives the restore; the direct reads' threads stop after their users'
     with (
+        _populating(fills),
         contextlib.closing(
             direct.Reader(keep_bytes=min(direct.KEEP_BYTES, budget))
         ) as direct_reader,
@@ -156,6 +160,32 @@ def _read_all(
         fig.bytes += reads.total
     arrays.release_free_memory()
     return [f() for f in finishers]
+
+
+@contextlib.contextmanager
+def _populating(regions: list[np.ndarray]) -> Iterator[None]:
+    """While the block reads from the disk, a thread faults in the fresh buffers the direct
+    reads fill (``regions``, in the order they are read; ``arrays.populate``) ahead of the
+    reads, on a core the reads leave idle as they wait: a cold 1 GB restore onto 8 CPU devices here 0.65-0.77 s against 0.73-0.91 s (5
+    alternating pairs of fresh processes). Not from the page cache: there the reads keep
+    every core busy, and the pages cost the same faulted by either thread."""
+    if not regions:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        for region in regions:
+            if not arrays.populate(region, stop.is_set) or stop.is_set():
+                return
+
+    thread = threading.Thread(target=run, name="jaxckpt-populate", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _place_threads(reading: list[Want]) -> int:
@@ -282,6 +312,12 @@ class _Request:
     into: np.ndarray | None = None  # where to read it (``_fits``); else fresh memory
     copies: list[np.ndarray] = dataclasses.field(default_factory=list)  # and fill, if it can
 
+    def buffers(self, plan: direct.SliceRead) -> list[np.ndarray]:
+        """The memory the direct read ``plan`` fills: ``into`` (viewed as the dtype read,
+        ``_fits``) and ``copies``; none where it reads into fresh memory."""
+        into = _fits(self.into, plan.dtype, self.rec.data_dtype)
+        return [] if into is None else [into, *(c.view(into.dtype) for c in self.copies)]
+
 
 @dataclass(frozen=True)
 class _Reader:
@@ -319,8 +355,8 @@ class _Reader:
         size: int = math.prod(rec.shape)
         nbytes = rec.nbytes if index is None else volume(index) * (rec.nbytes // max(1, size))
 
-        into = _fits(r.into, plan.dtype, rec.data_dtype) if plan is not None else None
-        copies = [c.view(into.dtype) for c in r.copies] if into is not None else []
+        fill = r.buffers(plan) if plan is not None else []
+        into, copies = (fill[0], fill[1:]) if fill else (None, [])
         copied = bool(copies)
 
         def start() -> Any:
