@@ -166,9 +166,10 @@ def _read_all(
 def _populating(regions: list[np.ndarray]) -> Iterator[None]:
     """While the block reads from the disk, a thread faults in the fresh buffers the direct
     reads fill (``regions``, in the order they are read; ``arrays.populate``) ahead of the
-    reads, on a core the reads leave idle as they wait: a cold 1 GB restore onto 8 CPU devices here 0.65-0.77 s against 0.73-0.91 s (5
-    alternating pairs of fresh processes). Not from the page cache: there the reads keep
-    every core busy, and the pages cost the same faulted by either thread."""
+    reads, on a core the reads leave idle as they wait: a cold 1 GB restore onto 8 CPU
+    devices here, median 0.80 against 0.86 s (10 alternating pairs of fresh processes). Not
+    from the page cache: there the reads keep every core busy, and the pages cost the same
+    faulted by either thread."""
     if not regions:
         yield
         return
