@@ -42,6 +42,21 @@ def ckpt_dir(tmp_path):
     return tmp_path / "ckpt"
 
 
+@pytest.fixture
+def o_direct_opens(monkeypatch) -> list[str]:
+    """The paths opened with O_DIRECT from now on (``os.open`` watched, not changed)."""
+    opened: list[str] = []
+    real = os.open
+
+    def recording(path, flags, *rest):
+        if flags & getattr(os, "O_DIRECT", 0):
+            opened.append(str(path))
+        return real(path, flags, *rest)
+
+    monkeypatch.setattr(os, "open", recording)
+    return opened
+
+
 def listing(directory) -> list[str]:
     """A manager directory's entries, less its run log (``runlog/``, format 1.6)."""
     return sorted(n for n in os.listdir(directory) if n != "runlog")

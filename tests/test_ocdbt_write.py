@@ -251,16 +251,8 @@ def test_the_managers_take_direct_io(tmp_path):
         assert_same_bits(x, m.restore(1)["x"])
 
 
-def test_both_emergency_tiers_write_with_o_direct(tmp_path, mesh42, monkeypatch):
-    opened: list[str] = []
-    real = os.open
-
-    def recording(path, flags, *rest):
-        if flags & getattr(os, "O_DIRECT", 0):
-            opened.append(str(path))
-        return real(path, flags, *rest)
-
-    monkeypatch.setattr(os, "open", recording)
+def test_both_emergency_tiers_write_with_o_direct(tmp_path, mesh42, o_direct_opens):
+    opened = o_direct_opens
     x = random_bits((64, 32), np.dtype(np.float32), np.random.default_rng(8))
     tree = {"x": sharded(x, mesh42, ("data", "model"))}
     o = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=1, direct_io=True)

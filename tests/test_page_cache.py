@@ -164,29 +164,15 @@ def test_o_direct_by_default_on_disk_filesystems_only(tmp_path):
         assert page_cache.direct_io("/dev/shm/run", None) is False
 
 
-def _o_direct_opens(monkeypatch) -> list[str]:
-    """The paths opened with O_DIRECT from now on (``os.open`` watched, not changed)."""
-    opened: list[str] = []
-    real = os.open
-
-    def recording(path, flags, *rest):
-        if flags & getattr(os, "O_DIRECT", 0):
-            opened.append(str(path))
-        return real(path, flags, *rest)
-
-    monkeypatch.setattr(os, "open", recording)
-    return opened
-
-
 def test_a_plain_save_writes_with_o_direct_where_its_filesystem_takes_it(
-    tmp_path, mesh42, monkeypatch
+    tmp_path, mesh42, o_direct_opens
 ):
     """``direct_io`` None (the default): O_DIRECT on ext4/xfs/btrfs, then only each data
     file's last part block went through the page cache (mincore); the page cache elsewhere
     (tmpfs: /dev/shm). False: never. The bytes restore exactly either way."""
     x = random_bits((512, 512), np.dtype(np.float32), np.random.default_rng(4))  # 1 MiB
     tree = {"w": sharded(x, mesh42, P("data", "model")), "b": x[:3]}
-    opened = _o_direct_opens(monkeypatch)
+    opened = o_direct_opens
     jaxckpt.save(tmp_path / "default", tree)
     disk = page_cache.filesystem(str(tmp_path)) in page_cache.DIRECT_IO_FILESYSTEMS
     data = tmp_path / "default" / "arrays" / "d"
@@ -214,12 +200,12 @@ def test_a_plain_save_writes_with_o_direct_where_its_filesystem_takes_it(
         assert_tree_equal(jaxckpt.restore(tmp_path / name, target=tree), tree)
 
 
-def test_the_emergency_local_tier_keeps_the_page_cache_by_default(tmp_path, mesh42, monkeypatch):
+def test_the_emergency_local_tier_keeps_the_page_cache_by_default(tmp_path, mesh42, o_direct_opens):
     """EmergencyOptions' None: the remote tier as Options does, the local tier through the
     page cache (a restarted process reads its step back from memory)."""
     x = random_bits((64, 32), np.dtype(np.float32), np.random.default_rng(5))
     tree = {"x": sharded(x, mesh42, P("data", "model"))}
-    opened = _o_direct_opens(monkeypatch)
+    opened = o_direct_opens
     o = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=1, run_log=False)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
         mgr.save(1, tree)
