@@ -734,3 +734,20 @@ def test_zarr_json_that_is_not_the_leafs_or_not_raw_gives_no_layout():
     ]  # fmt: skip
     for b in bad:
         assert direct.stored_layout(b, (8, 4), bf16) is None, b
+
+
+def test_a_zarr_json_not_stored_inline_is_read_by_the_leafs_open(
+    preadv, mesh42, tmp_path, opened, monkeypatch
+):
+    """Where the B-tree walk finds no inline ``zarr.json`` (a database another writer made),
+    each leaf is opened with TensorStore for its layout, and still read directly."""
+    x = random_bits((64, 32), np.dtype(np.float32), np.random.default_rng(14))
+    tree = {"a": sharded(x, mesh42, P("data", "model")), "b": sharded(x.T.copy(), mesh42, P())}
+    jaxckpt.save(tmp_path / "c", tree)
+    real = direct.index
+    monkeypatch.setattr(direct, "index", lambda db: (real(db)[0], {}))
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    assert sorted(opened) == ["a", "b"]
+    assert preadv.bytes >= 2 * x.nbytes  # (each chunk with its 4-byte CRC)
+    for k, v in tree.items():
+        assert_same_bits(np.asarray(v), np.asarray(out[k]), k)
