@@ -718,7 +718,7 @@ def _new_blocks(
 def from_disk(plans: Sequence[SliceRead]) -> bool:
     """Whether the reads of ``plans`` (in the order they are issued) will wait for the disk:
     the first and last bytes of the first and last slices' first chunks are not all in the
-    page cache (1-byte ``RWF_NOWAIT`` reads; False where that can't be told)."""
+    page cache (``_probe``; False where that can't be told)."""
     if not plans or getattr(os, "RWF_NOWAIT", None) is None:
         return False
     probes = {(at.file, at.start) for sr in (plans[0], plans[-1]) for at in _first(sr)}
@@ -729,7 +729,7 @@ def from_disk(plans: Sequence[SliceRead]) -> bool:
         except OSError:
             return False  # the read raises, naming it
         try:
-            if not _cached(fd, offset):
+            if _probe(fd, offset) is False:
                 return True
         finally:
             os.close(fd)
@@ -741,15 +741,24 @@ def _first(sr: SliceRead) -> list[arrays.ChunkBytes]:
 
 
 def _cached(fd: int, offset: int) -> bool:
+    """Whether the byte at ``offset`` is in the page cache (``_probe``); False where that
+    cannot be told."""
+    return _probe(fd, offset) is True
+
+
+def _probe(fd: int, offset: int) -> bool | None:
     """Whether the byte at ``offset`` is in the page cache: a 1-byte read that fails rather
-    than wait for the disk (``RWF_NOWAIT``); False where that cannot be told."""
+    than wait for the disk (``RWF_NOWAIT``; a miss starts the kernel's readahead of a few
+    pages); None where that cannot be told."""
     nowait = getattr(os, "RWF_NOWAIT", None)
     if nowait is None:
-        return False
+        return None
     try:
         return os.preadv(fd, [bytearray(1)], offset, nowait) == 1
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: a file system that can't tell
+    except BlockingIOError:  # EAGAIN: not cached
         return False
+    except OSError:  # EOPNOTSUPP: a file system that can't tell
+        return None
 
 
 def _preadv_all(fd: int, views: list[memoryview], pos: int, run: list[ChunkRead]) -> int:
