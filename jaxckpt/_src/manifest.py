@@ -150,9 +150,12 @@ class Manifest:
             "metadata": self.metadata,
             "metrics": self.metrics,
             "meshes": self.meshes,
-            "leaves": [leaf.to_dict() for leaf in self.leaves],
         }
-        return json.dumps(doc, indent=1)
+        # one line a field and a leaf, each by the C encoder (``indent`` takes the pure
+        # Python one: 20 % of a save of 2000 small leaves)
+        head = ",\n ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items())
+        leaves = ",\n  ".join(json.dumps(leaf.to_dict()) for leaf in self.leaves)
+        return f'{{\n {head},\n "leaves": [\n  {leaves}\n ]\n}}\n'
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str) -> Manifest:
