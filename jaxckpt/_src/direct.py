@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import itertools
 import json
 import math
+import mmap
 import os
 import sys
 import threading
@@ -718,22 +720,44 @@ def _new_blocks(
 def from_disk(plans: Sequence[SliceRead]) -> bool:
     """Whether the reads of ``plans`` (in the order they are issued) will wait for the disk:
     the first and last bytes of the first and last slices' first chunks are not all in the
-    page cache (``_probe``; False where that can't be told)."""
-    if not plans or getattr(os, "RWF_NOWAIT", None) is None:
+    page cache (``_resident``: it starts no readahead, which would hide from ``_prefetch``
+    the stretches around the probed bytes; False where that can't be told)."""
+    if not plans:
         return False
     probes = {(at.file, at.start) for sr in (plans[0], plans[-1]) for at in _first(sr)}
     probes |= {(at.file, at.stop - 1) for sr in (plans[0], plans[-1]) for at in _first(sr)}
-    for file, offset in sorted(probes):
-        try:
-            fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return False  # the read raises, naming it
-        try:
-            if _probe(fd, offset) is False:
-                return True
-        finally:
-            os.close(fd)
-    return False
+    return any(_resident(file, offset) is False for file, offset in sorted(probes))
+
+
+def _resident(path: str, offset: int) -> bool | None:
+    """Whether the page of file ``path`` holding byte ``offset`` is in the page cache
+    (``mincore`` over a one-page mapping of it; no read); None where that can't be told."""
+    fn = _mincore()
+    if fn is None:
+        return None
+    page = offset - offset % mmap.PAGESIZE
+    try:
+        with (
+            open(path, "rb") as f,
+            mmap.mmap(f.fileno(), mmap.PAGESIZE, access=mmap.ACCESS_READ, offset=page) as m,
+        ):
+            view = np.frombuffer(m, np.uint8)
+            vec = bytearray(1)
+            ok = fn(view.ctypes.data, mmap.PAGESIZE, (ctypes.c_char * 1).from_buffer(vec)) == 0
+            del view  # (before the mapping closes)
+    except (OSError, ValueError):  # the read raises, naming it; a page past the end
+        return None
+    return bool(vec[0] & 1) if ok else None
+
+
+@functools.cache
+def _mincore() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        return fn
+    except (OSError, AttributeError):  # not Linux
+        return None
 
 
 def _first(sr: SliceRead) -> list[arrays.ChunkBytes]:
