@@ -8,7 +8,7 @@ Run from the repository root (the full run of record is ``--size-gb 1``, a few m
     python bench/compare.py --size-gb 0.1 --only jaxckpt       # skip Orbax
     python bench/compare.py --direct-read both     # jaxckpt's direct reads vs TensorStore's
     python bench/compare.py --chunk-bytes 16777216 # and chunk_bytes=16 MiB vs default
-    python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save: default, page cache, drop, O_DIRECT
+    python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save, 4 ways (page cache, O_DIRECT)
     python bench/compare.py --direct-write both    # jaxckpt's own writer vs TensorStore's
 
 Needs a CRC32C package for the verified-read limit: ``crc32c`` (jaxckpt's own dependency,

@@ -15,6 +15,7 @@ staged host copies are not reused before the save is done).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import mmap
@@ -166,13 +167,15 @@ def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def libc(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """The C library's function ``name`` (``ctypes``, errno kept, its ``argtypes`` set), or
+    None where it has none (not Linux)."""
     try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").malloc_trim
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
+    fn.argtypes = list(argtypes)
+    return fn
 
 
 def release_free_memory() -> None:
@@ -181,7 +184,7 @@ def release_free_memory() -> None:
     Those threads allocate in many malloc arenas, so buffers one save or restore freed are
     often not reused by the next and the process's footprint creeps up.
     """
-    trim = _malloc_trim()
+    trim = libc("malloc_trim", ctypes.c_size_t)
     if trim is not None:
         trim(0)
 
@@ -295,7 +298,7 @@ def populate(buf: np.ndarray, stop: Callable[[], bool] = lambda: False) -> bool:
     until ``stop()``, without changing a byte: fresh memory filled later then costs no page
     fault (on this VM the kernel zeroing fresh pages took 0.5 CPU s/GB). False where the
     kernel can't (not Linux, older than 5.14): nothing done."""
-    fn = _madvise()
+    fn = libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     if fn is None or not buf.nbytes:
         return False
     start = buf.ctypes.data - buf.ctypes.data % mmap.PAGESIZE
@@ -306,18 +309,6 @@ def populate(buf: np.ndarray, stop: Callable[[], bool] = lambda: False) -> bool:
         if fn(at, min(POPULATE_STEP, end - at), _MADV_POPULATE_WRITE) != 0:
             return False  # EINVAL: a kernel without it
     return True
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return fn
-    except (OSError, AttributeError):  # not Linux
-        return None
 
 
 def buffer_for(into: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

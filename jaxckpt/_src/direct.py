@@ -126,8 +126,8 @@ def stored_layout(zarr_json: bytes, shape: Sequence[int], saved: np.dtype) -> La
     """The layout of a leaf from its ``zarr.json`` as stored (read in the B-tree walk, no
     TensorStore open), or None when the direct path can't read it or the metadata is not of
     the leaf the manifest describes: its shape, and its data type the ``saved`` one or, for
-    an ``ml_dtypes`` type zarr lacks, the unsigned carrier of its bytes. (TensorStore reads such a leaf, and
-    names what is wrong.)"""
+    an ``ml_dtypes`` type zarr lacks, the unsigned carrier of its bytes. (TensorStore reads
+    such a leaf, and names what is wrong.)"""
     try:
         metadata = json.loads(zarr_json)
         name = metadata["data_type"]
@@ -732,7 +732,7 @@ def from_disk(plans: Sequence[SliceRead]) -> bool:
 def _resident(path: str, offset: int) -> bool | None:
     """Whether the page of file ``path`` holding byte ``offset`` is in the page cache
     (``mincore`` over a one-page mapping of it; no read); None where that can't be told."""
-    fn = _mincore()
+    fn = arrays.libc("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
     if fn is None:
         return None
     page = offset - offset % mmap.PAGESIZE
@@ -748,16 +748,6 @@ def _resident(path: str, offset: int) -> bool | None:
     except (OSError, ValueError):  # the read raises, naming it; a page past the end
         return None
     return bool(vec[0] & 1) if ok else None
-
-
-@functools.cache
-def _mincore() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        return fn
-    except (OSError, AttributeError):  # not Linux
-        return None
 
 
 def _first(sr: SliceRead) -> list[arrays.ChunkBytes]:

@@ -24,6 +24,7 @@ else (compression, object stores, adding to a database) TensorStore writes
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import itertools
 import json
@@ -377,23 +378,11 @@ class _Sink:
             self._map.close()
 
 
-@functools.cache
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        return fn
-    except (OSError, AttributeError):  # not Linux
-        return None
-
-
 def sync_range(fd: int, offset: int, nbytes: int, wait: bool = False) -> None:
     """``sync_file_range``: the kernel starts writing the range's dirty pages to the disk
     and returns (``SYNC_FILE_RANGE_WRITE``), or, ``wait``, also waits for them (and for
     earlier writes of the range) to be done. Linux; elsewhere nothing."""
-    fn = _sync_file_range()
+    fn = arrays.libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     if fn is not None:
         fn(fd, offset, nbytes, 7 if wait else 2)
 
@@ -488,8 +477,9 @@ def write(
 
 def _ours(db: Location, writes: Sequence[ArrayWrite]) -> tuple[list, list[_File], Ref, str] | None:
     """The plan, with the B+tree node placed first in the smallest file (the values after
-    it, from the next block), the node's place and that file; None when TensorStore must write ``db``: not local, a leaf it can't take, an existing
-    database (TensorStore adds to it), or a node over the format's limit."""
+    it, from the next block), the node's place and that file; None when TensorStore must
+    write ``db``: not local, a leaf it can't take, an existing database (TensorStore adds
+    to it), or a node over the format's limit."""
     if not db.is_local or os.environ.get(ENV, "1").strip() == "0":
         return None
     if os.path.exists(os.path.join(db.url, "manifest.ocdbt")):

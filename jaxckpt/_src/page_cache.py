@@ -5,12 +5,13 @@ A save writes gigabytes its host will not read again soon; through the page cach
 evict what training does read (the dataset's files) and, where fresh memory is slow to
 hand out (a VM's balloon), they slow the save itself. Where jaxckpt writes the files itself
 (``ocdbt_write``) it opens them O_DIRECT, by default on a disk filesystem (``direct_io``).
-TensorStore writes through the cache: with ``drop_page_cache`` (or ``direct_io=True``), while
-it writes a local directory, a thread asks the kernel every couple of milliseconds to drop the pages of every file under it:
-``posix_fadvise(DONTNEED)`` starts the write-back of dirty pages and drops the clean ones,
-so the cache holds only what was written since the last pass and what the disk has not
-taken yet (measured by ``bench/compare.py --drop-page-cache-gb 2``). Nothing is lost: the save
-still fsyncs before it commits; a later read of the step comes from the disk.
+TensorStore writes through the cache: with ``drop_page_cache`` (or ``direct_io=True``),
+while it writes a local directory, a thread asks the kernel every couple of milliseconds to
+drop the pages of every file under it: ``posix_fadvise(DONTNEED)`` starts the write-back of
+dirty pages and drops the clean ones, so the cache holds only what was written since the
+last pass and what the disk has not taken yet (measured by ``bench/compare.py
+--drop-page-cache-gb 2``). Nothing is lost: the save still fsyncs before it commits; a
+later read of the step comes from the disk.
 """
 
 from __future__ import annotations
