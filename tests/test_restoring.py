@@ -402,12 +402,12 @@ def test_onto_cpu_devices_the_caller_sets_each_read_slice_aside(mesh42, tmp_path
 def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
     x64, mesh42, tmp_path, monkeypatch
 ):
-    """Files not in the page cache: a thread populates the memory the direct reads fill
-    (each slice's buffer and its replicas' places, ``arrays.populate``), every byte once,
-    and the restore is bit-exact for every dtype (random bits; those CPU devices take as
-    NumPy holds them and the direct path reads are the ones populated); from the page
-    cache nothing is populated."""
-    from jaxckpt._src import arrays, direct
+    """Files not in the page cache: the restore hands a thread the memory the direct reads
+    fill (each slice's buffer and its replicas' places), every byte once, in read order; the
+    thread populates a prefix of it (``arrays.populate``: it stops when the reads are done,
+    so how far it gets depends on the machine's load), and the restore is bit-exact for
+    every dtype (random bits). From the page cache nothing is handed over."""
+    from jaxckpt._src import arrays, direct, restoring
 
     rng = np.random.default_rng(21)
     specs = [P("data"), P(), P(None, "model")]
@@ -419,14 +419,22 @@ def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
     jaxckpt.save(tmp_path / "c", tree)
     if not arrays.populate(arrays.aligned_empty((1 << 16,), np.dtype(np.uint8))):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    handed: list[int] = []  # the fill buffers' addresses, in the order given to the thread
     populated: list[int] = []
-    real = arrays.populate
+    nbytes: list[int] = []  # the bytes handed over, a restore at a time
+    real_populate, real_populating = arrays.populate, restoring._populating
 
     def watching(buf, stop=lambda: False):
-        populated.append(buf.nbytes)
-        return real(buf, stop)
+        populated.append(buf.ctypes.data)
+        return real_populate(buf, stop)
+
+    def handing(regions):
+        handed.extend(r.ctypes.data for r in regions)
+        nbytes.append(sum(r.nbytes for r in regions))
+        return real_populating(regions)
 
     monkeypatch.setattr(arrays, "populate", watching)
+    monkeypatch.setattr(restoring, "_populating", handing)
     monkeypatch.delenv(direct.ENV, raising=False)
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()
@@ -443,5 +451,8 @@ def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
             for a in tree.values()
             if a.dtype.kind != "b" and jax.dtypes.itemsize_bits(a.dtype) == 8 * a.dtype.itemsize
         )
-        assert sum(populated) == (held if cold else 0)
-        populated.clear()
+        assert nbytes == [held if cold else 0]
+        assert len(set(handed)) == len(handed)  # no buffer twice
+        assert populated == handed[: len(populated)]
+        for seen in (handed, populated, nbytes):
+            seen.clear()
