@@ -10,6 +10,7 @@ Run from the repository root (the full run of record is ``--size-gb 1``, a few m
     python bench/compare.py --chunk-bytes 16777216 # and chunk_bytes=16 MiB vs default
     python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save, 4 ways (page cache, O_DIRECT)
     python bench/compare.py --direct-write both    # jaxckpt's own writer vs TensorStore's
+    python bench/compare.py --page-reporting off   # (root) the VM keeps the memory it backs
 
 Needs a CRC32C package for the verified-read limit: ``crc32c`` (jaxckpt's own dependency,
 hardware-accelerated; ``google-crc32c`` also works); uses ``fio`` as a second raw reference
@@ -63,6 +64,13 @@ repeat to repeat. ``--direct-read on|off|both`` sets ``JAXCKPT_DIRECT_READ`` (1/
 restore workers; "both" restores each jaxckpt checkpoint both ways, alternating, and prints
 the gain. Checkpoints go to a temporary directory under /tmp, deleted as it goes. GB means
 1e9 bytes.
+
+This VM's kernel reports free memory to its hypervisor (virtio-balloon free page reporting),
+which takes the pages back: the memory a fresh process fills first then costs a host fault
+per page, 0.5-3 CPU s/GB depending on how long ago it was freed, and a worker's figures
+depend on what ran seconds before it. The header says how much was reported during the run;
+``--page-reporting off`` (root) stops the reporting for the run and puts it back after: the
+figures a host whose memory stays backed (bare metal) would give.
 """
 
 from __future__ import annotations
@@ -581,8 +589,9 @@ def report(args, out: dict) -> None:
         f"logical bytes from median times, peak RSS over baseline from the worst repeat; "
         f"restores from the page cache except the cold one; jaxckpt restores: {direct}; "
         f"CRC32C: {out['crc32c']}; load average "
-        f"{' -> '.join(f'{x:.1f}' for x in out['load'])} on {os.cpu_count()} cores\n"
+        f"{' -> '.join(f'{x:.1f}' for x in out['load'])} on {os.cpu_count()} cores"
     )
+    print(_page_reporting_line(out.get("page_reporting", {})) + "\n")
     table = harness.Table(
         (("operation", "<24"), ("jaxckpt GB/s", ">13.3f"), ("orbax GB/s", ">11.3f"))
         + (("jx/orbax", ">9.2f"), ("jx/raw", ">8.2f"), ("jx/verified", ">12.2f"))
@@ -641,6 +650,20 @@ def report(args, out: dict) -> None:
         _report_drops(args, out["drops"])
     n, cap = nfiles["jaxckpt"], 8 + 4 * 1
     _target(n <= cap, "files per step <= 8 + 4 x processes", f"{n:>8} (limit {cap})")
+
+
+def _page_reporting_line(rep: dict) -> str:
+    """What the VM's free page reporting did during the run (``harness.reported_kib``)."""
+    order, kib = rep.get("order"), rep.get("reported_kib")
+    if order is None:
+        return "free page reporting to a hypervisor: none (the kernel has none)"
+    if order >= harness.NO_REPORTING_ORDER:
+        return "free page reporting to the hypervisor: stopped for this run (--page-reporting off)"
+    done = "" if kib is None else f", {kib / 2**20:.1f} GiB reported during the run"
+    return (
+        f"free page reporting to the hypervisor: on (blocks of 2^{order} pages){done}: memory "
+        "a fresh process touches first may cost a host fault (--page-reporting off stops it)"
+    )
 
 
 def _report_direct(speed: dict, cpu: dict) -> None:
@@ -845,6 +868,12 @@ def main() -> None:
         help="also save a state of this size with and without drop_page_cache, alternating, "
         "and print the page cache's growth (the run of record: 2)",
     )
+    ap.add_argument(
+        "--page-reporting",
+        choices=["off"],
+        help="stop the kernel's free page reporting to the hypervisor for the run (root; put "
+        "back after): fresh memory then costs what it costs on bare metal",
+    )
     ap.add_argument("--json", help="also write the raw measurements to this JSON file")
     ap.add_argument(
         "--no-run-log", action="store_true", help="managers keep no run log (its cost: on vs off)"
@@ -852,8 +881,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    with harness.scratch() as args.workdir:
+    with (
+        harness.page_reporting(args.page_reporting != "off"),
+        harness.scratch() as args.workdir,
+    ):
+        order, kib = harness.reporting_order(), harness.reported_kib()
         out = orchestrate(args)
+        after = harness.reported_kib()
+    out["page_reporting"] = {
+        "order": order,
+        "reported_kib": None if kib is None or after is None else after - kib,
+    }
     out["no_fio"] = args.no_fio
     if args.json:
         harness.write_json(

@@ -107,6 +107,59 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# --- the VM's memory ------------------------------------------------------------------------
+
+PAGE_REPORTING = "/sys/module/page_reporting/parameters"
+NO_REPORTING_ORDER = 11  # past the buddy allocator's largest block (order 10): none reported
+
+
+def _reporting(name: str) -> int | None:
+    try:
+        with open(os.path.join(PAGE_REPORTING, name)) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def reported_kib() -> int | None:
+    """KiB of free guest memory the kernel has reported to its hypervisor so far (virtio-
+    balloon free page reporting; this VM's kernel counts it), or None where not exposed.
+
+    The hypervisor drops what is reported; the next first touch of those pages costs a
+    host fault on top of the guest's. On this VM that makes the memory a fresh process
+    fills (a restore's result, a raw read into new buffers) cost 0.5-3 CPU s/GB depending
+    on how long ago it was freed: a page freed within the last seconds is not reported yet."""
+    return _reporting("reported_kib")
+
+
+def reporting_order() -> int | None:
+    """The smallest block (2**order pages) the kernel reports free, or None (no reporting)."""
+    return _reporting("page_reporting_order")
+
+
+@contextlib.contextmanager
+def page_reporting(enabled: bool) -> Iterator[None]:
+    """With ``enabled`` False: the kernel's free page reporting stopped while the block
+    runs (its order set past the largest block, as root), then put back; a figure then
+    shows what fresh memory costs on a host whose memory the hypervisor does not take
+    back (bare metal). Raises where it can't be stopped."""
+    was = reporting_order()
+    if enabled or was is None:
+        yield
+        return
+    path = os.path.join(PAGE_REPORTING, "page_reporting_order")
+    try:
+        with open(path, "w") as f:
+            f.write(str(NO_REPORTING_ORDER))
+    except OSError as e:
+        raise SystemExit(f"can't stop free page reporting ({path}: {e}); run as root") from e
+    try:
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(str(was))
+
+
 # --- measuring -----------------------------------------------------------------------------
 
 median = statistics.median
