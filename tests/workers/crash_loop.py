@@ -1,6 +1,7 @@
 """Worker: saves a deterministic state every step, forever, until it is killed.
 
-usage: crash_loop.py DIR      (prints "ready" once the first save was issued)
+usage: crash_loop.py DIR      (prints "ready" once DIR holds a committed step: a kill from
+then on must leave one, however slow the storage; a save is issued before it is committed)
 The state at step s is ``expected(s)`` so the parent can check any restored step.
 """
 
@@ -30,14 +31,16 @@ def main(directory: str) -> None:
     specs = {"w": P("data", "model"), "b": P("model")}
     mgr = jaxckpt.CheckpointManager(directory, jaxckpt.Options(max_to_keep=3))
     step = (mgr.latest_step() or 0) + 1
+    said = False
     while True:
         state = {
             k: jax.device_put(v, NamedSharding(mesh, specs[k])) if k in specs else v
             for k, v in expected(step).items()
         }
         mgr.save(step, state)
-        if step == (mgr.all_steps() or [0])[0] + 1 or step % 5 == 0:
+        if not said and mgr.all_steps():
             print("ready", step, flush=True)
+            said = True
         step += 1
 
 
