@@ -291,7 +291,7 @@ def worker_restore(args) -> dict:
     else:
         harness.warm_page_cache(args.path)
     gc.collect()  # as before every timed operation: no garbage of the warm-up in its clock
-    with harness.PeakRss() as rss, harness.Clock() as clock:
+    with harness.PeakRss(cache=False) as rss, harness.Clock() as clock:
         restored = jax.block_until_ready(lib.restore(args.path, target))
     lib.close()
     shardings_ok = all(

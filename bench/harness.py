@@ -227,15 +227,18 @@ class PeakRss:
     the page cache's peak growth over its size at entry (``cache_over``, machine-wide).
 
     ``sampler_cpu``: the CPU seconds the sampling thread took, to subtract from a
-    ``Clock``'s figure taken inside the block.
+    ``Clock``'s figure taken inside the block. ``cache`` False (a restore's figures): no
+    page cache peak, and no sampling thread where the kernel's mark can be reset, so the
+    timed operation runs as the limits it is held against do (a thread waking every 2 ms
+    took the GIL from it: a warm 1 GB restore 0.284 against 0.272 s, medians of 6 pairs).
     """
 
     sampler_cpu: float = 0.0
 
-    def __init__(self, interval_s: float = 0.002):
+    def __init__(self, interval_s: float = 0.002, cache: bool = True):
         import psutil
 
-        self.interval_s, self.proc = interval_s, psutil.Process()
+        self.interval_s, self.proc, self.cache = interval_s, psutil.Process(), cache
 
     def __enter__(self) -> PeakRss:
         gc.collect()
@@ -249,18 +252,21 @@ class PeakRss:
             self.hwm = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        if self.cache or not self.hwm:
+            self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak = max(self.peak, self.proc.memory_info().rss)
-            self.cache_peak = max(self.cache_peak, page_cache_bytes())
+            if self.cache:
+                self.cache_peak = max(self.cache_peak, page_cache_bytes())
         self.sampler_cpu = time.thread_time()
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         self.peak = max(self.peak, self.proc.memory_info().rss)
         self.cache_peak = max(self.cache_peak, page_cache_bytes())
         if self.hwm:
