@@ -67,10 +67,11 @@ the gain. Checkpoints go to a temporary directory under /tmp, deleted as it goes
 
 This VM's kernel reports free memory to its hypervisor (virtio-balloon free page reporting),
 which takes the pages back: the memory a fresh process fills first then costs a host fault
-per page, 0.5-3 CPU s/GB depending on how long ago it was freed, and a worker's figures
+per page (touching 17 GiB of it once took 42 s here: 2.5 s/GiB), and a worker's figures
 depend on what ran seconds before it. The header says how much was reported during the run;
-``--page-reporting off`` (root) stops the reporting for the run and puts it back after: the
-figures a host whose memory stays backed (bare metal) would give.
+``--page-reporting off`` (root) stops the reporting for the run, touches the free memory once
+so that all of it is backed (~40 s), and puts the reporting back after: the figures a host
+whose memory stays backed (bare metal) would give.
 """
 
 from __future__ import annotations
