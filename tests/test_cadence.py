@@ -137,7 +137,10 @@ def test_warm_up_writes_are_left_out_of_what_a_write_costs():
         time.sleep((0.05 if writes <= 2 else 0.008) if w.activity()[1] else 0.002)
     w.close("here")
     assert [n for n, s in w.job_seconds if s >= 0.3] == [1, 2]  # the warm-up's writes
-    assert c.measured.busy_step_s and max(c.measured.busy_step_s) < 0.04
+    # the warm-up's ~12 steps of 50 ms are left out; a step stalled by a loaded machine may
+    # still take 40 ms now and then, so a couple are allowed
+    busy = c.measured.busy_step_s
+    assert busy and sum(s >= 0.04 for s in busy) <= 2, sorted(busy)
     assert 0.005 < c._contention_s() < 0.02  # about 20 × (1 − 2/8) = 15 ms
     assert c.choice is not None and c.choice.costs.save_s < 0.03
 
