@@ -43,6 +43,12 @@ def bits(dtype: np.dtype) -> int:
         return dtype.itemsize * 8
 
 
+def direct_dtype(dtype: np.dtype) -> bool:
+    """Stored with every bit of every byte its own: what jaxckpt's direct path reads (bool,
+    and the sub-byte types XLA packs, go through TensorStore)."""
+    return dtype.kind != "b" and dtype.name not in ("int2", "int4", "float4_e2m1fn")
+
+
 def is_float(dtype: np.dtype) -> bool:
     """A real floating-point dtype, NumPy's or ml_dtypes' (whose ``kind`` is 'V')."""
     dtype = np.dtype(dtype)

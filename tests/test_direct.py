@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from conftest import flip_a_chunk_byte, sharded
-from hostile import DTYPES, assert_same_bits, random_bits
+from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -65,11 +65,6 @@ def _chunk_values(path) -> list[arrays.ChunkBytes]:
     return [v for v in arrays.chunk_bytes(kv.base, db, keys).values() if not v.inline]
 
 
-def _direct_dtype(dtype: np.dtype) -> bool:
-    """Stored with every bit of every byte its own: what the direct path reads."""
-    return dtype.kind != "b" and dtype.name not in ("int2", "int4", "float4_e2m1fn")
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path):
     """Random bit patterns of every dtype: onto the saved mesh (whole shards, read directly
@@ -83,7 +78,7 @@ def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path
     assert_same_bits(x, np.asarray(out["x"]), f"{dtype} same mesh")
     assert_same_bits(x[:64], out["n"], f"{dtype} numpy")
     # 4 shards of 64 x 64 (the 'model' replicas read once each) and the NumPy leaf
-    expected = (x.nbytes + x[:64].nbytes + 5 * 4) if _direct_dtype(dtype) else 0
+    expected = (x.nbytes + x[:64].nbytes + 5 * 4) if direct_dtype(dtype) else 0
     assert preadv.bytes == expected, (preadv.calls, preadv.bytes)
 
     for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), x.nbytes + 4 * 4)]:
@@ -95,7 +90,7 @@ def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path
         for shard in out["x"].addressable_shards:
             assert_same_bits(x[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
         # 2x4: two whole chunks a slice; 8x1: each chunk read once for the two halves
-        if _direct_dtype(dtype):
+        if direct_dtype(dtype):
             assert preadv.bytes - before == direct_bytes + x[:64].nbytes + 4
 
 
@@ -566,7 +561,7 @@ def test_replicas_are_filled_as_the_reader_reads(dtype, shape, onto, x64, preadv
     assert len({s.data.unsafe_buffer_pointer() for s in out.addressable_shards}) == 8
     for shard in out.addressable_shards:
         assert_same_bits(x[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
-    if _direct_dtype(dtype):
+    if direct_dtype(dtype):
         assert counting.copies == 0
         # four chunks with their CRCs, each read once (cut: once for the 4 column slices)
         assert preadv.bytes == x.nbytes + 4 * 4
@@ -685,7 +680,7 @@ def test_a_restore_opens_with_tensorstore_only_the_leaves_it_reads_with_it(
         out = jaxckpt.restore(tmp_path / "raw", target=want)
         for k, v in tree.items():
             assert_same_bits(np.asarray(v), np.asarray(out[k]), k)
-        assert sorted(opened) == sorted(d.name for d in DTYPES if not _direct_dtype(d))
+        assert sorted(opened) == sorted(d.name for d in DTYPES if not direct_dtype(d))
     jaxckpt.save(tmp_path / "zstd", tree, compression="zstd")
     opened.clear()
     out = jaxckpt.restore(tmp_path / "zstd", target=target)
@@ -718,7 +713,7 @@ def test_the_layout_read_from_zarr_json_is_tensorstores(x64, mesh42, tmp_path):
         store = arrays.open_leaf(db, d.name, ctx).result()
         got = direct.stored_layout(inline[f"{d.name}/zarr.json"], (6, 10), d)
         assert got == direct.layout(store), d
-        assert (got is not None) == _direct_dtype(d), d
+        assert (got is not None) == direct_dtype(d), d
 
 
 def test_zarr_json_that_is_not_the_leafs_or_not_raw_gives_no_layout():

@@ -89,6 +89,40 @@ def test_local_step_format_and_exact_restore(tmp_path, mesh42):
                      "step": "python", "none": "python"}  # fmt: skip
 
 
+def test_a_local_restore_opens_with_tensorstore_only_the_leaves_it_reads_with_it(
+    x64, tmp_path, mesh42, monkeypatch
+):
+    """The local tier's reads take each leaf's layout from its ``zarr.json`` in the B-tree
+    walk, as a restore does (``direct.leaf_layout``): every dtype with random bits restores
+    bit-exactly, and only the leaves the direct path can't read are opened with
+    TensorStore (``arrays.open_leaf`` watched)."""
+    from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
+
+    from jaxckpt._src import arrays, direct
+
+    rng = np.random.default_rng(31)
+    tree = {
+        d.name: sharded(random_bits((16, 8), d, rng), mesh42, P("data", "model")) for d in DTYPES
+    }
+    opened: list[str] = []
+    real = arrays.open_leaf
+
+    def watching(db, name, ctx):
+        opened.append(name)
+        return real(db, name, ctx)
+
+    monkeypatch.delenv(direct.ENV, raising=False)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        mgr.save(1, tree)
+        mgr.wait_until_finished()
+        monkeypatch.setattr(arrays, "open_leaf", watching)
+        out = mgr.restore()
+        assert mgr.last_report.tier == "local"
+    for k, v in tree.items():
+        assert_same_bits(np.asarray(v), np.asarray(out[k]), k)
+    assert sorted(set(opened)) == sorted(d.name for d in DTYPES if not direct_dtype(d))
+
+
 def test_step_digits_and_figures(tmp_path, mesh42):
     """Both tiers name steps with ``step_digits``; each save and restore leaves its phases'
     times in ``last_*_figures`` (the same Figures as the plain manager's)."""

@@ -20,6 +20,7 @@ import functools
 import math
 import mmap
 import re
+import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -209,6 +210,25 @@ def merge(step: Location, process_count: int) -> None:
 
 def open_leaf(db: Location, name: str, ctx: ts.Context) -> ts.Future:
     return ts.open({**array_spec(db, name), "open": True}, context=ctx, read=True)
+
+
+class Opening:
+    """A leaf's TensorStore, opened when first needed: ``start`` begins the open (once),
+    ``result`` waits for it. A leaf the direct path reads whole is never opened."""
+
+    def __init__(self, opener: Callable[[str], Any], name: str) -> None:
+        self._opener, self._name = opener, name
+        self._future: Any = None
+        self._lock = threading.Lock()
+
+    def start(self) -> Any:
+        with self._lock:
+            if self._future is None:
+                self._future = self._opener(self._name)
+            return self._future
+
+    def result(self) -> Any:
+        return self.start().result()
 
 
 _CHUNK_KEY = re.compile(r'Error reading "([^"]+)"')

@@ -32,10 +32,10 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 import ml_dtypes
@@ -46,6 +46,9 @@ from ..errors import StorageError
 from . import arrays, boxes, crc
 from .boxes import Index, extent
 from .storage import Location
+
+if TYPE_CHECKING:
+    from .manifest import LeafRecord
 
 ENV = "JAXCKPT_DIRECT_READ"
 PIECE_BYTES = 1 << 20  # read and checksummed at a time: stays in cache between the two
@@ -141,6 +144,22 @@ def stored_layout(zarr_json: bytes, shape: Sequence[int], saved: np.dtype) -> La
     if lay is None or not whole_bytes(dtype) or not (dtype == saved or carrier):
         return None
     return lay
+
+
+def leaf_layout(
+    inline: Mapping[str, bytes], rec: LeafRecord, store: Callable[[], Any]
+) -> Layout | None:
+    """The layout of the leaf ``rec``: from its ``zarr.json`` where the
+    B-tree walk found it stored inline (``index``; no TensorStore open), else from its
+    TensorStore (``store()``, which opens it); None where the direct path can't read it or
+    the leaf won't open (TensorStore's read of it then raises, naming the leaf)."""
+    stored = inline.get(f"{rec.name}/zarr.json")
+    try:
+        if stored is None:
+            return layout(store())
+        return stored_layout(stored, rec.shape, rec.data_dtype)
+    except Exception:
+        return None
 
 
 def index(db: Location) -> tuple[dict[str, arrays.ChunkBytes], dict[str, bytes]]:

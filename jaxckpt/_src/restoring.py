@@ -136,7 +136,9 @@ def _read_all(
         opener = functools.partial(arrays.open_leaf, db, ctx=ctx)
     else:  # an Orbax checkpoint: its own layout, the same reads
         db, opener = source.item, source.opener(ctx)
-    stores = {w.record.name: _Opening(opener, w.record.name) for w in reading if w.record.nbytes}
+    stores = {
+        w.record.name: arrays.Opening(opener, w.record.name) for w in reading if w.record.nbytes
+    }
     reader = _Reader(db, manifest.meshes)
     finishers = [_plan_leaf(w, stores.get(w.record.name), reader) for w in reading]
     plans = _direct_plan(db, reader.requests) if source is None and direct.enabled(loc) else {}
@@ -213,15 +215,7 @@ def _direct_plan(db: Location, requests: list[_Request]) -> dict[Hashable, direc
     for i, r in enumerate(requests):
         name = r.rec.name
         if name not in layouts:
-            stored = inline.get(f"{name}/zarr.json")
-            try:
-                layouts[name] = (
-                    direct.layout(r.store_fut.result())
-                    if stored is None
-                    else direct.stored_layout(stored, r.rec.shape, r.rec.data_dtype)
-                )
-            except Exception:  # TensorStore's read of this leaf raises it, naming the leaf
-                layouts[name] = None
+            layouts[name] = direct.leaf_layout(inline, r.rec, r.store_fut.result)
         lay = layouts[name]
         if lay is not None:
             index = whole(r.rec.shape) if r.index is None else r.index
@@ -281,25 +275,6 @@ def _fits(into: np.ndarray | None, dtype: np.dtype, saved: np.dtype) -> np.ndarr
     if into.dtype == saved and dtype.itemsize == saved.itemsize:
         return into.view(dtype)
     return None
-
-
-class _Opening:
-    """A leaf's TensorStore, opened when first needed: ``start`` begins the open (once),
-    ``result`` waits for it. A leaf the direct path reads whole is never opened."""
-
-    def __init__(self, opener: Callable[[str], Any], name: str) -> None:
-        self._opener, self._name = opener, name
-        self._future: Any = None
-        self._lock = threading.Lock()
-
-    def start(self) -> Any:
-        with self._lock:
-            if self._future is None:
-                self._future = self._opener(self._name)
-            return self._future
-
-    def result(self) -> Any:
-        return self.start().result()
 
 
 @dataclass(frozen=True)
