@@ -149,10 +149,10 @@ def stored_layout(zarr_json: bytes, shape: Sequence[int], saved: np.dtype) -> La
 def leaf_layout(
     inline: Mapping[str, bytes], rec: LeafRecord, store: Callable[[], Any]
 ) -> Layout | None:
-    """The layout of the leaf ``rec``: from its ``zarr.json`` where the
-    B-tree walk found it stored inline (``index``; no TensorStore open), else from its
-    TensorStore (``store()``, which opens it); None where the direct path can't read it or
-    the leaf won't open (TensorStore's read of it then raises, naming the leaf)."""
+    """The layout of the leaf ``rec``: from its ``zarr.json`` where the B-tree walk found it
+    stored inline (``index``; no TensorStore open), else from its TensorStore (``store()``,
+    which opens it); None where the direct path can't read it or the leaf won't open
+    (TensorStore's read of it then raises, naming the leaf)."""
     stored = inline.get(f"{rec.name}/zarr.json")
     try:
         if stored is None:
