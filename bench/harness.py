@@ -164,27 +164,24 @@ def page_reporting(enabled: bool) -> Iterator[None]:
 
 
 def back_free_memory(margin: int = 1 << 30) -> float:
-    """Touches the machine's free memory once, less ``margin`` (one mapping faulted in 1 GiB
-    at a time with ``MADV_POPULATE_WRITE``, then unmapped), so that the hypervisor backs
-    what reporting had taken back; returns the seconds it took (17 GiB here: 42 s)."""
-    import ctypes
+    """Touches the machine's free memory once, less ``margin`` (one mapping faulted in by
+    ``jaxckpt``'s ``arrays.populate``, then unmapped), so that the hypervisor backs what
+    reporting had taken back; returns the seconds it took (17 GiB here: 42 s). Imports
+    jaxckpt, hence jax: for the orchestrating process, not a worker before its devices."""
     import mmap
+
+    from jaxckpt._src.arrays import populate
 
     with open("/proc/meminfo") as f:
         free = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemFree:"))
     size = (free - margin) // (1 << 30) * (1 << 30)
     if size <= 0:
         return 0.0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = time.perf_counter()
     region = mmap.mmap(-1, size)
     try:
         view = np.frombuffer(region, np.uint8)
-        base = view.ctypes.data
-        for at in range(0, size, 1 << 30):
-            if libc.madvise(base + at, 1 << 30, 23) != 0:  # MADV_POPULATE_WRITE (Linux 5.14+)
-                break
+        populate(view)
         del view
     finally:
         region.close()

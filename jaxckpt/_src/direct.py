@@ -32,7 +32,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -160,6 +160,30 @@ def leaf_layout(
         return stored_layout(stored, rec.shape, rec.data_dtype)
     except Exception:
         return None
+
+
+def plan_slices(
+    db: Location, slices: Iterable[tuple[Hashable, LeafRecord, Index, Callable[[], Any]]]
+) -> dict[Hashable, SliceRead]:
+    """The slices (key, leaf record, index, the leaf's TensorStore when needed) that the
+    direct path reads, by key: one B-tree walk (``index``) for every chunk's place and every
+    leaf's ``zarr.json``, each leaf's layout once (``leaf_layout``; a restore of 2000 leaves
+    opened none, and a 2000-leaf local step asked TensorStore's spec 16000 times, 1.4 s).
+    None planned where the B-tree can't be walked (TensorStore's reads raise it, naming the
+    leaf); raises StorageError where it names a file outside the database (``plan``)."""
+    try:
+        where, inline = index(db)
+    except Exception:
+        return {}
+    layouts: dict[str, Layout | None] = {}
+    wanted: dict[Hashable, Wanted] = {}
+    for key, rec, box, store in slices:
+        if rec.name not in layouts:
+            layouts[rec.name] = leaf_layout(inline, rec, store)
+        lay = layouts[rec.name]
+        if lay is not None:
+            wanted[key] = Wanted(rec.name, lay, box)
+    return plan(db, wanted, where)
 
 
 def index(db: Location) -> tuple[dict[str, arrays.ChunkBytes], dict[str, bytes]]:

@@ -258,32 +258,22 @@ def write_step(
 def _direct_plans(
     db: Location, keys: list[SliceKey], leaves: Iterable[LeafRecord], stores: dict[str, Any]
 ) -> dict[Hashable, direct.SliceRead]:
-    """The slices the direct reader reads (``direct``): those of whole uncompressed chunks,
-    each leaf's layout from its ``zarr.json`` in the B-tree walk (``direct.leaf_layout``: a
-    2000-leaf step took 1.4 s in TensorStore's spec JSON when each slice asked its leaf's
-    open store). Anything it can't plan (a leaf that won't open, a B-tree naming a file cut
-    short) is left to TensorStore, whose read then fails for that slice alone and names
-    it."""
+    """The slices the direct reader reads (``direct.plan_slices``): those of whole
+    uncompressed chunks. Anything it can't plan (a leaf that won't open, a B-tree naming a
+    file outside the database or cut short) is left to TensorStore, whose read then fails
+    for that slice alone and names it."""
     if not direct.enabled(db):
         return {}
-    try:
-        where, inline = direct.index(db)
-    except Exception:  # a damaged B-tree: TensorStore's reads raise it, naming the leaf
-        return {}
     records = {rec.name: rec for rec in leaves}
-    layouts: dict[str, direct.Layout | None] = {}
-    wanted: dict[Hashable, direct.Wanted] = {}
-    for key in keys:
-        if key.leaf not in layouts:
-            rec = records.get(key.leaf)
-            layouts[key.leaf] = (
-                None if rec is None else direct.leaf_layout(inline, rec, stores[key.leaf].result)
-            )
-        lay = layouts[key.leaf]
-        if lay is not None:
-            wanted[key] = direct.Wanted(key.leaf, lay, key.box)
     try:
-        return direct.plan(db, wanted, where)
+        return direct.plan_slices(
+            db,
+            (
+                (key, records[key.leaf], key.box, stores[key.leaf].result)
+                for key in keys
+                if key.leaf in records
+            ),
+        )
     except Exception:  # (StorageError: a B-tree naming a file outside the database)
         return {}
 
