@@ -11,7 +11,6 @@ import threading
 
 import iostats
 import jax
-import ml_dtypes
 import multiproc
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src import arrays, direct, ocdbt_write
+from jaxckpt._src import arrays, chunk_plan, direct, ocdbt_write, residency
 from jaxckpt._src.storage import Location, location
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
@@ -148,7 +147,7 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
 
     stretches: list[tuple[str, int, int]] = []  # (file, start, stop) looked at, in order
     probes: dict[tuple[str, int], bool] = {}  # (file, offset) -> found in the page cache
-    real_blocks, real_cached = direct._new_blocks, direct._cached
+    real_blocks, real_cached = residency.new_blocks, residency.cached
 
     def looking(where, seen, *args):
         got = real_blocks(where, seen, *args)
@@ -161,8 +160,8 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
 
     monkeypatch.delenv(direct.ENV, raising=False)
     monkeypatch.setattr(os, "posix_fadvise", recording)
-    monkeypatch.setattr(direct, "_new_blocks", looking)
-    monkeypatch.setattr(direct, "_cached", probing)
+    monkeypatch.setattr(residency, "new_blocks", looking)
+    monkeypatch.setattr(residency, "cached", probing)
     out = jaxckpt.restore(tmp_path / "c")
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     chunks = _chunk_values(tmp_path / "c")
@@ -171,7 +170,7 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
         assert advised == []
         return
     covered = {(os.path.realpath(c.file), c.start, c.stop) for c in chunks}
-    mib = direct.ADVICE_BYTES
+    mib = residency.ADVICE_BYTES
     blocks = {(f, k) for f, a, b in covered for k in range(a // mib, (b - 1) // mib + 1)}
     got = [(g, k) for g, s, e in advised for k in range(s // mib, e // mib)]
     for _, s, e in advised:  # whole blocks, each holding chunk bytes, each advised once
@@ -224,25 +223,6 @@ def test_small_values_inline_in_the_btree_are_read_by_tensorstore(preadv, tmp_pa
         assert preadv.bytes == tree["big"].nbytes + 4 + direct_bytes, name
 
 
-def test_which_slices_are_whole_contiguous_chunks():
-    """A slice is read directly when every chunk in it is whole and contiguous in its
-    buffer: whole chunks, runs of whole rows; not a strided chunk, a chunk the slice cuts,
-    nor an edge chunk zarr padded beyond the array (jaxckpt's own chunks divide the shards,
-    an Orbax checkpoint's need not)."""
-    lay = direct.Layout((4, 8), np.dtype(np.float32), "/")
-    assert direct.chunks_in(((4, 8), (0, 8)), lay) == [((1, 0), 0)]
-    assert direct.chunks_in(((0, 12), (8, 16)), lay) == [((0, 1), 0), ((1, 1), 128), ((2, 1), 256)]
-    assert direct.chunks_in(((0, 4), (0, 16)), lay) is None  # strided: rows of 8 in 16
-    assert direct.chunks_in(((0, 2), (0, 8)), lay) is None  # half a chunk
-    assert direct.chunks_in(((8, 10), (0, 8)), lay) is None  # an edge chunk (array of 10)
-    rows = direct.Layout((1, 1, 6), np.dtype(np.int8), ".")
-    assert direct.chunks_in(((0, 2), (3, 5), (0, 6)), rows) == [
-        ((0, 3, 0), 0), ((0, 4, 0), 6), ((1, 3, 0), 12), ((1, 4, 0), 18)
-    ]  # fmt: skip
-    assert direct.chunk_key("a/b", (1, 3, 0), ".") == "a/b/c.1.3.0"
-    assert direct.chunk_key("s", (), "/") == "s/c"
-
-
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_a_corrupt_chunk_raises_the_same_error_either_way(switch, mesh42, tmp_path, monkeypatch):
     x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
@@ -268,27 +248,6 @@ def test_a_corrupt_chunk_read_in_part_is_named(mesh42, tmp_path, preadv):
     assert f"{flipped} (bytes " in str(e.value) and preadv.calls > 0
 
 
-def test_chunk_parts_tile_the_slice():
-    """Every element of a slice comes from exactly one chunk, from inside that chunk's
-    stored box, edge chunks (padded beyond the array) included."""
-    rng = np.random.default_rng(0)
-    for _ in range(200):
-        rank = int(rng.integers(1, 4))
-        chunks = tuple(int(c) for c in rng.integers(1, 6, rank))
-        shape = tuple(int(n) for n in rng.integers(1, 20, rank))
-        lo = [int(rng.integers(0, n)) for n in shape]
-        index = tuple((a, int(rng.integers(a + 1, n + 1))) for a, n in zip(lo, shape, strict=True))
-        lay = direct.Layout(chunks, np.dtype(np.int32), "/")
-        covered = np.zeros([b - a for a, b in index], np.int32)
-        for g, chunk, part in direct.chunk_parts(index, lay):
-            assert chunk == tuple((i * c, (i + 1) * c) for i, c in zip(g, chunks, strict=True))
-            assert all(c0 <= p0 < p1 <= c1 for (c0, c1), (p0, p1) in zip(chunk, part, strict=True))
-            covered[
-                tuple(slice(p0 - a, p1 - a) for (p0, p1), (a, _) in zip(part, index, strict=True))
-            ] += 1
-        assert (covered == 1).all(), (chunks, index)
-
-
 def test_edge_chunks_read_in_part_match_tensorstore(tmp_path, preadv):
     """An array whose chunks do not divide it (an Orbax checkpoint's may not): zarr stores
     the edge chunks padded; slices that end in them read them directly, exactly as
@@ -300,11 +259,11 @@ def test_edge_chunks_read_in_part_match_tensorstore(tmp_path, preadv):
     created = ts.open({**spec, "metadata": meta, "create": True}, context=arrays.new_context())
     created.result().write(x).result()
     store = ts.open(spec, context=arrays.new_context()).result()
-    lay = direct.layout(store)
+    lay = chunk_plan.layout(store)
     assert lay is not None
     slices = {0: ((32, 40), (0, 70)), 1: ((10, 37), (20, 70)), 2: ((0, 40), (0, 70))}
     slices[3] = ((39, 40), (69, 70))
-    plans = direct.plan(db, {k: direct.Wanted("x", lay, i) for k, i in slices.items()})
+    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     assert set(plans) == set(slices) and all(p.parts and not p.chunks for p in plans.values())
     reader = direct.Reader()
     try:
@@ -343,7 +302,9 @@ def test_a_file_cut_short_while_reading_is_named(tmp_path):
     path = tmp_path / "data"
     path.write_bytes(b"\0" * 100)
     at = arrays.ChunkBytes(str(path), 0, 132)
-    read = direct.SliceRead((32,), np.dtype(np.float32), (direct.ChunkRead("x/c/0", at, 0, 128),))
+    read = chunk_plan.SliceRead(
+        (32,), np.dtype(np.float32), (chunk_plan.ChunkRead("x/c/0", at, 0, 128),)
+    )
     reader = direct.Reader()
     try:
         with pytest.raises(errors.StorageError, match=r"ends at byte 100.*truncated"):
@@ -437,7 +398,7 @@ def test_spans_cover_every_byte_once_in_file_order(seed):
         if i == 4:
             pos = 0
         chunks.append(
-            direct.ChunkRead(f"k{i}", arrays.ChunkBytes(file, pos, pos + n + 4), offset, n)
+            chunk_plan.ChunkRead(f"k{i}", arrays.ChunkBytes(file, pos, pos + n + 4), offset, n)
         )
         pos, offset = pos + n + 4, offset + n
     flats = [np.zeros(offset, np.uint8), np.zeros(offset, np.uint8)]  # a buffer, a copy
@@ -509,7 +470,7 @@ def test_a_buffer_to_read_into_must_fit_exactly():
     reader = direct.Reader(1)
     try:
         with pytest.raises(ValueError, match="C-contiguous, is needed"):
-            reader.start(direct.SliceRead(shape, dtype, ()), np.empty(shape, np.int32))
+            reader.start(chunk_plan.SliceRead(shape, dtype, ()), np.empty(shape, np.int32))
     finally:
         reader.close()
 
@@ -570,7 +531,7 @@ def test_replicas_are_filled_as_the_reader_reads(dtype, shape, onto, x64, preadv
 # --- a chunk several slices need a part of -------------------------------------------------
 
 
-def _shared_chunks(tmp_path) -> tuple[np.ndarray, Location, dict, direct.Layout]:
+def _shared_chunks(tmp_path) -> tuple[np.ndarray, Location, dict, chunk_plan.Layout]:
     """A 64 x 64 float32 array in chunks of 32 x 32 (4 KiB: not inline), and four slices of
     16 columns each: every chunk is needed in part by two of them."""
     db = location(str(tmp_path / "db"))
@@ -581,7 +542,7 @@ def _shared_chunks(tmp_path) -> tuple[np.ndarray, Location, dict, direct.Layout]
         {**spec, "metadata": meta, "create": True}, context=arrays.new_context()
     ).result().write(x).result()
     store = ts.open(spec, context=arrays.new_context()).result()
-    lay = direct.layout(store)
+    lay = chunk_plan.layout(store)
     assert lay is not None
     slices = {k: ((0, 64), (16 * k, 16 * (k + 1))) for k in range(4)}
     return x, db, slices, lay
@@ -597,7 +558,7 @@ def test_a_chunk_several_slices_need_is_read_once(keep, tmp_path, preadv, monkey
     limit = {"all": direct.KEEP_BYTES, "one": chunk, "none": 0}[keep]
     monkeypatch.setattr(direct, "KEEP_BYTES", limit)
     x, db, slices, lay = _shared_chunks(tmp_path)
-    plans = direct.plan(db, {k: direct.Wanted("x", lay, i) for k, i in slices.items()})
+    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     assert all(part.users == 2 for p in plans.values() for part in p.parts)
     reader = direct.Reader()
     try:
@@ -619,7 +580,7 @@ def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(tmp_path, preadv
     """The slices that share a corrupt chunk each raise Corrupt naming it (none waits
     forever for the read that failed); the others read exactly."""
     x, db, slices, lay = _shared_chunks(tmp_path)
-    plans = direct.plan(db, {k: direct.Wanted("x", lay, i) for k, i in slices.items()})
+    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     bad = next(part for part in plans[0].parts if part.key == "x/c/0/0")
     with open(bad.at.file, "r+b") as f:
         f.seek(bad.at.start + 100)
@@ -700,60 +661,6 @@ def test_switched_off_the_direct_path_opens_every_leaf(mesh42, tmp_path, opened,
     assert_same_bits(x[:4], out["b"])
 
 
-def test_the_layout_read_from_zarr_json_is_tensorstores(x64, mesh42, tmp_path):
-    """For every dtype, ``stored_layout`` of the inline ``zarr.json`` is ``layout`` of the
-    leaf opened with TensorStore (None for those the direct path leaves to it)."""
-    rng = np.random.default_rng(13)
-    tree = {d.name: random_bits((6, 10), d, rng) for d in DTYPES}
-    jaxckpt.save(tmp_path / "c", tree, chunk_bytes=64)
-    db = arrays.database_dir(location(str(tmp_path / "c")), None)
-    _, inline = direct.index(db)
-    ctx = arrays.new_context()
-    for d in DTYPES:
-        store = arrays.open_leaf(db, d.name, ctx).result()
-        got = direct.stored_layout(inline[f"{d.name}/zarr.json"], (6, 10), d)
-        assert got == direct.layout(store), d
-        assert (got is not None) == direct_dtype(d), d
-
-
-def test_zarr_json_that_is_not_the_leafs_or_not_raw_gives_no_layout():
-    """Metadata the direct path must not trust gives None (TensorStore reads the leaf)."""
-    import json
-
-    good = {
-        "zarr_format": 3, "node_type": "array", "shape": [8, 4], "data_type": "bfloat16",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 4]}},
-        "chunk_key_encoding": {"name": "default"},
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-        "fill_value": 0,
-    }  # fmt: skip
-    bf16 = np.dtype(jax.numpy.bfloat16)
-    lay = direct.stored_layout(json.dumps(good).encode(), (8, 4), bf16)
-    assert lay == direct.Layout((4, 4), bf16, "/")
-    carrier = json.dumps({**good, "data_type": "uint8"}).encode()  # float8_e4m3's bytes
-    f8 = np.dtype(ml_dtypes.float8_e4m3)
-    assert direct.stored_layout(carrier, (8, 4), f8) == direct.Layout((4, 4), np.dtype("u1"), "/")
-    assert direct.stored_layout(carrier, (8, 4), np.dtype(np.int8)) is None  # not a carrier
-    bad = [
-        b"not json",
-        b"[]",
-        json.dumps({**good, "shape": [4, 8]}).encode(),  # another shape than the manifest's
-        json.dumps({**good, "data_type": "float16"}).encode(),  # another dtype, same size
-        json.dumps({**good, "data_type": "float32"}).encode(),
-        json.dumps({**good, "data_type": "finfo"}).encode(),  # not a dtype
-        json.dumps({**good, "data_type": 7}).encode(),
-        json.dumps({k: v for k, v in good.items() if k != "data_type"}).encode(),
-        json.dumps({**good, "codecs": [{"name": "bytes"}, {"name": "zstd"}]}).encode(),
-        json.dumps({**good, "codecs": [
-            {"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}]}).encode(),
-        json.dumps({**good, "chunk_grid": {"name": "regular",
-                    "configuration": {"chunk_shape": [4, 0]}}}).encode(),
-        json.dumps({**good, "chunk_grid": {"name": "rectilinear"}}).encode(),
-    ]  # fmt: skip
-    for b in bad:
-        assert direct.stored_layout(b, (8, 4), bf16) is None, b
-
-
 def test_a_zarr_json_not_stored_inline_is_read_by_the_leafs_open(
     preadv, mesh42, tmp_path, opened, monkeypatch
 ):
@@ -762,8 +669,8 @@ def test_a_zarr_json_not_stored_inline_is_read_by_the_leafs_open(
     x = random_bits((64, 32), np.dtype(np.float32), np.random.default_rng(14))
     tree = {"a": sharded(x, mesh42, P("data", "model")), "b": sharded(x.T.copy(), mesh42, P())}
     jaxckpt.save(tmp_path / "c", tree)
-    real = direct.index
-    monkeypatch.setattr(direct, "index", lambda db: (real(db)[0], {}))
+    real = chunk_plan.index
+    monkeypatch.setattr(chunk_plan, "index", lambda db: (real(db)[0], {}))
     out = jaxckpt.restore(tmp_path / "c", target=tree)
     assert sorted(opened) == ["a", "b"]
     assert preadv.bytes >= 2 * x.nbytes  # (each chunk with its 4-byte CRC)

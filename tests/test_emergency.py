@@ -93,7 +93,7 @@ def test_a_local_restore_opens_with_tensorstore_only_the_leaves_it_reads_with_it
     x64, tmp_path, mesh42, monkeypatch
 ):
     """The local tier's reads take each leaf's layout from its ``zarr.json`` in the B-tree
-    walk, as a restore does (``direct.leaf_layout``): every dtype with random bits restores
+    walk, as a restore does (``chunk_plan.leaf_layout``): every dtype with random bits restores
     bit-exactly, and only the leaves the direct path can't read are opened with
     TensorStore (``arrays.open_leaf`` watched)."""
     from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits

@@ -44,7 +44,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import StorageError
-from . import arrays, boxes, direct, page_cache
+from . import arrays, boxes, chunk_plan, page_cache
 from .arrays import DATA_FILES_PER_PROCESS, MIN_DATA_FILE_BYTES, ArrayWrite
 from .boxes import Index, extent
 from .storage import Location, fsync_dir
@@ -201,16 +201,16 @@ class _File:
     head: bytes = b""  # the B+tree node and zeros up to a block boundary, before the pieces
 
 
-def _stored(w: ArrayWrite) -> direct.Layout | None:
+def _stored(w: ArrayWrite) -> chunk_plan.Layout | None:
     """The layout of a leaf stored raw whose bytes we can write as NumPy holds them: whole
     bytes, or one byte an element (bool and sub-byte types, as TensorStore stores them)."""
     dtype = ts.dtype(w.metadata["data_type"]).numpy_dtype
-    lay = direct.raw_layout(w.metadata, dtype)
-    ok = lay is not None and (direct.whole_bytes(dtype) or dtype.itemsize == 1)
+    lay = chunk_plan.raw_layout(w.metadata, dtype)
+    ok = lay is not None and (chunk_plan.whole_bytes(dtype) or dtype.itemsize == 1)
     return lay if ok else None
 
 
-def _chunks(name: str, index: Index, shape: Sequence[int], lay: direct.Layout) -> list | None:
+def _chunks(name: str, index: Index, shape: Sequence[int], lay: chunk_plan.Layout) -> list | None:
     """The chunks of a piece, or None when one is cut by the piece's edge (and so needs
     bytes of another piece, or of another process)."""
     chunk = lay.chunk_shape
@@ -223,7 +223,7 @@ def _chunks(name: str, index: Index, shape: Sequence[int], lay: direct.Layout) -
             slice(i * c - a, min((i + 1) * c, b) - a)
             for i, c, (a, b) in zip(g, chunk, index, strict=True)
         )
-        key = direct.chunk_key(name, g, lay.separator).encode()
+        key = chunk_plan.chunk_key(name, g, lay.separator).encode()
         out.append(_Chunk(key, box, tuple(chunk)))
     return out
 

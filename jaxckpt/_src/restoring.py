@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from ..errors import OptionsError, StorageError
-from . import arrays, direct, gc_pause, multihost, orbax, read_once
+from . import arrays, chunk_plan, direct, gc_pause, multihost, orbax, read_once, residency
 from .boxes import Index, extent, volume, whole
 from .inflight import InFlight, default_budget
 from .leaf_plan import Want, result, wants, whole_on_host
@@ -146,7 +146,7 @@ def _read_all(
         if i not in plans:
             r.store_fut.start()
     planned = [(r, plans[i]) for i, r in enumerate(reader.requests) if i in plans]
-    cold = direct.from_disk([sr for _, sr in planned])
+    cold = residency.from_disk([sr for _, sr in planned])
     fills = [b for r, sr in planned for b in r.buffers(sr)] if cold else []
     # no thread outlives the restore; the direct reads' threads stop after their users'
     with (
@@ -201,11 +201,11 @@ def _place_threads(reading: list[Want]) -> int:
     return 1 if (os.cpu_count() or 1) <= 2 else 2
 
 
-def _direct_plan(db: Location, requests: list[_Request]) -> dict[Hashable, direct.SliceRead]:
-    """The requests (by position) that the direct path reads (``direct.plan_slices``: each
+def _direct_plan(db: Location, requests: list[_Request]) -> dict[Hashable, chunk_plan.SliceRead]:
+    """The requests (by position) that the direct path reads (``chunk_plan.plan_slices``: each
     leaf's layout from its ``zarr.json`` in the B-tree walk, as jaxckpt stores it; a
     TensorStore open costs more, 2000 leaves: ~0.1 ms each)."""
-    return direct.plan_slices(
+    return chunk_plan.plan_slices(
         db,
         (
             (i, r.rec, whole(r.rec.shape) if r.index is None else r.index, r.store_fut.result)
@@ -279,7 +279,7 @@ class _Request:
     into: np.ndarray | None = None  # where to read it (``_fits``); else fresh memory
     copies: list[np.ndarray] = dataclasses.field(default_factory=list)  # and fill, if it can
 
-    def buffers(self, plan: direct.SliceRead) -> list[np.ndarray]:
+    def buffers(self, plan: chunk_plan.SliceRead) -> list[np.ndarray]:
         """The memory the direct read ``plan`` fills: ``into`` (viewed as the dtype read,
         ``_fits``) and ``copies``; none where it reads into fresh memory."""
         into = _fits(self.into, plan.dtype, self.rec.data_dtype)
@@ -314,7 +314,7 @@ class _Reader:
         self,
         reads: InFlight[Any],
         r: _Request,
-        plan: direct.SliceRead | None,
+        plan: chunk_plan.SliceRead | None,
         direct_reader: direct.Reader,
     ) -> None:
         """Starts ``r``'s read (directly when ``plan`` says how) once it fits the budget."""

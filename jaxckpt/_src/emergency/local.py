@@ -25,7 +25,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
-from .. import arrays, direct, ocdbt_write, steps
+from .. import arrays, chunk_plan, direct, ocdbt_write, steps
 from ..boxes import Index, extent, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
 from ..manifest import (
@@ -257,8 +257,8 @@ def write_step(
 
 def _direct_plans(
     db: Location, keys: list[SliceKey], leaves: Iterable[LeafRecord], stores: dict[str, Any]
-) -> dict[Hashable, direct.SliceRead]:
-    """The slices the direct reader reads (``direct.plan_slices``): those of whole
+) -> dict[Hashable, chunk_plan.SliceRead]:
+    """The slices the direct reader reads (``chunk_plan.plan_slices``): those of whole
     uncompressed chunks. Anything it can't plan (a leaf that won't open, a B-tree naming a
     file outside the database or cut short) is left to TensorStore, whose read then fails
     for that slice alone and names it."""
@@ -266,7 +266,7 @@ def _direct_plans(
         return {}
     records = {rec.name: rec for rec in leaves}
     try:
-        return direct.plan_slices(
+        return chunk_plan.plan_slices(
             db,
             (
                 (key, records[key.leaf], key.box, stores[key.leaf].result)

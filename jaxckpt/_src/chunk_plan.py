@@ -1,0 +1,346 @@
+"""Which slices of a restore the direct read path (``direct``) reads, and where each of
+their chunks' bytes are.
+
+A chunk qualifies where it is stored raw (codecs ``bytes`` little-endian then ``crc32c``:
+no compression; a dtype whose bytes are all the value's), as a value of its own in a data
+file (not inline in a B-tree node) of the length the codecs give, inside the checkpoint's
+directory. A slice is read *whole* where its chunks are contiguous regions of its buffer (a
+whole saved shard, or a run of whole rows of it), *in part* where it cuts through chunks (a
+restore onto another mesh, an edge chunk zarr padded). ``plan_slices`` finds them with one
+B-tree walk (``index``) for every chunk's place and every leaf's ``zarr.json``; anything
+else is left to TensorStore.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+from ..errors import StorageError
+from . import arrays, boxes
+from .boxes import Index, extent
+from .storage import Location
+
+if TYPE_CHECKING:
+    from .manifest import LeafRecord
+
+PART_CHUNK_BYTES = 64 << 20
+"""The largest chunk read whole into a thread's scratch buffer when a slice needs only part
+of it; a larger one is left to TensorStore (each reader thread would hold one)."""
+TRAILER = 4  # the crc32c codec: a chunk's bytes, then their CRC32C, little-endian
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a leaf's chunks are stored, when the direct path can read them."""
+
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype  # the buffer's dtype (the stored one: what TensorStore reads into)
+    separator: str  # of the chunk keys: ``c/0/1`` ("/") or ``c.0.1`` (".")
+
+
+def whole_bytes(dtype: np.dtype) -> bool:
+    """Every bit of every byte is the value's (no bool, no sub-byte type padded to a byte)."""
+    if dtype.kind in "iufc":
+        return dtype.itemsize == 1 or (dtype.isnative and sys.byteorder == "little")
+    if dtype.kind != "V":
+        return False
+    try:
+        return int(ml_dtypes.finfo(dtype).bits) == dtype.itemsize * 8
+    except (ValueError, TypeError):
+        return False
+
+
+def raw_layout(metadata: dict, dtype: np.dtype) -> Layout | None:
+    """The layout of a zarr array stored raw (codecs ``bytes``, little-endian, then
+    ``crc32c``; a regular grid; the default chunk keys), from its metadata; else None.
+    ``dtype``: the stored one. (The writer's test and the reader's: ``ocdbt_write``, ``layout``.)"""
+    codecs = metadata.get("codecs") or [{}]
+    names = [c.get("name") for c in codecs]
+    # (TensorStore drops the byte order of 1-byte types)
+    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
+    grid = metadata.get("chunk_grid", {})
+    keys = metadata.get("chunk_key_encoding", {})
+    if (
+        names != ["bytes", "crc32c"]
+        or endian != "little"
+        or grid.get("name") != "regular"
+        or keys.get("name") != "default"
+    ):
+        return None
+    chunk_shape = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
+    separator = keys.get("configuration", {}).get("separator", "/")
+    if len(chunk_shape) != len(metadata["shape"]) or min(chunk_shape, default=1) < 1:
+        return None
+    return Layout(chunk_shape, dtype, separator)
+
+
+def layout(store: ts.TensorStore) -> Layout | None:
+    """The leaf's layout from its zarr metadata, or None when the direct path can't read it
+    (not stored raw, or a dtype whose bytes are not all the value's)."""
+    dtype = store.dtype.numpy_dtype
+    lay = raw_layout(store.spec().to_json().get("metadata", {}), dtype)
+    return lay if lay is not None and whole_bytes(dtype) else None
+
+
+def stored_layout(zarr_json: bytes, shape: Sequence[int], saved: np.dtype) -> Layout | None:
+    """The layout of a leaf from its ``zarr.json`` as stored (read in the B-tree walk, no
+    TensorStore open), or None when the direct path can't read it or the metadata is not of
+    the leaf the manifest describes: its shape, and its data type the ``saved`` one or, for
+    an ``ml_dtypes`` type zarr lacks, the unsigned carrier of its bytes. (TensorStore reads
+    such a leaf, and names what is wrong.)"""
+    try:
+        metadata = json.loads(zarr_json)
+        name = metadata["data_type"]
+        dtype = np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+        if [int(n) for n in metadata["shape"]] != list(shape):
+            return None
+        lay = raw_layout(metadata, dtype)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    carrier = saved.kind == "V" and dtype.kind == "u" and dtype.itemsize == saved.itemsize
+    if lay is None or not whole_bytes(dtype) or not (dtype == saved or carrier):
+        return None
+    return lay
+
+
+def leaf_layout(
+    inline: Mapping[str, bytes], rec: LeafRecord, store: Callable[[], Any]
+) -> Layout | None:
+    """The layout of the leaf ``rec``: from its ``zarr.json`` where the B-tree walk found it
+    stored inline (``index``; no TensorStore open), else from its TensorStore (``store()``,
+    which opens it); None where the direct path can't read it or the leaf won't open
+    (TensorStore's read of it then raises, naming the leaf)."""
+    stored = inline.get(f"{rec.name}/zarr.json")
+    try:
+        if stored is None:
+            return layout(store())
+        return stored_layout(stored, rec.shape, rec.data_dtype)
+    except Exception:
+        return None
+
+
+def plan_slices(
+    db: Location, slices: Iterable[tuple[Hashable, LeafRecord, Index, Callable[[], Any]]]
+) -> dict[Hashable, SliceRead]:
+    """The slices (key, leaf record, index, the leaf's TensorStore when needed) that the
+    direct path reads, by key: one B-tree walk (``index``) for every chunk's place and every
+    leaf's ``zarr.json``, each leaf's layout once (``leaf_layout``; a restore of 2000 leaves
+    opened none, and a 2000-leaf local step asked TensorStore's spec 16000 times, 1.4 s).
+    None planned where the B-tree can't be walked (TensorStore's reads raise it, naming the
+    leaf); raises StorageError where it names a file outside the database (``plan``)."""
+    try:
+        where, inline = index(db)
+    except Exception:
+        return {}
+    layouts: dict[str, Layout | None] = {}
+    wanted: dict[Hashable, Wanted] = {}
+    for key, rec, box, store in slices:
+        if rec.name not in layouts:
+            layouts[rec.name] = leaf_layout(inline, rec, store)
+        lay = layouts[rec.name]
+        if lay is not None:
+            wanted[key] = Wanted(rec.name, lay, box)
+    return plan(db, wanted, where)
+
+
+def index(db: Location) -> tuple[dict[str, arrays.ChunkBytes], dict[str, bytes]]:
+    """One walk of the B-tree of ``db``: every key's ``arrays.ChunkBytes`` and the bytes of
+    the values stored inline (``arrays.btree``), for ``stored_layout`` and ``plan``."""
+    return arrays.btree(ts.KvStore.open(db.kvstore()).result(), db)
+
+
+def chunks_in(index: Index, lay: Layout) -> list[tuple[tuple[int, ...], int]] | None:
+    """The chunks that make up slice ``index`` and each one's byte offset in the slice's
+    buffer; None unless each lies whole inside the slice as one contiguous region."""
+    if any(a % c or b % c for (a, b), c in zip(index, lay.chunk_shape, strict=True)):
+        return None  # the slice cuts through a chunk (or ends in an edge chunk zarr padded)
+    extent = [b - a for a, b in index]
+    big = [i for i, c in enumerate(lay.chunk_shape) if c > 1]
+    if big and any(lay.chunk_shape[i] != extent[i] for i in range(big[0] + 1, len(extent))):
+        return None  # a chunk would be strided in the buffer
+    strides = [math.prod(extent[i + 1 :]) * lay.dtype.itemsize for i in range(len(extent))]
+    grid = [range(a // c, b // c) for (a, b), c in zip(index, lay.chunk_shape, strict=True)]
+    starts = [a for a, _ in index]
+    return [
+        (
+            g,
+            sum(
+                (gi * c - a) * s
+                for gi, c, a, s in zip(g, lay.chunk_shape, starts, strides, strict=True)
+            ),
+        )
+        for g in itertools.product(*grid)
+    ]
+
+
+def chunk_parts(index: Index, lay: Layout) -> list[tuple[tuple[int, ...], Index, Index]]:
+    """Every chunk that slice ``index`` overlaps: its grid coordinates, its box and the
+    part of it the slice needs (both in the array's coordinates). Edge chunks are stored
+    whole (zarr pads them), so every part lies inside its chunk's stored bytes."""
+    out = []
+    for g in boxes.chunks_in(index, lay.chunk_shape):
+        chunk = tuple((i * c, (i + 1) * c) for i, c in zip(g, lay.chunk_shape, strict=True))
+        part = boxes.intersect(chunk, index)
+        if part is not None:
+            out.append((g, chunk, part))
+    return out
+
+
+def chunk_key(name: str, coords: Sequence[int], separator: str) -> str:
+    """The OCDBT key of a chunk of leaf ``name`` (zarr v3's default chunk key encoding)."""
+    return f"{name}/c" + "".join(f"{separator}{c}" for c in coords)
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """One chunk: its key, where its bytes are, where they go in the slice's buffer."""
+
+    key: str
+    at: arrays.ChunkBytes
+    offset: int
+    nbytes: int  # without the 4-byte trailer
+
+
+@dataclass(frozen=True)
+class ChunkPart:
+    """One chunk of a slice that cuts through it: its key, where its bytes are, the part of
+    it the slice needs (``src``, the chunk's coordinates) and where that goes (``dst``)."""
+
+    key: str
+    at: arrays.ChunkBytes
+    nbytes: int  # the whole chunk's, without the 4-byte trailer
+    chunk_shape: tuple[int, ...]
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+    users: int = 1  # the slices of the plan that read a part of this chunk
+
+
+@dataclass(frozen=True)
+class SliceRead:
+    """One slice read directly: the buffer to allocate and the chunks that fill it, whole
+    (``chunks``: each a contiguous region of the buffer) or in part (``parts``)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[ChunkRead, ...]
+    parts: tuple[ChunkPart, ...] = ()
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A slice a restore asks for: the leaf, its layout and the slice's box."""
+
+    name: str
+    layout: Layout
+    index: Index
+
+
+def plan(
+    db: Location,
+    wanted: dict[Hashable, Wanted],
+    where: dict[str, arrays.ChunkBytes] | None = None,
+) -> dict[Hashable, SliceRead]:
+    """The slices of ``wanted`` that can be read directly, by the same keys: one walk of the
+    B-tree for all their chunks (or ``where``, a walk's result: ``index``). Raises
+    StorageError when the B-tree points outside the database's directory."""
+    whole: dict[Hashable, tuple[Wanted, list[tuple[str, int]]]] = {}
+    cut: dict[Hashable, tuple[Wanted, list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]] = {}
+    for k, w in wanted.items():
+        if not all(b > a for a, b in w.index):
+            continue  # nothing to read
+        sep = w.layout.separator
+        found = chunks_in(w.index, w.layout)
+        if found:
+            whole[k] = (w, [(chunk_key(w.name, g, sep), off) for g, off in found])
+        elif math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize <= PART_CHUNK_BYTES:
+            cut[k] = (
+                w,
+                [
+                    (
+                        chunk_key(w.name, g, sep),
+                        boxes.within(part, chunk),
+                        boxes.within(part, w.index),
+                    )
+                    for g, chunk, part in chunk_parts(w.index, w.layout)
+                ],
+            )
+    if not whole and not cut:
+        return {}
+    keys = {key for _, ks in whole.values() for key, _ in ks}
+    keys |= {key for _, ks in cut.values() for key, _, _ in ks}
+    if where is None:
+        where = arrays.chunk_bytes(ts.KvStore.open(db.kvstore()).result(), db, keys)
+    sizes = _file_sizes(db, {at.file for at in where.values() if not at.inline})
+    out: dict[Hashable, SliceRead] = {}
+    for k, (w, ks) in whole.items():
+        nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
+        reads = [ChunkRead(key, where[key], off, nbytes) for key, off in ks if key in where]
+        for r in reads:
+            _check_inside(w.name, r.key, r.at, sizes)
+        if len(reads) == len(ks) and all(_plain(r.at, r.nbytes) for r in reads):
+            out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, tuple(reads))
+    users = collections.Counter(key for _, cs in cut.values() for key, _, _ in cs)
+    for k, (w, cs) in cut.items():
+        nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
+        shape = w.layout.chunk_shape
+        got = [
+            ChunkPart(key, where[key], nbytes, shape, s, d, users[key])
+            for key, s, d in cs
+            if key in where
+        ]
+        for p in got:
+            _check_inside(w.name, p.key, p.at, sizes)
+        if len(got) == len(cs) and all(_plain(p.at, p.nbytes) for p in got):
+            out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, (), tuple(got))
+    return out
+
+
+def _plain(at: arrays.ChunkBytes, nbytes: int) -> bool:
+    """A value of its own, of the length the codecs give."""
+    return not at.inline and at.stop - at.start == nbytes + TRAILER
+
+
+def _check_inside(leaf: str, key: str, at: arrays.ChunkBytes, sizes: dict[str, int]) -> None:
+    """Raises StorageError when the chunk's bytes end past its data file's end (TensorStore
+    would fail too, without naming the file)."""
+    if at.inline or at.stop <= sizes[at.file]:
+        return
+    size = sizes[at.file]
+    has = "is missing" if size < 0 else f"holds only {size} bytes"
+    raise StorageError(
+        f"leaf {leaf!r}: chunk {key!r} is bytes {at.start}-{at.stop - 1} of the data "
+        f"file {at.file}, which {has}: the checkpoint was truncated or damaged; restore "
+        "another step or re-save"
+    )
+
+
+def _file_sizes(db: Location, files: set[str]) -> dict[str, int]:
+    """Each data file's size, after checking it lies inside the database's directory (its
+    name comes from the B-tree: untrusted input)."""
+    root = os.path.realpath(db.url)
+    sizes = {}
+    for f in files:
+        real = os.path.realpath(f)
+        if os.path.commonpath([root, real]) != root:
+            raise StorageError(
+                f"{db.url}: the OCDBT B-tree names the data file {f!r}, which resolves to "
+                f"{real!r}, outside the checkpoint's arrays directory; the checkpoint is "
+                "damaged or hostile: restore another step or re-save"
+            )
+        try:
+            sizes[f] = os.stat(real).st_size
+        except OSError:
+            sizes[f] = -1  # missing
+    return sizes
