@@ -199,18 +199,20 @@ ADOPTED = [d for d in DTYPES if jax.dtypes.itemsize_bits(d) == 8 * d.itemsize]
 SPECS = [P("data"), P(None, "model"), P(), P("data", "model"), P("model", "data")]
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "fallback"])
+@pytest.mark.parametrize("own", [True, False], ids=["jax-put", "device_put"])
 @pytest.mark.parametrize("dtype", ADOPTED, ids=str)
-def test_cpu_slices_go_onto_their_devices_in_one_call(dtype, batched, x64, mesh42, monkeypatch):
-    """On CPU devices a leaf's slices wait for ``array``, which puts them all in one call
-    (one device_put per shard cost most of a restore of small shards): jax's batched put
-    (``placement._put``) where the leaf is not replicated on every device, else (and
-    where this jax has no such function) a ``device_put`` of the list. Each device adopts
-    a buffer of its own, replicas included, on the sharding asked for, each shard on its
-    device with its slice's bits."""
+def test_cpu_slices_wait_for_array_then_each_device_adopts_its_own(
+    dtype, own, x64, mesh42, monkeypatch
+):
+    """On CPU devices a leaf's slices wait for ``array``, which puts them with jax's own put
+    (``placement._put``; a public device_put per shard cost most of a restore of small
+    shards): the whole leaf in one call, or for a leaf replicated on every device one call
+    a device (jax would give all of them the first buffer); where this jax has none, a
+    ``device_put`` of the list. Each device holds a buffer of its own, on the sharding
+    asked for, each shard on its device with its slice's bits."""
     calls = []
     real = placement._put
-    if batched:
+    if own:
         monkeypatch.setattr(placement, "_put", lambda *a: calls.append(a) or real(*a))
     else:
         monkeypatch.setattr(placement, "_put", None)
@@ -222,7 +224,7 @@ def test_cpu_slices_go_onto_their_devices_in_one_call(dtype, batched, x64, mesh4
             out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
         assert not calls  # nothing on a device yet
         arr = out.array()
-        assert len(calls) == (batched and spec != P()) and _distinct_buffers(arr) == 8, spec
+        assert len(calls) == own * (8 if spec == P() else 1) and _distinct_buffers(arr) == 8
         calls.clear()
         assert arr.sharding == sharding and arr.dtype == full.dtype
         want = sharding.addressable_devices_indices_map(full.shape)
@@ -231,30 +233,29 @@ def test_cpu_slices_go_onto_their_devices_in_one_call(dtype, batched, x64, mesh4
             assert_same_bits(full[shard.index], np.asarray(shard.data), f"{dtype} {spec}")
 
 
-def test_jaxs_batched_put_gives_a_replicated_leaf_one_buffer(mesh42):
-    """Why a leaf replicated on every device is put as a list: jax's batched put gives all
-    its devices the first buffer (seen here; should a jax stop doing so, the list put can
-    go)."""
+def test_jaxs_put_gives_every_device_of_a_replicated_leaf_the_first_buffer(mesh42):
+    """Why a leaf replicated on every device is put one device at a time: jax's put of the
+    leaf gives all its devices the first buffer (should a jax stop doing so, it can go)."""
     sharding = NamedSharding(mesh42, P())
     devices = list(sharding.addressable_devices_indices_map((8, 8)))
     bufs = [arrays.aligned_empty((8, 8), np.dtype(np.float32)) for _ in devices]
     for k, b in enumerate(bufs):
         b[...] = k
-    arr = placement._put((8, 8), sharding, np.dtype(np.float32), devices, bufs)
+    arr = placement._put((8, 8), sharding, devices, bufs)
     assert {float(np.asarray(s.data)[0, 0]) for s in arr.addressable_shards} == {0.0}
 
 
 @pytest.mark.parametrize("jax_does", ["refuse", "share"])
-def test_a_jax_whose_batched_put_refuses_or_shares_gets_the_list_put(jax_does, mesh42, monkeypatch):
+def test_a_jax_whose_put_refuses_or_shares_gets_the_list_put(jax_does, mesh42, monkeypatch):
     """A jax whose private function changed (a TypeError) or that gives the devices of a
     slice one buffer (seen on the first leaf with replicas, which then, like every later
-    one, is put as a list): each device still gets its own copy."""
+    one, is put a device at a time): each device still gets its own copy."""
     real = placement._put
 
-    def other_jax(shape, sharding, dtype, devices, bufs):
+    def other_jax(shape, sharding, devices, bufs):
         if jax_does == "refuse":
             raise TypeError("batched_device_put() takes 4 positional arguments")
-        return real(shape, sharding, dtype, devices, [bufs[0]] * len(bufs))
+        return real(shape, sharding, devices, [bufs[0]] * len(bufs))
 
     monkeypatch.setattr(placement, "_put", other_jax)
     monkeypatch.setattr(placement, "_put_shares", None)
@@ -267,6 +268,23 @@ def test_a_jax_whose_batched_put_refuses_or_shares_gets_the_list_put(jax_does, m
         assert _distinct_buffers(arr) == 8, spec
         assert_same_bits(full, np.asarray(arr), str(spec))
     assert placement._put_shares is (True if jax_does == "share" else None)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int64, np.uint64, np.complex128], ids=str)
+def test_without_x64_a_64_bit_leaf_is_narrowed_as_jax_narrows_it(dtype, mesh42):
+    """Without ``jax_enable_x64`` jax keeps no 64-bit arrays: the leaf comes out as
+    ``device_put`` makes it (jax's narrowing), not as a float64 array jax can't hold."""
+    assert not jax.config.jax_enable_x64
+    full = np.random.default_rng(3).standard_normal((8, 8)).astype(dtype)
+    sharding = NamedSharding(mesh42, P("data"))
+    out = Placement(sharding, full.shape, full.dtype)
+    for index in out.indices:
+        out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
+    want = jax.device_put(full, sharding)
+    with pytest.warns(UserWarning, match="truncated"):  # jax's own word on it
+        arr = out.array()
+    assert arr.dtype == want.dtype and want.dtype.itemsize < full.dtype.itemsize
+    assert_same_bits(np.asarray(want), np.asarray(arr))
 
 
 @pytest.mark.parametrize("filled", [True, False])

@@ -257,11 +257,14 @@ def plan(
     StorageError when the B-tree points outside the database's directory."""
     whole: dict[Hashable, tuple[Wanted, list[tuple[str, int]]]] = {}
     cut: dict[Hashable, tuple[Wanted, list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]] = {}
+    seen: dict[tuple[Index, Layout], list[tuple[tuple[int, ...], int]] | None] = {}
     for k, w in wanted.items():
         if not all(b > a for a, b in w.index):
             continue  # nothing to read
         sep = w.layout.separator
-        found = chunks_in(w.index, w.layout)
+        if (w.index, w.layout) not in seen:  # (the leaves of a state share a few of each)
+            seen[w.index, w.layout] = chunks_in(w.index, w.layout)
+        found = seen[w.index, w.layout]
         if found:
             whole[k] = (w, [(chunk_key(w.name, g, sep), off) for g, off in found])
         elif math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize <= PART_CHUNK_BYTES:

@@ -3,8 +3,10 @@ copies, from safetensors files) turns the slices it read into a ``jax.Array``.""
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -29,10 +31,10 @@ class Placement:
     memory, adopt the host data as it is (aligned: no copy): every copy of the leaf this
     process holds gets its place in one fresh buffer of the leaf, a huge-page mapping from
     2 MiB (``host_buffer`` gives a slice's: read it there; ``replica_buffers`` its
-    replicas'), and the slices wait until ``array`` puts all of them in one call.
-    (Faulting shards smaller than a huge page in 4 KiB pages cost more than reading them;
-    a ``device_put`` per shard cost more than the rest of a restore of small ones; an
-    allocation per copy, 5 % of a restore of 2000 small leaves.)
+    replicas'), and the slices wait until ``array`` puts them, each with jax's own put of
+    one buffer (``_put_each``). (Faulting shards smaller than a huge page in 4 KiB pages
+    cost more than reading them; a public ``device_put`` per shard, more than the rest of a
+    restore of small ones; an allocation per copy, 5 % of a restore of 2000 small leaves.)
     The leaf's shards then free their memory together, when the last of them is gone.
     """
 
@@ -41,17 +43,9 @@ class Placement:
     ) -> None:
         self.sharding, self.shape, self.dtype = sharding, shape, np.dtype(dtype)
         self.index_map = sharding.addressable_devices_indices_map(shape)
-        self.devices: dict[Index, list[jax.Device]] = {}
-        for device, index in self.index_map.items():
-            if index is None:  # jax's annotation allows it; its shardings give every device one
-                raise TypeError(f"{sharding} gives device {device} no index")
-            self.devices.setdefault(from_slices(index, shape), []).append(device)
+        self.devices, cpu = _slices(sharding, shape)
         self.placed: dict[jax.Device, jax.Array] = {}
-        self._cpu = (  # the devices take host buffers of this dtype as they are
-            bool(self.devices)
-            and _adopted(self.dtype)
-            and on_cpu(d for ds in self.devices.values() for d in ds)
-        )
+        self._cpu = cpu and _adopted(self.dtype)  # devices that take host buffers as they are
         self._host = self._host_buffers() if self._cpu else {}
         self._waiting: dict[Index, np.ndarray] = {}
         self._filled: set[Index] = set()  # slices whose replicas' places the reader filled
@@ -60,25 +54,16 @@ class Placement:
     def _host_buffers(self) -> dict[Index, list[np.ndarray]]:
         """Each slice's buffer for each of its devices, all in one buffer of the leaf
         (``arrays.aligned_empty``: its own huge-page mapping from 2 MiB)."""
-        item = self.dtype.itemsize
-        sizes = {i: math.prod(extent(i)) * item for i in self.devices}
-        padded = {i: -(-n // _ALIGN) * _ALIGN for i, n in sizes.items()}
-        total = sum(padded[i] * len(ds) for i, ds in self.devices.items())
-        region, at = arrays.aligned_empty((total,), np.dtype(np.uint8), _ALIGN), 0
-        out: dict[Index, list[np.ndarray]] = {i: [] for i in self.devices}
-        # first copies first, then the replicas: where a caller puts buffers of its own
-        # instead (``host_buffer`` unused), the first copies' stretch is never touched
-        for k in range(max(len(ds) for ds in self.devices.values())):
-            for i, ds in self.devices.items():
-                if k < len(ds):
-                    out[i].append(region[at : at + sizes[i]].view(self.dtype).reshape(extent(i)))
-                    at += padded[i]
-        return out
+        total, places = _places(self.sharding, self.shape, self.dtype.itemsize)
+        region = arrays.aligned_empty((total,), np.dtype(np.uint8), _ALIGN)
+        return {
+            i: [region[at : at + n].view(self.dtype).reshape(shape) for at in starts]
+            for i, shape, n, starts in places
+        }
 
     def _on(self, device: jax.Device) -> jax.sharding.Sharding:
-        """``device``, in the memory the sharding asks for (made when first needed: on CPU
-        devices most leaves never need one)."""
-        return jax.sharding.SingleDeviceSharding(device, memory_kind=self.sharding.memory_kind)
+        """``device``, in the memory the sharding asks for."""
+        return _single(device, self.sharding.memory_kind)
 
     def host_buffer(self, index: Index) -> np.ndarray | None:
         """Where to read slice ``index`` for ``put`` (C-contiguous, this array's dtype), or
@@ -121,8 +106,8 @@ class Placement:
     def _adopt_waiting(self) -> jax.Array:
         """The array of the waiting slices, adopted by their CPU devices: each slice's
         first device takes its buffer, each replica a copy in its place in the leaf's
-        buffer, so that no two devices share memory. One call puts them all
-        (``_put_buffers``)."""
+        buffer, so that no two devices share memory; each put on its device
+        (``_put_each``)."""
         bufs: dict[jax.Device, np.ndarray] = {}
         for index, data in self._waiting.items():
             first, *replicas = self._host[index]  # (every CPU leaf has its places)
@@ -137,74 +122,138 @@ class Placement:
         self._waiting.clear()
         self._filled.clear()
         devices = list(self.index_map)
-        replicas = len(self.devices) < len(devices)
-        arr = _put_buffers(
-            self.shape, self.sharding, self.dtype, devices, [bufs[d] for d in devices], replicas
-        )
+        ordered = [bufs[d] for d in devices]
+        shared = len(self.devices) < len(devices)  # some slice on several devices
+        arr = _put_sharded(self.shape, self.sharding, devices, ordered, shared)
         if arr is not None:
             return arr
-        placed = jax.device_put(
-            [bufs[d] for d in devices], [self._on(d) for d in devices], may_alias=True
-        )
-        self.placed.update(zip(devices, placed, strict=True))
+        singles = _put_each(ordered, [self._on(d) for d in devices])
+        self.placed.update(zip(devices, singles, strict=True))
         return self.array()
 
 
+@functools.lru_cache(maxsize=1024)
+def _slices(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[Mapping[Index, tuple[jax.Device, ...]], bool]:
+    """The distinct slices of ``shape`` this process's devices hold under ``sharding``, each
+    with its devices, and whether there are some, all CPU devices. (Leaves of a state share
+    a few shardings and shapes: 65 us a leaf of 8 devices, most of it this, before.)"""
+    devices: dict[Index, list[jax.Device]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        if index is None:  # jax's annotation allows it; its shardings give every device one
+            raise TypeError(f"{sharding} gives device {device} no index")
+        devices.setdefault(from_slices(index, shape), []).append(device)
+    out = types.MappingProxyType({i: tuple(ds) for i, ds in devices.items()})
+    return out, bool(out) and on_cpu(d for ds in out.values() for d in ds)
+
+
+@functools.lru_cache(maxsize=1024)
+def _places(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], itemsize: int
+) -> tuple[int, list[tuple[Index, tuple[int, ...], int, list[int]]]]:
+    """Where each copy of each slice lies in one buffer of the leaf: its size in bytes and,
+    per slice, its shape, bytes and each copy's start (64-byte aligned). First copies
+    first, then the replicas: where a caller puts buffers of its own instead
+    (``host_buffer`` unused), the first copies' stretch is never touched."""
+    slices, _ = _slices(sharding, shape)
+    nbytes = {i: math.prod(extent(i)) * itemsize for i in slices}
+    starts: dict[Index, list[int]] = {i: [] for i in slices}
+    at = 0
+    for k in range(max((len(ds) for ds in slices.values()), default=0)):
+        for i, ds in slices.items():
+            if k < len(ds):
+                starts[i].append(at)
+                at += -(-nbytes[i] // _ALIGN) * _ALIGN
+    return at, [(i, tuple(extent(i)), nbytes[i], starts[i]) for i in slices]
+
+
+@functools.lru_cache(maxsize=4096)
+def _single(device: jax.Device, memory_kind: str | None) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+
+
 def _batched_put() -> Callable[..., jax.Array] | None:
-    """jax's put of one array's host buffers, one per device (where
-    ``make_array_from_callback`` ends), or None where this jax has none."""
+    """jax's put of host buffers, one per device, as one array (where ``device_put`` and
+    ``make_array_from_callback`` end; CPU devices adopt the buffers as they are), or None
+    where this jax has none."""
     try:
         from jax._src import core  # (no public name for it)
         from jax._src.interpreters import pxla
 
-        put = pxla.batched_device_put
+        batched = pxla.batched_device_put
     except (ImportError, AttributeError):
         return None
 
-    def batched(shape, sharding, dtype, devices, bufs):
-        aval = core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
-        return put(aval, sharding, bufs, devices)
+    def put(
+        shape: tuple[int, ...],
+        sharding: jax.sharding.Sharding,
+        devices: list[jax.Device],
+        bufs: list[np.ndarray],
+    ) -> jax.Array:
+        aval = core.ShapedArray(shape, bufs[0].dtype)
+        return batched(core.update_aval_with_sharding(aval, sharding), sharding, bufs, devices)
 
-    return batched
+    return put
 
 
 _put = _batched_put()
-"""One array from a host buffer for each addressable device of a sharding (in the order of
-its ``addressable_devices_indices_map``), which CPU devices adopt as they are: what
-``make_array_from_callback`` does without its callback and our check of its buffers after
-it, 0.25 against 0.37 s of a restore's placing of 2000 small leaves (1.0 against 1.1 s in
-all). It puts the first buffer on every device of a leaf replicated on all of them."""
+_put_shares: bool | None = None
+"""Whether ``_put`` gave the devices of a slice one buffer (seen on the first leaf with
+replicas; None: not seen yet). It does for a leaf replicated on every device."""
 
 
-def _put_buffers(
+def _own_put(bufs: list[np.ndarray]) -> Callable[..., jax.Array] | None:
+    """``_put``, where it may put ``bufs``: this jax has it, and keeps their dtype (64-bit
+    ones without ``jax_enable_x64`` take ``device_put``, which narrows them)."""
+    if all(jax.dtypes.canonicalize_dtype(b.dtype) == b.dtype for b in bufs):
+        return _put
+    return None
+
+
+def _put_sharded(
     shape: tuple[int, ...],
     sharding: jax.sharding.Sharding,
-    dtype: np.dtype,
     devices: list[jax.Device],
     bufs: list[np.ndarray],
-    replicas: bool,
+    shared: bool,
 ) -> jax.Array | None:
-    """``_put`` of a leaf not replicated on every device (for one that is, jax puts the
-    first buffer on all), or None where this jax has no ``_put``, refuses these arguments
-    or, as the first leaf with replicas showed, gives several devices one buffer (the
-    caller then puts the list)."""
+    """The leaf in one ``_put`` (``bufs`` in ``devices``' order: that of the sharding's
+    ``addressable_devices_indices_map``), or None where it can't: a leaf replicated on
+    every device (jax would put the first buffer on all), a jax that refuses the call, or
+    one that gave a leaf's replicas one buffer (``shared``: checked on the first such leaf,
+    not assumed of jax). 0.25 against 0.37 s of a restore's placing of 2000 small leaves,
+    against ``make_array_from_callback`` and our check of its buffers after it."""
     global _put_shares
-    if _put is None or _put_shares or sharding.is_fully_replicated:
+    put = None if _put_shares or sharding.is_fully_replicated else _own_put(bufs)
+    if put is None:
         return None
     try:
-        arr = _put(shape, sharding, dtype, devices, bufs)
+        arr = put(shape, sharding, devices, bufs)
     except (AttributeError, TypeError):  # a jax whose private function changed
         return None
-    if _put_shares is None and replicas:
+    if _put_shares is None and shared:
         pointers = {s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
-        _put_shares = len(pointers) < len(devices)  # checked, not assumed of jax
+        _put_shares = len(pointers) < len(devices)
         if _put_shares:
             return None
     return arr
 
 
-_put_shares: bool | None = None
-"""Whether ``_put`` gave the devices of a leaf with replicas one buffer (None: not seen)."""
+def _put_each(bufs: list[np.ndarray], shardings: list[jax.sharding.Sharding]) -> list[jax.Array]:
+    """Each buffer on its single-device sharding: a ``_put`` each, else (where
+    ``_put_sharded`` can't) one ``device_put`` of the list. A leaf of 8 replicas: 0.06-0.08
+    ms against 0.24-0.33 ms (the list's pytree handling; 500 leaves)."""
+    put = _own_put(bufs)
+    if put is not None:
+        try:
+            return [
+                put(b.shape, s, list(s.device_set), [b])
+                for b, s in zip(bufs, shardings, strict=True)
+            ]
+        except (AttributeError, TypeError):
+            pass
+    return jax.device_put(bufs, shardings, may_alias=True)
 
 
 def _collector() -> Callable[[], None]:
