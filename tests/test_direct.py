@@ -93,10 +93,11 @@ def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path
             assert preadv.bytes - before == direct_bytes + x[:64].nbytes + 4
 
 
-def test_chunks_of_a_shard_are_coalesced(preadv, mesh42, tmp_path):
+def test_chunks_of_a_shard_are_coalesced(preadv, mesh42, tmp_path, monkeypatch):
     """Tall shards cut into row chunks (each a contiguous run of the slice): the chunks of a
     shard that lie back to back in their data file come in one preadv of many buffers,
-    their CRC trailers included."""
+    their CRC trailers included (each shard read on its own: no batches of small ones)."""
+    monkeypatch.setattr(direct, "SMALL_BYTES", 0)
     x = np.random.default_rng(0).standard_normal((4096, 32)).astype(np.float32)
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=16 << 10)
     db = arrays.database_dir(location(str(tmp_path / "c")), None)
@@ -338,6 +339,96 @@ def test_two_process_checkpoints_read_directly(tmp_path, preadv):
     )
     assert preadv.calls > 0
     multiproc.run(WORKER, 2, devices_per_process=4, args=["restore", path]).check()
+
+
+# --- small slices read in batches -----------------------------------------------------------
+
+
+def test_small_slices_are_read_in_batches(preadv, mesh42, tmp_path):
+    """Slices of at most ``SMALL_BYTES`` go to the threads in batches, the chunks of
+    slices back to back in a file in one preadv: 96 leaves of random bits on (4, 2), 600
+    slices of 128 to 1024 bytes, come in a few calls, every byte once, bit-exact."""
+    rng = np.random.default_rng(21)
+    specs = [P("data"), P(None, "model"), P(), P("data", "model")]
+    tree = {
+        f"l{i}": sharded(random_bits((16, 16), np.dtype(np.float32), rng), mesh42, specs[i % 4])
+        for i in range(96)
+    }
+    jaxckpt.save(tmp_path / "c", tree)
+    target = {k: v.sharding for k, v in tree.items()}
+    out = jaxckpt.restore(tmp_path / "c", target=target)
+    for k, v in tree.items():
+        assert_same_bits(np.asarray(v), np.asarray(out[k]), k)
+    slices = sum(len({str(s.index) for s in v.addressable_shards}) for v in tree.values())
+    assert slices == 24 * (4 + 2 + 1 + 8)
+    chunks = len(_chunk_values(tmp_path / "c"))
+    assert preadv.bytes == sum(v.nbytes for v in tree.values()) + 4 * chunks
+    assert preadv.calls <= slices // 20 and preadv.buffers == 2 * chunks
+
+
+def _chunk_file(path, sizes, rng) -> tuple[list[chunk_plan.SliceRead], list[bytes]]:
+    """Chunks of ``sizes`` random bytes back to back in one file, each with its CRC32C
+    trailer; a one-chunk SliceRead of each, and each chunk's bytes."""
+    import crc32c
+
+    data, reads, blob = [], [], bytearray()
+    for k, n in enumerate(sizes):
+        b = rng.integers(0, 256, n, np.uint8).tobytes()
+        at = arrays.ChunkBytes(str(path), len(blob), len(blob) + n + 4)
+        blob += b + crc32c.crc32c(b).to_bytes(4, "little")
+        chunk = chunk_plan.ChunkRead(f"x/c/{k}", at, 0, n)
+        reads.append(chunk_plan.SliceRead((n,), np.dtype(np.uint8), (chunk,)))
+        data.append(b)
+    path.write_bytes(bytes(blob))
+    return reads, data
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_bad_chunk_in_a_batch_fails_its_own_slice_and_no_other(damage, tmp_path, preadv):
+    """One batch, 40 slices back to back in one file: a flipped byte fails only its slice,
+    naming its chunk; a file cut short fails only the slices past the cut, each naming its
+    own chunk (the run is read again slice by slice); every other slice's bytes are exact."""
+    reads, data = _chunk_file(
+        tmp_path / "d", [512 + 8 * k for k in range(40)], np.random.default_rng(5)
+    )
+    bad = 17
+    at = reads[bad].chunks[0].at
+    if damage == "flip":
+        blob = bytearray((tmp_path / "d").read_bytes())
+        blob[at.start + 100] ^= 0x10
+        (tmp_path / "d").write_bytes(bytes(blob))
+    else:
+        os.truncate(tmp_path / "d", at.start + 100)
+    reader = direct.Reader(threads=2)
+    try:
+        futs = [reader.start(r) for r in reads]
+        for k, f in enumerate(futs):
+            if k < bad or (damage == "flip" and k > bad):
+                assert f.result().tobytes() == data[k], k
+            elif damage == "flip":
+                with pytest.raises(direct.Corrupt, match=f"'x/c/{k}'"):
+                    f.result()
+            else:
+                with pytest.raises(errors.StorageError, match=f"'x/c/{k}'.*truncated"):
+                    f.result()
+    finally:
+        reader.close()
+    if damage == "flip":  # (the batch went when the first slice was waited for: one run)
+        assert preadv.calls == 1 and preadv.buffers == 2 * len(reads)
+
+
+def test_closing_a_reader_cancels_the_slices_still_in_its_batch(tmp_path):
+    """A batch not yet sent when the reader closes (an error elsewhere stopped the restore):
+    its slices are cancelled, and waiting for one raises at once rather than hang."""
+    import concurrent.futures
+
+    reads, _ = _chunk_file(tmp_path / "d", [64, 64], np.random.default_rng(6))
+    reader = direct.Reader(threads=1)
+    futs = [reader.start(r) for r in reads]
+    reader.close()
+    for f in futs:
+        with pytest.raises(concurrent.futures.CancelledError):
+            f.result(timeout=5)
 
 
 # --- a slice read in spans on several threads ---------------------------------------------

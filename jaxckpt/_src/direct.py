@@ -19,10 +19,11 @@ read is issued, the kernel is asked to read its chunks ahead (``residency``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,11 @@ SPLIT_BYTES = 8 << 20  # a thread's share of a slice's whole chunks
 KEEP_BYTES = 256 << 20
 """At most this many bytes of chunks kept for the other slices that need a part of them
 (read once, checked once); a chunk past it is read again by each."""
+BATCH_BYTES = 1 << 20
+"""Slices of at most ``SMALL_BYTES`` are read together, a batch of about this many bytes on
+one thread, chunks back to back in a file in one ``preadv`` across slices: a task and a
+wake-up of a thread for each one cost more than reading it (2000 leaves of 16 KiB)."""
+SMALL_BYTES = 256 << 10
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
@@ -82,6 +88,8 @@ class Reader:
         self._spare: list[np.ndarray] = []  # kept chunks' buffers, for the next ones
         self._advised: dict[str, set[int]] = {}  # each file's MiB blocks prefetched
         self._sizes: dict[str, int] = {}  # of the files prefetched from
+        self._batch: list[_Queued] = []  # small slices not yet handed to the threads
+        self._batch_bytes = 0
 
     def start(
         self, sr: SliceRead, into: np.ndarray | None = None, copies: Sequence[np.ndarray] = ()
@@ -101,6 +109,8 @@ class Reader:
         trailers = bytearray(TRAILER * len(chunks))
         flats = [b.reshape(-1).view(np.uint8) for b in [buf, *extra]]
         spans = _spans(chunks, flats, memoryview(trailers))
+        if len(spans) == 1 and buf.nbytes <= SMALL_BYTES:
+            return self._queue(_Queued(spans[0], chunks, trailers, buf, _Waiting(self.send)))
         if len(spans) == 1:  # most slices: one task reads and checks it
             return self._pool.submit(self._read_whole, spans[0], chunks, trailers, buf)
         out: Future[np.ndarray] = Future()
@@ -131,6 +141,65 @@ class Reader:
             self._pool.submit(self._read_span, span).add_done_callback(functools.partial(done, k))
         return out
 
+    def _queue(self, q: _Queued) -> _Waiting:
+        """Puts a small slice in the batch, which goes to the threads once it holds
+        ``BATCH_BYTES`` (or when a caller waits for one of its slices: ``send``)."""
+        with self._lock:
+            self._batch.append(q)
+            self._batch_bytes += q.buf.nbytes
+            full = self._batch_bytes >= BATCH_BYTES
+        if full:
+            self.send()
+        return q.fut
+
+    def send(self) -> None:
+        """Hands the batch of small slices to the threads (a no-op when empty)."""
+        with self._lock:
+            batch, self._batch, self._batch_bytes = self._batch, [], 0
+        if batch:
+            self._pool.submit(self._read_batch, batch)
+
+    def _read_batch(self, batch: list[_Queued]) -> None:
+        """Reads a batch of small slices, each one's chunks checked and its future set as
+        its run is in: slices whose spans lie back to back in one file are one run, read
+        in ``preadv`` calls of about PIECE_BYTES. A run that fails is read again slice by
+        slice, so that each slice gets its own error, naming its own chunks."""
+        live = [q for q in batch if q.fut.set_running_or_notify_cancel()]
+        runs: list[list[_Queued]] = []
+        for q in live:
+            last = runs[-1][-1].span if runs else None
+            if (
+                last is not None
+                and last.chunks[0].at.file == q.span.chunks[0].at.file
+                and last.start + sum(len(p.view) for p in last.pieces) == q.span.start
+            ):
+                runs[-1].append(q)
+            else:
+                runs.append([q])
+        for run in runs:
+            if len(run) == 1:
+                _settle(run[0], functools.partial(self._read_span, run[0].span))
+                continue
+            bases: list[int] = []
+            pieces: list[_Piece] = []
+            chunks: list[ChunkRead] = []
+            for q in run:
+                base = len(chunks)
+                bases.append(base)
+                chunks += q.span.chunks
+                pieces += [
+                    p if p.chunk < 0 else dataclasses.replace(p, chunk=p.chunk + base)
+                    for p in q.span.pieces
+                ]
+            try:
+                crcs = self._read_span(_Span(run[0].span.start, pieces, chunks))
+            except Exception:
+                for q in run:
+                    _settle(q, functools.partial(self._read_span, q.span))
+                continue
+            for q, base in zip(run, bases, strict=True):
+                _settle(q, functools.partial(_own, crcs, base, len(q.chunks)))
+
     def _prefetch(self, sr: SliceRead) -> None:
         """Asks the kernel to start reading the slice's chunks (``POSIX_FADV_WILLNEED``) as
         the read is issued: the reads in flight (the read budget's worth) then keep the disk
@@ -156,6 +225,10 @@ class Reader:
                     os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
+        with self._lock:
+            batch, self._batch = self._batch, []
+        for q in batch:
+            q.fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._kept.clear()
         self._came.clear()
@@ -315,6 +388,50 @@ class Reader:
             group.append(piece)
             size += len(view)
         return crcs
+
+
+class _Waiting(Future):
+    """A small slice's future: waiting for it first sends its batch to the threads."""
+
+    def __init__(self, send: Callable[[], None]) -> None:
+        super().__init__()
+        self._send = send
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._send()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._send()
+        return super().exception(timeout)
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """A small slice waiting in a batch: its one span, chunks (by file and offset), their
+    trailers, its buffer and its future."""
+
+    span: _Span
+    chunks: list[ChunkRead]
+    trailers: bytearray
+    buf: np.ndarray
+    fut: _Waiting
+
+
+def _settle(q: _Queued, crcs: Callable[[], dict[int, list[int]]]) -> None:
+    """Sets ``q``'s future: its buffer once its chunks' CRC32Cs (``crcs()``, those of its
+    own chunks) match their trailers, else the error."""
+    try:
+        _check(q.chunks, q.trailers, [crcs()])
+    except BaseException as e:
+        q.fut.set_exception(e)
+    else:
+        q.fut.set_result(q.buf)
+
+
+def _own(crcs: dict[int, list[int]], base: int, n: int) -> dict[int, list[int]]:
+    """A run's CRC32Cs of the ``n`` chunks from ``base`` on, by the slice's own numbers."""
+    return {i: crcs[base + i] for i in range(n) if base + i in crcs}
 
 
 class _Kept:
