@@ -479,6 +479,11 @@ def _spans(chunks: list[ChunkRead], flats: list[np.ndarray], trailers: memoryvie
     one run, cut into spans of about ``SPLIT_BYTES`` (wherever that falls, inside a chunk
     too), each made of pieces of at most PIECE_BYTES."""
     flat, extra = flats[0].data, flats[1:]
+    if len(chunks) == 1 and chunks[0].nbytes <= PIECE_BYTES:  # (most small slices)
+        r = chunks[0]
+        a, b = r.offset, r.offset + r.nbytes
+        one = _Piece(flat[a:b], 0, tuple(e[a:b] for e in extra))
+        return [_Span(r.at.start, [one, _Piece(trailers[:TRAILER], -1)], [r])]
     spans: list[_Span] = []
     pieces: list[_Piece] = []
     touched: list[ChunkRead] = []
