@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from hostile import DTYPES, assert_same_bits, random_bits
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxckpt._src import arrays, placement
@@ -247,15 +247,26 @@ def test_jaxs_put_gives_every_device_of_a_replicated_leaf_the_first_buffer(mesh4
 
 @pytest.mark.parametrize("jax_does", ["refuse", "share"])
 def test_a_jax_whose_put_refuses_or_shares_gets_the_list_put(jax_does, mesh42, monkeypatch):
-    """A jax whose private function changed (a TypeError) or that gives the devices of a
-    slice one buffer (seen on the first leaf with replicas, which then, like every later
-    one, is put a device at a time): each device still gets its own copy."""
-    real = placement._put
+    """A jax whose private function changed (a TypeError), or one that gives the devices of
+    a slice that slice's first buffer (as it does for a leaf replicated everywhere): seen
+    on the first leaf with replicas, which then, like every later one, is put a device at
+    a time. Each device still gets its own memory and its slice's bits."""
+    shared: list[bool] = []
 
     def other_jax(shape, sharding, devices, bufs):
         if jax_does == "refuse":
             raise TypeError("batched_device_put() takes 4 positional arguments")
-        return real(shape, sharding, devices, [bufs[0]] * len(bufs))
+        index = sharding.addressable_devices_indices_map(shape)
+        first: dict[str, np.ndarray] = {}
+        singles = [
+            jax.device_put(
+                first.setdefault(str(index[d]), b), SingleDeviceSharding(d), may_alias=True
+            )
+            for d, b in zip(devices, bufs, strict=True)
+        ]
+        arr = jax.make_array_from_single_device_arrays(shape, sharding, singles)
+        shared.append(_distinct_buffers(arr) < len(devices))  # (where jax adopts, not copies)
+        return arr
 
     monkeypatch.setattr(placement, "_put", other_jax)
     monkeypatch.setattr(placement, "_put_shares", None)
@@ -267,7 +278,7 @@ def test_a_jax_whose_put_refuses_or_shares_gets_the_list_put(jax_does, mesh42, m
         arr = out.array()
         assert _distinct_buffers(arr) == 8, spec
         assert_same_bits(full, np.asarray(arr), str(spec))
-    assert placement._put_shares is (True if jax_does == "share" else None)
+    assert placement._put_shares is (shared[0] if shared else None)  # (checked once)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int64, np.uint64, np.complex128], ids=str)
