@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from hostile import DTYPES, assert_same_bits, random_bits
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxckpt._src import arrays, placement
@@ -206,9 +206,9 @@ def test_cpu_slices_wait_for_array_then_each_device_adopts_its_own(
 ):
     """On CPU devices a leaf's slices wait for ``array``, which puts them with jax's own put
     (``placement._put``; a public device_put per shard cost most of a restore of small
-    shards): the whole leaf in one call, or for a leaf replicated on every device one call
-    a device (jax would give all of them the first buffer); where this jax has none, a
-    ``device_put`` of the list. Each device holds a buffer of its own, on the sharding
+    shards): a leaf without replicas in one call, one with replicas a device at a time (jax
+    would give all devices of a replicated leaf the first buffer); where this jax has none,
+    a ``device_put`` of the list. Each device holds a buffer of its own, on the sharding
     asked for, each shard on its device with its slice's bits."""
     calls = []
     real = placement._put
@@ -224,7 +224,8 @@ def test_cpu_slices_wait_for_array_then_each_device_adopts_its_own(
             out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
         assert not calls  # nothing on a device yet
         arr = out.array()
-        assert len(calls) == own * (8 if spec == P() else 1) and _distinct_buffers(arr) == 8
+        replicas = len(out.indices) < 8
+        assert len(calls) == own * (8 if replicas else 1) and _distinct_buffers(arr) == 8
         calls.clear()
         assert arr.sharding == sharding and arr.dtype == full.dtype
         want = sharding.addressable_devices_indices_map(full.shape)
@@ -245,31 +246,14 @@ def test_jaxs_put_gives_every_device_of_a_replicated_leaf_the_first_buffer(mesh4
     assert {float(np.asarray(s.data)[0, 0]) for s in arr.addressable_shards} == {0.0}
 
 
-@pytest.mark.parametrize("jax_does", ["refuse", "share"])
-def test_a_jax_whose_put_refuses_or_shares_gets_the_list_put(jax_does, mesh42, monkeypatch):
-    """A jax whose private function changed (a TypeError), or one that gives the devices of
-    a slice that slice's first buffer (as it does for a leaf replicated everywhere): seen
-    on the first leaf with replicas, which then, like every later one, is put a device at
-    a time. Each device still gets its own memory and its slice's bits."""
-    shared: list[bool] = []
+def test_a_jax_whose_put_refuses_gets_the_list_put(mesh42, monkeypatch):
+    """A jax whose private function changed (a TypeError): each device still gets its own
+    memory and its slice's bits, through ``device_put``."""
 
-    def other_jax(shape, sharding, devices, bufs):
-        if jax_does == "refuse":
-            raise TypeError("batched_device_put() takes 4 positional arguments")
-        index = sharding.addressable_devices_indices_map(shape)
-        first: dict[str, np.ndarray] = {}
-        singles = [
-            jax.device_put(
-                first.setdefault(str(index[d]), b), SingleDeviceSharding(d), may_alias=True
-            )
-            for d, b in zip(devices, bufs, strict=True)
-        ]
-        arr = jax.make_array_from_single_device_arrays(shape, sharding, singles)
-        shared.append(_distinct_buffers(arr) < len(devices))  # (where jax adopts, not copies)
-        return arr
+    def refusing(*args):
+        raise TypeError("batched_device_put() takes 4 positional arguments")
 
-    monkeypatch.setattr(placement, "_put", other_jax)
-    monkeypatch.setattr(placement, "_put_shares", None)
+    monkeypatch.setattr(placement, "_put", refusing)
     full = random_bits((8, 8), np.dtype(np.float32), np.random.default_rng(2))
     for spec in SPECS:
         out = Placement(NamedSharding(mesh42, spec), full.shape, full.dtype)
@@ -278,7 +262,30 @@ def test_a_jax_whose_put_refuses_or_shares_gets_the_list_put(jax_does, mesh42, m
         arr = out.array()
         assert _distinct_buffers(arr) == 8, spec
         assert_same_bits(full, np.asarray(arr), str(spec))
-    assert placement._put_shares is (shared[0] if shared else None)  # (checked once)
+
+
+def test_only_a_leaf_without_replicas_is_put_in_one_call(mesh42, monkeypatch):
+    """jax's put of a whole leaf is never handed one whose slices lie on several devices
+    (should it give them one buffer, a donation on one would write the others): every
+    call with several devices has as many distinct slices, and every buffer is its own."""
+    seen: list[tuple[int, int, int]] = []
+    real = placement._put
+
+    def watching(shape, sharding, devices, bufs):
+        index = sharding.addressable_devices_indices_map(shape)
+        seen.append(
+            (len(devices), len({str(index[d]) for d in devices}), len({id(b) for b in bufs}))
+        )
+        return real(shape, sharding, devices, bufs)
+
+    monkeypatch.setattr(placement, "_put", watching)
+    full = random_bits((8, 8), np.dtype(np.float32), np.random.default_rng(4))
+    for spec in SPECS:
+        out = Placement(NamedSharding(mesh42, spec), full.shape, full.dtype)
+        for index in out.indices:
+            out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
+        assert_same_bits(full, np.asarray(out.array()), str(spec))
+    assert sorted(set(seen)) == [(1, 1, 1), (8, 8, 8)]
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int64, np.uint64, np.complex128], ids=str)

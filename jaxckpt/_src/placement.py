@@ -123,10 +123,10 @@ class Placement:
         self._filled.clear()
         devices = list(self.index_map)
         ordered = [bufs[d] for d in devices]
-        shared = len(self.devices) < len(devices)  # some slice on several devices
-        arr = _put_sharded(self.shape, self.sharding, devices, ordered, shared)
-        if arr is not None:
-            return arr
+        if len(self.devices) == len(devices):  # no replicas
+            arr = _put_sharded(self.shape, self.sharding, devices, ordered)
+            if arr is not None:
+                return arr
         singles = _put_each(ordered, [self._on(d) for d in devices])
         self.placed.update(zip(devices, singles, strict=True))
         return self.array()
@@ -198,9 +198,6 @@ def _batched_put() -> Callable[..., jax.Array] | None:
 
 
 _put = _batched_put()
-_put_shares: bool | None = None
-"""Whether ``_put`` gave the devices of a slice one buffer (seen on the first leaf with
-replicas; None: not seen yet). It does for a leaf replicated on every device."""
 
 
 def _own_put(bufs: list[np.ndarray]) -> Callable[..., jax.Array] | None:
@@ -216,34 +213,27 @@ def _put_sharded(
     sharding: jax.sharding.Sharding,
     devices: list[jax.Device],
     bufs: list[np.ndarray],
-    shared: bool,
 ) -> jax.Array | None:
-    """The leaf in one ``_put`` (``bufs`` in ``devices``' order: that of the sharding's
-    ``addressable_devices_indices_map``), or None where it can't: a leaf replicated on
-    every device (jax would put the first buffer on all), a jax that refuses the call, or
-    one that gave a leaf's replicas one buffer (``shared``: checked on the first such leaf,
-    not assumed of jax). 0.25 against 0.37 s of a restore's placing of 2000 small leaves,
-    against ``make_array_from_callback`` and our check of its buffers after it."""
-    global _put_shares
-    put = None if _put_shares or sharding.is_fully_replicated else _own_put(bufs)
+    """A leaf without replicas (each device its own slice, so each its own buffer) in one
+    ``_put``, ``bufs`` in ``devices``' order (that of the sharding's
+    ``addressable_devices_indices_map``); None where this jax can't. (A leaf with replicas
+    goes a device at a time, ``_put_each``: jax's put of the leaf gives every device of a
+    leaf replicated everywhere the first buffer, and one buffer on several devices would
+    let a donation on one write the others.)"""
+    put = _own_put(bufs)
     if put is None:
         return None
     try:
-        arr = put(shape, sharding, devices, bufs)
+        return put(shape, sharding, devices, bufs)
     except (AttributeError, TypeError):  # a jax whose private function changed
         return None
-    if _put_shares is None and shared:
-        pointers = {s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
-        _put_shares = len(pointers) < len(devices)
-        if _put_shares:
-            return None
-    return arr
 
 
 def _put_each(bufs: list[np.ndarray], shardings: list[jax.sharding.Sharding]) -> list[jax.Array]:
-    """Each buffer on its single-device sharding: a ``_put`` each, else (where
-    ``_put_sharded`` can't) one ``device_put`` of the list. A leaf of 8 replicas: 0.06-0.08
-    ms against 0.24-0.33 ms (the list's pytree handling; 500 leaves)."""
+    """Each buffer on its single-device sharding: a ``_put`` each, else (a jax without it
+    or refusing it, a dtype it would keep that jax narrows) one ``device_put`` of the list.
+    A leaf of 8 replicas: 0.06-0.08 ms against 0.24-0.33 ms (the list's pytree handling;
+    500 leaves)."""
     put = _own_put(bufs)
     if put is not None:
         try:
