@@ -188,6 +188,14 @@ def test_buffers_of_the_callers_own_leave_the_first_copies_untouched(mesh42):
     assert iostats.resident_bytes(start, sum(b.nbytes for b in firsts)) == 0
 
 
+def _placed(full: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``full`` on ``sharding`` through a Placement, each slice put as a copy of its own."""
+    out = Placement(sharding, full.shape, full.dtype)
+    for index in out.indices:
+        out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
+    return out.array()
+
+
 def _distinct_buffers(arr: jax.Array) -> int:
     return len({s.data.unsafe_buffer_pointer() for s in arr.addressable_shards})
 
@@ -256,10 +264,7 @@ def test_a_jax_whose_put_refuses_gets_the_list_put(mesh42, monkeypatch):
     monkeypatch.setattr(placement, "_put", refusing)
     full = random_bits((8, 8), np.dtype(np.float32), np.random.default_rng(2))
     for spec in SPECS:
-        out = Placement(NamedSharding(mesh42, spec), full.shape, full.dtype)
-        for index in out.indices:
-            out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
-        arr = out.array()
+        arr = _placed(full, NamedSharding(mesh42, spec))
         assert _distinct_buffers(arr) == 8, spec
         assert_same_bits(full, np.asarray(arr), str(spec))
 
@@ -281,10 +286,7 @@ def test_only_a_leaf_without_replicas_is_put_in_one_call(mesh42, monkeypatch):
     monkeypatch.setattr(placement, "_put", watching)
     full = random_bits((8, 8), np.dtype(np.float32), np.random.default_rng(4))
     for spec in SPECS:
-        out = Placement(NamedSharding(mesh42, spec), full.shape, full.dtype)
-        for index in out.indices:
-            out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
-        assert_same_bits(full, np.asarray(out.array()), str(spec))
+        assert_same_bits(full, np.asarray(_placed(full, NamedSharding(mesh42, spec))), str(spec))
     assert sorted(set(seen)) == [(1, 1, 1), (8, 8, 8)]
 
 
