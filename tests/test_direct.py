@@ -431,6 +431,48 @@ def test_closing_a_reader_cancels_the_slices_still_in_its_batch(tmp_path):
             f.result(timeout=5)
 
 
+def test_a_sent_batch_the_closing_reader_never_ran_is_cancelled(tmp_path):
+    """A batch handed to the threads but not started when the reader closes (its thread
+    busy): its slices are cancelled too, not left for a waiter to hang on."""
+    import concurrent.futures
+
+    reads, _ = _chunk_file(tmp_path / "d", [64, 64], np.random.default_rng(7))
+    reader = direct.Reader(threads=1)
+    busy, release = threading.Event(), threading.Event()
+    reader._pool.submit(lambda: busy.set() or release.wait(10))
+    busy.wait(10)
+    futs = [reader.start(r) for r in reads]
+    reader.send()  # queued behind the busy task
+    closing = threading.Thread(target=reader.close)
+    closing.start()
+    threading.Timer(0.2, release.set).start()
+    closing.join(10)
+    assert not closing.is_alive()
+    for f in futs:
+        with pytest.raises(concurrent.futures.CancelledError):
+            f.result(timeout=5)
+
+
+def test_a_batch_whose_task_fails_passes_its_error_to_every_slice(tmp_path, monkeypatch):
+    """Should reading a batch raise outside a slice's own read (a bug), every slice of it
+    gets that error rather than waiting forever."""
+    reads, _ = _chunk_file(tmp_path / "d", [64, 64, 64], np.random.default_rng(8))
+
+    def broken(self, batch):
+        batch[0].fut.set_running_or_notify_cancel()
+        raise RuntimeError("broken batch")
+
+    monkeypatch.setattr(direct.Reader, "_read_batch", broken)
+    reader = direct.Reader(threads=1)
+    try:
+        futs = [reader.start(r) for r in reads]
+        for f in futs:
+            with pytest.raises(RuntimeError, match="broken batch"):
+                f.result(timeout=5)
+    finally:
+        reader.close()
+
+
 # --- a slice read in spans on several threads ---------------------------------------------
 
 

@@ -24,7 +24,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,7 +157,8 @@ class Reader:
         with self._lock:
             batch, self._batch, self._batch_bytes = self._batch, [], 0
         if batch:
-            self._pool.submit(self._read_batch, batch)
+            task = self._pool.submit(self._read_batch, batch)
+            task.add_done_callback(functools.partial(_unsettled, batch))
 
     def _read_batch(self, batch: list[_Queued]) -> None:
         """Reads a batch of small slices, each one's chunks checked and its future set as
@@ -427,6 +428,16 @@ def _settle(q: _Queued, crcs: Callable[[], dict[int, list[int]]]) -> None:
         q.fut.set_exception(e)
     else:
         q.fut.set_result(q.buf)
+
+
+def _unsettled(batch: list[_Queued], task: Future[None]) -> None:
+    """Once a batch's task is over: the slices it did not settle are cancelled (``close``
+    cancelled the task before it ran) or get its error, so that no waiter hangs."""
+    error = None if task.cancelled() else task.exception()
+    for q in batch:
+        if q.fut.done() or (error is None and q.fut.cancel()):
+            continue
+        q.fut.set_exception(error or CancelledError())
 
 
 def _own(crcs: dict[int, list[int]], base: int, n: int) -> dict[int, list[int]]:
