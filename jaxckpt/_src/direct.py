@@ -169,18 +169,11 @@ class Reader:
         runs: list[list[_Queued]] = []
         for q in live:
             last = runs[-1][-1].span if runs else None
-            if (
-                last is not None
-                and last.chunks[0].at.file == q.span.chunks[0].at.file
-                and last.start + sum(len(p.view) for p in last.pieces) == q.span.start
-            ):
+            if last is not None and last.file == q.span.file and last.stop == q.span.start:
                 runs[-1].append(q)
             else:
                 runs.append([q])
         for run in runs:
-            if len(run) == 1:
-                _settle(run[0], functools.partial(self._read_span, run[0].span))
-                continue
             bases: list[int] = []
             pieces: list[_Piece] = []
             chunks: list[ChunkRead] = []
@@ -189,7 +182,7 @@ class Reader:
                 bases.append(base)
                 chunks += q.span.chunks
                 pieces += [
-                    p if p.chunk < 0 else dataclasses.replace(p, chunk=p.chunk + base)
+                    p if p.chunk < 0 or not base else dataclasses.replace(p, chunk=p.chunk + base)
                     for p in q.span.pieces
                 ]
             try:
@@ -368,7 +361,7 @@ class Reader:
         """Reads one span in ``preadv`` calls of about PIECE_BYTES, each piece checksummed
         (and copied into the slice's copies) as soon as it is in; returns {chunk: [CRC32C,
         length] of its bytes in the span}."""
-        fd, pos = self._fd(span.chunks[0].at.file), span.start
+        fd, pos = self._fd(span.file), span.start
         crcs: dict[int, list[int]] = {}
         group: list[_Piece] = []
         size = 0
@@ -482,6 +475,15 @@ class _Span:
     start: int
     pieces: list[_Piece]
     chunks: list[ChunkRead]
+
+    @property
+    def file(self) -> str:
+        return self.chunks[0].at.file
+
+    @property
+    def stop(self) -> int:
+        """The file offset past the span's last byte."""
+        return self.start + sum(len(p.view) for p in self.pieces)
 
 
 def _spans(chunks: list[ChunkRead], flats: list[np.ndarray], trailers: memoryview) -> list[_Span]:

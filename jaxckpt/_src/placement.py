@@ -31,8 +31,8 @@ class Placement:
     memory, adopt the host data as it is (aligned: no copy): every copy of the leaf this
     process holds gets its place in one fresh buffer of the leaf, a huge-page mapping from
     2 MiB (``host_buffer`` gives a slice's: read it there; ``replica_buffers`` its
-    replicas'), and the slices wait until ``array`` puts them, each with jax's own put of
-    one buffer (``_put_each``). (Faulting shards smaller than a huge page in 4 KiB pages
+    replicas'), and the slices wait until ``array`` puts them with jax's own put: a leaf
+    without replicas in one call, one with replicas a device at a time (``_try_put``). (Faulting shards smaller than a huge page in 4 KiB pages
     cost more than reading them; a public ``device_put`` per shard, more than the rest of a
     restore of small ones; an allocation per copy, 5 % of a restore of 2000 small leaves.)
     The leaf's shards then free their memory together, when the last of them is gone.
@@ -107,7 +107,7 @@ class Placement:
         """The array of the waiting slices, adopted by their CPU devices: each slice's
         first device takes its buffer, each replica a copy in its place in the leaf's
         buffer, so that no two devices share memory; each put on its device
-        (``_put_each``)."""
+        (``_try_put``)."""
         bufs: dict[jax.Device, np.ndarray] = {}
         for index, data in self._waiting.items():
             first, *replicas = self._host[index]  # (every CPU leaf has its places)
@@ -123,11 +123,13 @@ class Placement:
         self._filled.clear()
         devices = list(self.index_map)
         ordered = [bufs[d] for d in devices]
-        if len(self.devices) == len(devices):  # no replicas
-            arr = _put_sharded(self.shape, self.sharding, devices, ordered)
-            if arr is not None:
-                return arr
-        singles = _put_each(ordered, [self._on(d) for d in devices])
+        if len(self.devices) == len(devices):  # no replicas: the whole leaf in one call
+            whole = _try_put(ordered, [(self.shape, self.sharding, devices, ordered)])
+            if whole:
+                return whole[0]
+        on = [self._on(d) for d in devices]
+        each = [(b.shape, s, [d], [b]) for b, s, d in zip(ordered, on, devices, strict=True)]
+        singles = _try_put(ordered, each) or jax.device_put(ordered, on, may_alias=True)
         self.placed.update(zip(devices, singles, strict=True))
         return self.array()
 
@@ -200,50 +202,21 @@ def _batched_put() -> Callable[..., jax.Array] | None:
 _put = _batched_put()
 
 
-def _own_put(bufs: list[np.ndarray]) -> Callable[..., jax.Array] | None:
-    """``_put``, where it may put ``bufs``: this jax has it, and keeps their dtype (64-bit
-    ones without ``jax_enable_x64`` take ``device_put``, which narrows them)."""
-    if all(jax.dtypes.canonicalize_dtype(b.dtype) == b.dtype for b in bufs):
-        return _put
-    return None
-
-
-def _put_sharded(
-    shape: tuple[int, ...],
-    sharding: jax.sharding.Sharding,
-    devices: list[jax.Device],
-    bufs: list[np.ndarray],
-) -> jax.Array | None:
-    """A leaf without replicas (each device its own slice, so each its own buffer) in one
-    ``_put``, ``bufs`` in ``devices``' order (that of the sharding's
-    ``addressable_devices_indices_map``); None where this jax can't. (A leaf with replicas
-    goes a device at a time, ``_put_each``: jax's put of the leaf gives every device of a
-    leaf replicated everywhere the first buffer, and one buffer on several devices would
-    let a donation on one write the others.)"""
-    put = _own_put(bufs)
-    if put is None:
+def _try_put(bufs: list[np.ndarray], calls: list[tuple]) -> list[jax.Array] | None:
+    """``_put`` of each of ``calls`` (shape, sharding, devices, buffers), or None where this
+    jax has no ``_put`` or refuses the call (a private function that changed), or would
+    keep a dtype of ``bufs`` that jax narrows (64-bit ones without ``jax_enable_x64``:
+    ``device_put`` narrows them). The whole leaf goes in one call only where it has no
+    replicas: jax's put of a leaf gives every device of one replicated everywhere the first
+    buffer, and one buffer on several devices would let a donation on one write the
+    others. A leaf of 8 replicas a device at a time: 0.06-0.08 ms against 0.24-0.33 ms for
+    ``device_put`` of the list (its pytree handling; 500 leaves)."""
+    if _put is None or any(jax.dtypes.canonicalize_dtype(b.dtype) != b.dtype for b in bufs):
         return None
     try:
-        return put(shape, sharding, devices, bufs)
-    except (AttributeError, TypeError):  # a jax whose private function changed
+        return [_put(*call) for call in calls]
+    except (AttributeError, TypeError):
         return None
-
-
-def _put_each(bufs: list[np.ndarray], shardings: list[jax.sharding.Sharding]) -> list[jax.Array]:
-    """Each buffer on its single-device sharding: a ``_put`` each, else (a jax without it
-    or refusing it, a dtype it would keep that jax narrows) one ``device_put`` of the list.
-    A leaf of 8 replicas: 0.06-0.08 ms against 0.24-0.33 ms (the list's pytree handling;
-    500 leaves)."""
-    put = _own_put(bufs)
-    if put is not None:
-        try:
-            return [
-                put(b.shape, s, list(s.device_set), [b])
-                for b, s in zip(bufs, shardings, strict=True)
-            ]
-        except (AttributeError, TypeError):
-            pass
-    return jax.device_put(bufs, shardings, may_alias=True)
 
 
 def _collector() -> Callable[[], None]:
