@@ -167,3 +167,59 @@ def test_to_host_gives_a_part_of_a_buffer(dtype, pinned, x64):
     for part in [(), (slice(2, 6), slice(0, 6)), (slice(0, 8), slice(3, 5))]:
         got = staging.to_host(arr, part, pinned=pinned)
         assert_same_bits(host[part], got, f"{dtype} {part} pinned={pinned}")
+
+
+class _Puts:
+    """Counts ``jax.device_put`` calls (the real one runs)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = jax.device_put
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(jax, "device_put", counting)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_parts_go_to_pinned_memory_in_one_batched_copy(dtype, x64, monkeypatch):
+    """``to_host_all``: whole shards and parts of shards, bytes exact, in one
+    ``device_put``; a NumPy leaf's part and any other callable are called as they are."""
+    arrays = [_device_array(dtype, (8, 6), jax.devices()[i % 2]) for i in range(3)]
+    shard = ((8, 16), (0, 6))
+    regions = [shard, ((10, 14), (0, 6)), ((8, 16), (3, 5))]
+    parts = [staging.Part("w", a, shard, r) for (_, a), r in zip(arrays, regions, strict=True)]
+    numpy_leaf = random_bits((5,), dtype, np.random.default_rng(9))
+    gets = [*parts, staging.Part("n", numpy_leaf, None, ((0, 5),)), lambda: numpy_leaf[:2]]
+    puts = _Puts(monkeypatch)
+    got = staging.to_host_all(gets, pinned=True)
+    assert puts.count == 1
+    for (host, _), r, g in zip(arrays, regions, got[:3], strict=True):
+        want = host[tuple(slice(a - s, b - s) for (a, b), (s, _) in zip(r, shard, strict=True))]
+        assert_same_bits(want, g, f"{dtype} {r}")
+    assert_same_bits(numpy_leaf, got[3], f"{dtype} numpy")
+    assert_same_bits(numpy_leaf[:2], got[4], f"{dtype} callable")
+
+
+def test_a_synchronous_save_fetches_small_shards_in_batches(monkeypatch, tmp_path):
+    """A save of many small leaves through pinned memory (forced on CPU devices) copies them
+    to the host a run at a time, not a call each, and writes every bit; a large leaf
+    between them goes alone."""
+    from jaxckpt._src import ocdbt_write
+
+    monkeypatch.setattr(staging, "_via_pinned", lambda data: True)
+    monkeypatch.setattr(ocdbt_write, "FETCH_BYTES", 64 << 10)
+    rng = np.random.default_rng(4)
+    host = {f"s{i:03d}": random_bits((32, 32), np.dtype("float32"), rng) for i in range(60)}
+    host["big"] = random_bits((1024, 512), np.dtype("bfloat16"), rng)  # 1 MiB + a piece
+    host["big"] = np.concatenate([host["big"], host["big"][:8]])
+    tree = {k: jax.device_put(v, jax.devices()[0]) for k, v in host.items()}
+    puts = _Puts(monkeypatch)
+    jaxckpt.save(tmp_path / "c", tree)
+    # 60 leaves of 4 KiB (+ trailers) in runs of at most 64 KiB: 4 runs, and the big one
+    assert 2 <= puts.count <= 6, puts.count
+    out = jaxckpt.restore(tmp_path / "c", {k: np.zeros_like(v) for k, v in host.items()})
+    for k, v in host.items():
+        assert_same_bits(v, out[k], k)

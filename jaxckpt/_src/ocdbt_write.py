@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import crc32c
@@ -44,7 +44,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import StorageError
-from . import arrays, boxes, chunk_plan, page_cache
+from . import arrays, boxes, chunk_plan, page_cache, staging
 from .arrays import DATA_FILES_PER_PROCESS, MIN_DATA_FILE_BYTES, ArrayWrite
 from .boxes import Index, extent
 from .storage import Location, fsync_dir
@@ -62,6 +62,8 @@ BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and memory
 BOUNCE_BYTES = 8 << 20  # one aligned buffer per file with O_DIRECT
 _GATHER_BYTES = 64 << 10  # smaller writes are gathered into the file's buffer first
 WRITE_BACK_BYTES = 8 << 20  # the disk's write of a file's cached bytes started this often
+SMALL_PIECE_BYTES = 1 << 20  # pieces up to this size are fetched from their devices ...
+FETCH_BYTES = 16 << 20  # ... this many bytes at a time (one batched device->host copy)
 
 
 # --- the encodings ---------------------------------------------------------------------------
@@ -420,12 +422,29 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
+def _fetched(pieces: Sequence[_Piece]) -> Iterator[tuple[_Piece, np.ndarray]]:
+    """Each piece with its bytes on the host, in order: a large piece alone, runs of small
+    ones (up to FETCH_BYTES) together, so that their device->host copies go in one batched
+    call (``staging.to_host_all``)."""
+    run: list[_Piece] = []
+    size = 0
+    for piece in pieces:
+        if piece.nbytes > SMALL_PIECE_BYTES or size + piece.nbytes > FETCH_BYTES:
+            yield from zip(run, staging.to_host_all([p.get for p in run]), strict=True)
+            run, size = [], 0
+        if piece.nbytes > SMALL_PIECE_BYTES:
+            yield piece, piece.get()
+        else:
+            run.append(piece)
+            size += piece.nbytes
+    yield from zip(run, staging.to_host_all([p.get for p in run]), strict=True)
+
+
 def _write_file(path: str, f: _File, direct_io: bool, drop: bool) -> None:
     sink = _Sink(path, direct_io, drop)
     try:
         sink.write(np.frombuffer(f.head, np.uint8))
-        for piece in f.pieces:
-            data = piece.get()
+        for piece, data in _fetched(f.pieces):
             if data.shape != piece.shape:
                 raise StorageError(
                     f"leaf {piece.leaf!r}: a piece of shape {piece.shape} came to the writer "

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -197,13 +197,48 @@ def to_host(
     (2.5 GB/s), which jax would also keep on the array. Where pinned memory runs out, jax's
     copy it is. ``pinned``: True forces pinned memory (a CPU device's, for tests)."""
     if _via_pinned(data) if pinned is None else pinned:
-        sliced, rest = (data[part], ()) if part and _sliceable(data) else (data, part)
         try:
-            host = jax.device_put(sliced, _pinned_sharding(data))
-            return np.asarray(host)[rest]
+            return _pinned_copies([(data, part)])[0]
         except jax.errors.JaxRuntimeError:  # pinned host memory exhausted, say
             pass
     return np.asarray(data)[part]
+
+
+def to_host_all(
+    gets: Sequence[Callable[[], np.ndarray]], pinned: bool | None = None
+) -> list[np.ndarray]:
+    """Each of ``gets`` called, except that the shard parts (``Part``) among them that go
+    through pinned host memory are copied there in one batched ``device_put``. A call per
+    part costs about 0.2 ms on an H200 (a batch: 0.07 ms a part), which a synchronous save
+    of thousands of small leaves feels. ``pinned`` as for :func:`to_host`."""
+    out: list[np.ndarray | None] = [None] * len(gets)
+    batch = [
+        (i, get)
+        for i, get in enumerate(gets)
+        if isinstance(get, Part)
+        and get.index is not None
+        and (_via_pinned(get.data) if pinned is None else pinned)
+    ]
+    if len(batch) > 1:
+        try:
+            copies = _pinned_copies([(part.data, part._slices()) for _, part in batch])
+            for (i, _), host in zip(batch, copies, strict=True):
+                out[i] = host
+        except jax.errors.JaxRuntimeError:  # pinned memory exhausted: each part on its own
+            pass
+    return [get() if host is None else host for host, get in zip(out, gets, strict=True)]
+
+
+def _pinned_copies(parts: Sequence[tuple[jax.Array, tuple[slice, ...]]]) -> list[np.ndarray]:
+    """``data[part]`` of each pair, copied into its device's pinned host memory in one
+    batched ``device_put`` (sliced on the device first, except 1-bit types)."""
+    sources, rests = [], []
+    for data, part in parts:
+        sliced, rest = (data[part], ()) if part and _sliceable(data) else (data, part)
+        sources.append(sliced)
+        rests.append(rest)
+    hosts = jax.device_put(sources, [_pinned_sharding(s) for s in sources])
+    return [np.asarray(h)[rest] for h, rest in zip(hosts, rests, strict=True)]
 
 
 def _sliceable(data: jax.Array) -> bool:
