@@ -26,7 +26,7 @@ from . import arrays, multihost
 from . import tree as tree_lib
 from .boxes import Index, volume, whole, within
 from .manifest import LeafRecord
-from .records import leaf_record, numpy_writer
+from .records import leaf_record, numpy_writer, stored_as
 from .sharding import layout, write_split
 
 log = logging.getLogger("jaxckpt")
@@ -65,8 +65,8 @@ def _describe(
     pid = multihost.process_index()
     if record.kind == "python":
         return StagedLeaf(record, None)
-    shape, stored = tuple(record.shape), record.stored_dtype or str(arr.dtype)
-    itemsize = np.dtype(stored).itemsize
+    shape = tuple(record.shape)
+    _, stored, itemsize = stored_as(arr.dtype)
     if record.kind == "numpy":
         mine = pid == numpy_writer(salt) and arr.size
         pieces = [(whole(shape), Part(name, arr, None, whole(shape)))] if mine else []
