@@ -27,6 +27,10 @@ class UnsupportedLeafError(CheckpointError, TypeError):
     """A pytree leaf has a type jaxckpt cannot store."""
 
 
+class DeletedArrayError(CheckpointError, ValueError):
+    """A jax.Array leaf was deleted or donated before the save read its bytes."""
+
+
 class LeafNotFoundError(CheckpointError, KeyError):
     """The restore target names a leaf the checkpoint does not hold."""
 

@@ -174,6 +174,34 @@ def test_unsupported_leaf_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def _donated(x: jax.Array) -> jax.Array:
+    """``x`` after a jit that donates it has run (its buffer is gone)."""
+    jax.block_until_ready(jax.jit(lambda a: a + 1, donate_argnums=0)(x))
+    return x
+
+
+@pytest.mark.parametrize("how", ["save", "manager", "stage"])
+def test_a_donated_array_is_named_and_nothing_is_written(how, tmp_path, mesh42):
+    """A leaf donated (or deleted) before the save read it: an error naming the leaf and
+    the fix, not jax's "Array has been deleted", and no step written or listed."""
+    sharding = NamedSharding(mesh42, P("data"))
+    tree = {"ok": jax.device_put(np.ones((8, 4)), sharding),
+            "gone": _donated(jax.device_put(np.ones((8, 4), np.float32), sharding))}  # fmt: skip
+    assert tree["gone"].is_deleted()
+    with pytest.raises(errors.DeletedArrayError, match=r"'gone'.*donated.*jaxckpt.stage"):
+        if how == "save":
+            jaxckpt.save(tmp_path / "c", tree)
+        elif how == "stage":
+            jaxckpt.stage(tree)
+        else:
+            with jaxckpt.CheckpointManager(tmp_path / "m") as mgr:
+                mgr.save(1, tree)
+    assert not os.path.exists(tmp_path / "c")
+    if how == "manager":
+        with jaxckpt.CheckpointManager(tmp_path / "m") as mgr:
+            assert mgr.all_steps() == []
+
+
 def test_numpy_byte_order_and_unsupported_dtypes(tmp_path):
     big_endian = np.arange(5, dtype=">f4")
     jaxckpt.save(tmp_path / "c", {"x": big_endian, "i": np.arange(3, dtype=">i8")})

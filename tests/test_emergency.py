@@ -19,7 +19,7 @@ import jaxckpt
 from jaxckpt._src.emergency import wire
 from jaxckpt._src.emergency.planner import SliceKey
 from jaxckpt._src.options import OptionsError
-from jaxckpt.errors import CheckpointNotFoundError, UnsupportedLeafError
+from jaxckpt.errors import CheckpointNotFoundError, DeletedArrayError, UnsupportedLeafError
 
 HERE = os.path.dirname(__file__)
 LOOP = os.path.join(HERE, "workers", "emergency_loop.py")
@@ -242,6 +242,16 @@ def test_bad_leaves_raise_in_save_and_write_nothing(tmp_path, mesh42):
         for bad in (object(), np.array(["a", "b"])):
             with pytest.raises(UnsupportedLeafError, match="leaf 'bad'"):
                 mgr.save(1, {"ok": make_state(mesh42, 1)["w"], "bad": bad})
+        mgr.wait_until_finished()
+        assert mgr.local_steps() == [] and listing(tmp_path / "l") == []
+
+
+def test_a_deleted_array_raises_in_save_naming_it_and_writes_nothing(tmp_path, mesh42):
+    gone = make_state(mesh42, 1)["w"]
+    gone.delete()
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        with pytest.raises(DeletedArrayError, match="leaf 'gone'.*deleted or donated"):
+            mgr.save(1, {"ok": make_state(mesh42, 1)["w"], "gone": gone})
         mgr.wait_until_finished()
         assert mgr.local_steps() == [] and listing(tmp_path / "l") == []
 

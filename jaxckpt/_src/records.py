@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import UnsupportedLeafError
+from ..errors import DeletedArrayError, UnsupportedLeafError
 from . import arrays, multihost
 from .manifest import LeafRecord, nan_bits
 from .sharding import sharding_to_json, write_split
@@ -112,6 +112,18 @@ def check_numpy(arr: np.ndarray, name: str) -> None:
             f"leaf {name!r} is a NumPy array of dtype {arr.dtype}, which jaxckpt cannot "
             "store (strings, bytes, structured, object and datetime arrays are not "
             "supported); convert it to numbers, or keep it in the custom_metadata= JSON"
+        )
+
+
+def check_alive(arr: jax.Array, name: str) -> None:
+    """Raises where ``arr``'s bytes are gone (deleted, or donated to a computation) before
+    a save could read them: jax's own error names no leaf."""
+    if arr.is_deleted():
+        raise DeletedArrayError(
+            f"leaf {name!r} is a jax.Array that was deleted or donated (to a jit with "
+            "donate_argnums, say) before the save read it, so its bytes are gone; save the "
+            "state before the step that donates it, or take a host snapshot first "
+            "(jaxckpt.stage(state)) and save that"
         )
 
 

@@ -26,7 +26,7 @@ from . import arrays, multihost
 from . import tree as tree_lib
 from .boxes import Index, volume, whole, within
 from .manifest import LeafRecord
-from .records import leaf_record, numpy_writer, stored_as
+from .records import check_alive, leaf_record, numpy_writer, stored_as
 from .sharding import layout, write_split
 
 log = logging.getLogger("jaxckpt")
@@ -61,6 +61,8 @@ def _describe(
     chunk_bytes: int | None,
     salt: int,
 ) -> StagedLeaf:
+    if isinstance(leaf, jax.Array):
+        check_alive(leaf, name)
     record, arr = leaf_record(path, name, leaf, meshes, chunk_bytes=chunk_bytes, salt=salt)
     pid = multihost.process_index()
     if record.kind == "python":

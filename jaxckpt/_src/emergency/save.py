@@ -25,7 +25,7 @@ from .. import per_process as pp
 from .. import tree as tree_lib
 from ..boxes import Index, whole
 from ..monitoring import Stopwatch
-from ..records import PY_TYPES, check_numpy, leaf_records, unsupported
+from ..records import PY_TYPES, check_alive, check_numpy, leaf_records, unsupported
 from ..sharding import layout
 from ..staging import HostCopies
 from ..storage import Location
@@ -193,6 +193,7 @@ class LocalSaver:
                 continue
             if not isinstance(leaf, jax.Array):
                 raise unsupported(leaf, name)
+            check_alive(leaf, name)
             arr = leaf
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 arr = key_data[i] = jax.random.key_data(leaf)
