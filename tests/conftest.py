@@ -1,6 +1,7 @@
 """Shared fixtures. Eight virtual CPU devices, set before jax is imported."""
 
 import os
+from typing import Any
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -55,6 +56,20 @@ def o_direct_opens(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(os, "open", recording)
     return opened
+
+
+class Calls:
+    """Counts the calls of ``owner.name`` (the real one runs) for a test's length."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:
+        self.count = 0
+        real = getattr(owner, name)
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
 
 
 def listing(directory) -> list[str]:

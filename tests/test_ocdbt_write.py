@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from conftest import sharded
+from conftest import Calls, sharded
 from hostile import DTYPES, assert_same_bits, bits, random_bits
 
 import jaxckpt
@@ -18,23 +18,10 @@ from jaxckpt._src import arrays, ocdbt_write
 from jaxckpt._src.storage import location
 
 
-class Calls:
-    """Counts TensorStore's writes (``arrays.write``), which ours replace."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        real = arrays.write
-
-        def counting(*args, **kwargs):
-            self.count += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(arrays, "write", counting)
-
-
 @pytest.fixture
 def ts_writes(monkeypatch):
-    return Calls(monkeypatch)
+    """Counts TensorStore's writes (``arrays.write``), which ours replace."""
+    return Calls(monkeypatch, arrays, "write")
 
 
 def _read_with_tensorstore(path, name: str) -> np.ndarray:

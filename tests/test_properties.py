@@ -44,6 +44,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt._src import staging
 from jaxckpt._src import tree as tree_lib
 from jaxckpt._src.cli.verify import verify
 
@@ -419,6 +420,20 @@ def saved_sharding(leaf: Any, mesh: Mesh | None) -> Any:
     return NamedSharding(mesh, P(*spec[: leaf.ndim]))
 
 
+@contextlib.contextmanager
+def through_pinned_memory(on: bool):
+    """Saves that read device parts through pinned host memory, as they do an accelerator's
+    (CPU devices have such memory too): a stage's batched copy, a synchronous save's runs
+    of small pieces in one batched copy (``staging.to_host_all``)."""
+    real = staging._via_pinned
+    if on:
+        staging._via_pinned = lambda data: True
+    try:
+        yield
+    finally:
+        staging._via_pinned = real
+
+
 # --- properties ----------------------------------------------------------------------------
 
 
@@ -432,13 +447,16 @@ def test_any_tree_restores_bit_exactly_onto_any_layout(data: st.DataObject, tmp_
     budget = data.draw(st.sampled_from([None, None, 1, 100, 4096]), "read_budget_bytes")
     compression = data.draw(st.sampled_from([None, "zstd"]), "compression")
     staged = data.draw(st.booleans(), "staged")
+    pinned = data.draw(st.booleans(), "device parts through pinned memory")
     path = tmp_path_factory.mktemp("ckpt") / "c"
     saved = snapshot(tree)
     source = tree
-    if staged:
-        source = jaxckpt.stage(tree, compression=compression, chunk_bytes=chunk_bytes)
-        mutate_numpy_leaves(tree, np.random.default_rng(0))  # the handle holds its own copy
-    jaxckpt.save(path, source, chunk_bytes=chunk_bytes, compression=compression)
+    with through_pinned_memory(pinned):
+        if staged:
+            source = jaxckpt.stage(tree, compression=compression, chunk_bytes=chunk_bytes)
+            mutate_numpy_leaves(tree, np.random.default_rng(0))  # the handle holds its own
+        jaxckpt.save(path, source, chunk_bytes=chunk_bytes, compression=compression)
+    event(f"through pinned memory: {pinned}")
     event(f"leaves: {min(len(saved), 4)}{'+' * (len(saved) >= 4)}")
     for leaf in saved.values():
         event(f"leaf: {kind_of(leaf)}")

@@ -7,6 +7,7 @@ import gc
 import jax
 import numpy as np
 import pytest
+from conftest import Calls
 from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -169,20 +170,6 @@ def test_to_host_gives_a_part_of_a_buffer(dtype, pinned, x64):
         assert_same_bits(host[part], got, f"{dtype} {part} pinned={pinned}")
 
 
-class _Puts:
-    """Counts ``jax.device_put`` calls (the real one runs)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        real = jax.device_put
-
-        def counting(*args, **kwargs):
-            self.count += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(jax, "device_put", counting)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_parts_go_to_pinned_memory_in_one_batched_copy(dtype, x64, monkeypatch):
     """``to_host_all``: whole shards and parts of shards, bytes exact, in one
@@ -193,7 +180,7 @@ def test_parts_go_to_pinned_memory_in_one_batched_copy(dtype, x64, monkeypatch):
     parts = [staging.Part("w", a, shard, r) for (_, a), r in zip(arrays, regions, strict=True)]
     numpy_leaf = random_bits((5,), dtype, np.random.default_rng(9))
     gets = [*parts, staging.Part("n", numpy_leaf, None, ((0, 5),)), lambda: numpy_leaf[:2]]
-    puts = _Puts(monkeypatch)
+    puts = Calls(monkeypatch, jax, "device_put")
     got = staging.to_host_all(gets, pinned=True)
     assert puts.count == 1
     for (host, _), r, g in zip(arrays, regions, got[:3], strict=True):
@@ -216,7 +203,7 @@ def test_a_synchronous_save_fetches_small_shards_in_batches(monkeypatch, tmp_pat
     host["big"] = random_bits((1024, 512), np.dtype("bfloat16"), rng)  # 1 MiB + a piece
     host["big"] = np.concatenate([host["big"], host["big"][:8]])
     tree = {k: jax.device_put(v, jax.devices()[0]) for k, v in host.items()}
-    puts = _Puts(monkeypatch)
+    puts = Calls(monkeypatch, jax, "device_put")
     jaxckpt.save(tmp_path / "c", tree)
     # 60 leaves of 4 KiB (+ trailers) in runs of at most 64 KiB: 4 runs, and the big one
     assert 2 <= puts.count <= 6, puts.count
