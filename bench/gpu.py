@@ -2,6 +2,7 @@
 and the raw disk (issue 21's "bytes at the machine's limit", on an accelerator).
 
 usage: python bench/gpu.py [--size-gb 2] [--repeats 3] [--dir /tmp] [--json out.json]
+                           [--small-leaves 2000]
 
 One process, the first device jax finds (on a CPU-only machine it says so and runs anyway:
 the figures are then not GPU figures, since a CPU "device" buffer is host memory and most
@@ -19,6 +20,13 @@ all of it on that one device. ``--repeats`` times, in an order that alternates, 
 * the disk: ``jaxckpt.save`` and the async save's total against a raw NumPy write + fsync,
   and the restore against raw and verified (CRC32C) reads of the same bytes
   (``harness.raw_io``, bench/compare.py's limits).
+
+Then ``--small-leaves`` leaves of 64x64 float32 (default 2000; 0 skips it), a state of
+many small leaves, whose costs are per call, not per byte: ``jaxckpt.save`` against the
+same save with a ``device_put`` into pinned memory per piece (how it read them before it
+batched runs of small pieces), a ``CheckpointManager`` save's blocking time against
+``jax.device_get``, and ``jaxckpt.restore`` against ``jax.device_put`` of the same NumPy
+arrays; in seconds, medians of ``--repeats``, alternating.
 
 Every operation that reads the state gets a fresh copy of it, made off the clock: jax keeps
 an array's host copy once it has made one, so timing the same arrays again would time a
@@ -45,7 +53,7 @@ import train_state as st
 from harness import GB
 
 import jaxckpt
-from jaxckpt._src import staging
+from jaxckpt._src import ocdbt_write, staging
 
 NO_GPU = "no GPU: running on CPU, figures are not GPU figures"
 
@@ -226,6 +234,108 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
     return rows, raw, facts
 
 
+def measure_small(args: argparse.Namespace, root: str) -> list[Row]:
+    """The many-small-leaves rows (see the module's docstring)."""
+    dev = jax.devices()[0]
+    rng = np.random.default_rng(0)
+    host = {
+        f"l{i:05d}": rng.standard_normal((64, 64), np.float32) for i in range(args.small_leaves)
+    }
+    state = jax.block_until_ready(jax.device_put(host, dev))
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    mgr = jaxckpt.CheckpointManager(
+        os.path.join(root, "small-managed"), jaxckpt.Options(max_to_keep=1, run_log=False)
+    )
+    ckpt = os.path.join(root, "small")
+    times: dict[str, list[float]] = {}
+    step = iter(range(10**6))
+
+    def clock(name: str, fn: Callable[[], Any]) -> None:
+        with harness.Clock() as c:
+            jax.block_until_ready(fn())
+        times.setdefault(name, []).append(c.seconds)
+
+    def save(name: str, piece_bytes: int) -> None:
+        new, kept = fresh(state), ocdbt_write.SMALL_PIECE_BYTES
+        ocdbt_write.SMALL_PIECE_BYTES = piece_bytes  # 0: a device_put per piece
+        try:
+            clock(name, lambda: jaxckpt.save(ckpt, new))
+        finally:
+            ocdbt_write.SMALL_PIECE_BYTES = kept
+        harness.warm_page_cache(ckpt)
+        clock("small: jaxckpt.restore", lambda: jaxckpt.restore(ckpt, target))
+        shutil.rmtree(ckpt)
+
+    def blocking() -> None:
+        new = fresh(state)
+        clock("small: async save blocking", lambda: mgr.save(next(step), new))
+        mgr.wait_until_finished()
+
+    def device_get() -> None:
+        new = fresh(state)
+        clock("small: jax.device_get", lambda: jax.device_get(new))
+
+    ops = {
+        "save": lambda: save("small: jaxckpt.save", ocdbt_write.SMALL_PIECE_BYTES),
+        "save per piece": lambda: save("small: save, a copy per piece", 0),
+        "blocking": blocking,
+        "device_get": device_get,
+        "device_put": lambda: clock("small: jax.device_put", lambda: jax.device_put(host, dev)),
+    }
+    jaxckpt.save(ckpt, state)
+    out = jaxckpt.restore(ckpt, target)
+    if any(np.asarray(out[k]).tobytes() != v.tobytes() for k, v in host.items()):
+        raise RuntimeError(f"the small leaves restored from {ckpt} differ from those saved")
+    shutil.rmtree(ckpt)
+    for rep in range(args.repeats + 1):  # the first round warms up, off the record
+        for name in harness.alternate(list(ops), rep):
+            harness.log(f"small leaves, repeat {rep}/{args.repeats}: {name}")
+            ops[name]()
+        if rep == 0:
+            times.clear()
+    mgr.close()
+    return [
+        Row("small: jaxckpt.save", times["small: jaxckpt.save"], "small: save, a copy per piece"),
+        Row("small: save, a copy per piece", times["small: save, a copy per piece"]),
+        Row(
+            "small: async save blocking",
+            times["small: async save blocking"],
+            "small: jax.device_get",
+        ),
+        Row("small: jax.device_get", times["small: jax.device_get"]),
+        Row("small: jaxckpt.restore", times["small: jaxckpt.restore"], "small: jax.device_put"),
+        Row("small: jax.device_put", times["small: jax.device_put"]),
+    ]
+
+
+def report_small(args: argparse.Namespace, rows: list[Row]) -> None:
+    """The many-small-leaves table: median seconds, and the ratio of its reference's to the
+    row's (above 1: faster than the reference)."""
+    print(f"\n{args.small_leaves} leaves of 64x64 float32 on one device; medians of {args.repeats}")
+    secs = {r.name: harness.median(r.seconds) for r in rows}
+    table = harness.Table(
+        (("operation", "<34"), ("seconds", ">9.3f"), ("against", ">30"), ("its s", ">9.3f"))
+        + (("speed-up", ">9.2f"),)
+    )
+    table.print(
+        [
+            (
+                r.name,
+                secs[r.name],
+                r.reference,
+                secs.get(r.reference),
+                secs[r.reference] / secs[r.name],
+            )
+            if r.reference
+            else (r.name, secs[r.name], None, None, None)
+            for r in rows
+        ],
+        rule=True,
+    )
+
+
 REFERENCE_NAMES = {  # the raw kinds, and the rows others are held against
     "write": "raw write + fsync",
     "read": "raw read",
@@ -276,6 +386,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
     ap.add_argument("--dir", default="/tmp", help="where checkpoints and raw files go (a disk)")
     ap.add_argument("--json", help="also write the measurements to this JSON file")
+    ap.add_argument(
+        "--small-leaves", type=int, default=2000, help="leaves of the small-leaves state (0: none)"
+    )
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -283,11 +396,16 @@ def main() -> None:
         print(NO_GPU, flush=True)
     with harness.scratch("jaxckpt-gpu-bench-", args.dir) as root:
         rows, raw, facts = measure(args, root)
+        small = measure_small(args, root) if args.small_leaves > 0 else []
     if args.json:
         data = {"device": device_summary(), "size_gb": args.size_gb, **facts, "raw": raw}
         data["rows"] = [dataclasses.asdict(r) for r in rows]
+        data["small_leaves"] = args.small_leaves
+        data["small_rows"] = [dataclasses.asdict(r) for r in small]
         harness.write_json(args.json, data)
     report(args, rows, raw, facts)
+    if small:
+        report_small(args, small)
 
 
 if __name__ == "__main__":
