@@ -14,6 +14,7 @@ else is left to TensorStore.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import json
 import math
@@ -94,12 +95,14 @@ def layout(store: ts.TensorStore) -> Layout | None:
     return lay if lay is not None and whole_bytes(dtype) else None
 
 
-def stored_layout(zarr_json: bytes, shape: Sequence[int], saved: np.dtype) -> Layout | None:
+@functools.lru_cache(maxsize=1024)
+def stored_layout(zarr_json: bytes, shape: tuple[int, ...], saved: np.dtype) -> Layout | None:
     """The layout of a leaf from its ``zarr.json`` as stored (read in the B-tree walk, no
     TensorStore open), or None when the direct path can't read it or the metadata is not of
     the leaf the manifest describes: its shape, and its data type the ``saved`` one or, for
     an ``ml_dtypes`` type zarr lacks, the unsigned carrier of its bytes. (TensorStore reads
-    such a leaf, and names what is wrong.)"""
+    such a leaf, and names what is wrong.) Remembered: leaves of one shape and dtype have
+    the same ``zarr.json``, and parsing each was a third of a direct plan."""
     try:
         metadata = json.loads(zarr_json)
         name = metadata["data_type"]
@@ -126,7 +129,7 @@ def leaf_layout(
     try:
         if stored is None:
             return layout(store())
-        return stored_layout(stored, rec.shape, rec.data_dtype)
+        return stored_layout(stored, tuple(rec.shape), rec.data_dtype)
     except Exception:
         return None
 
