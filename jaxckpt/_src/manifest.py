@@ -285,8 +285,8 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
     if kind not in ("array", "numpy", "prng_key", "python"):
         f.bad(at + "kind", "must be array, numpy, prng_key or python", kind)
     shape = f.shape(doc.get("shape", []), at + "shape")
-    rec = LeafRecord.from_dict(doc)
-    if type(doc.get("scalar", False)) is not bool or rec.scalar and shape:
+    scalar = doc.get("scalar", False)
+    if type(scalar) is not bool or scalar and shape:
         f.bad(at + "scalar", "must be true or false (true only for shape [])", doc.get("scalar"))
     if kind == "python":
         typ = f.text(f.need(doc, "python_type", at), at + "python_type")
@@ -295,11 +295,11 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
         value = doc.get("value")
         if typ == "float" and type(value) is int:
             value = float(value)
-        if typ == "float" and rec.float_bits is not None:
-            value = nan_from_bits(f, rec.float_bits, at + "float_bits")
+        if typ == "float" and doc.get("float_bits") is not None:
+            value = nan_from_bits(f, doc["float_bits"], at + "float_bits")
         if type(value) is not PYTHON_TYPES[typ]:
             f.bad(at + "value", f"must be a {typ}", value)
-        return dataclasses.replace(rec, shape=shape, value=value)
+        return LeafRecord.from_dict({**doc, "shape": shape, "value": value})
     if kind == "prng_key":
         impl = f.text(f.need(doc, "prng_impl", at), at + "prng_impl")
         key_shape = PRNG_KEY_SHAPES.get(impl)
@@ -311,8 +311,8 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
         dt = np.dtype(np.uint32)
     else:
         dt = f.dtype(f.need(doc, "dtype", at), at + "dtype")
-    if rec.stored_dtype is not None:
-        stored = f.dtype(rec.stored_dtype, at + "stored_dtype")
+    if doc.get("stored_dtype") is not None:
+        stored = f.dtype(doc["stored_dtype"], at + "stored_dtype")
         if stored.kind != "u" or stored.itemsize != dt.itemsize:
             f.bad(at + "stored_dtype", f"must be unsigned of {dt.itemsize} bytes", stored.name)
     nbytes = f.integer(f.need(doc, "nbytes", at), at + "nbytes")
@@ -323,12 +323,12 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
         f.bad(
             at + "chunk_shape", f"must have one extent <= the shape {shape} per dimension", chunks
         )
-    if rec.writer_salt is not None:
-        f.integer(rec.writer_salt, at + "writer_salt")
+    if doc.get("writer_salt") is not None:
+        f.integer(doc["writer_salt"], at + "writer_salt")
     grid = [max(-(-n // c), 1) for n, c in zip(shape, chunks, strict=True)]
-    if rec.chunk_writers is not None:
+    if doc.get("chunk_writers") is not None:
         writers = f.items(
-            rec.chunk_writers, at + "chunk_writers", lambda w, a: _writer(f, w, a, grid, count)
+            doc["chunk_writers"], at + "chunk_writers", lambda w, a: _writer(f, w, a, grid, count)
         )
         if sorted(tuple(c) for c, _ in writers) != list(itertools.product(*map(range, grid))):
             f.bad(at + "chunk_writers", f"must list each chunk of the grid {grid} once", grid)
@@ -345,7 +345,7 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
                     f"must divide the shards of shape {shape} over {spec}",
                     chunks,
                 )
-    return dataclasses.replace(rec, shape=shape, chunk_shape=chunks)
+    return LeafRecord.from_dict({**doc, "shape": shape, "chunk_shape": chunks})
 
 
 def path_entry(f: Fields, entry: Any, at: str) -> list:
