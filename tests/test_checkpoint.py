@@ -202,6 +202,15 @@ def test_a_donated_array_is_named_and_nothing_is_written(how, tmp_path, mesh42):
             assert mgr.all_steps() == []
 
 
+def test_an_empty_array_donated_still_saves(tmp_path):
+    """An empty leaf has no bytes to lose: deleted or not, its shape and dtype are saved."""
+    empty = jnp.zeros((0, 4), jnp.bfloat16)
+    empty.delete()
+    jaxckpt.save(tmp_path / "c", {"e": empty, "y": jnp.ones(3)})
+    out = jaxckpt.restore(tmp_path / "c")
+    assert out["e"].shape == (0, 4) and out["e"].dtype == jnp.bfloat16
+
+
 def test_numpy_byte_order_and_unsupported_dtypes(tmp_path):
     big_endian = np.arange(5, dtype=">f4")
     jaxckpt.save(tmp_path / "c", {"x": big_endian, "i": np.arange(3, dtype=">i8")})

@@ -254,6 +254,11 @@ def test_a_deleted_array_raises_in_save_naming_it_and_writes_nothing(tmp_path, m
             mgr.save(1, {"ok": make_state(mesh42, 1)["w"], "gone": gone})
         mgr.wait_until_finished()
         assert mgr.local_steps() == [] and listing(tmp_path / "l") == []
+        empty = jax.numpy.zeros((0, 3))
+        empty.delete()  # no bytes to lose: saved as it is
+        assert mgr.save(2, {"ok": make_state(mesh42, 1)["w"], "empty": empty})
+        mgr.wait_until_finished()
+        assert mgr.local_steps() == [2]
 
 
 def test_numpy_leaves_are_snapshots_in_native_order(tmp_path, mesh42):

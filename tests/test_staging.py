@@ -190,6 +190,25 @@ def test_parts_go_to_pinned_memory_in_one_batched_copy(dtype, x64, monkeypatch):
     assert_same_bits(numpy_leaf[:2], got[4], f"{dtype} callable")
 
 
+def test_a_batch_pinned_memory_refuses_comes_part_by_part(monkeypatch):
+    """Where the batched copy fails (pinned host memory exhausted, say), each part is read on
+    its own, every bit as it is."""
+    real = jax.device_put
+
+    def refusing_lists(x, *args, **kwargs):
+        if isinstance(x, list):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of pinned host memory")
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", refusing_lists)
+    arrays = [_device_array(np.dtype("bfloat16"), (8, 6), jax.devices()[i]) for i in range(3)]
+    shard = ((0, 8), (0, 6))
+    parts = [staging.Part("w", a, shard, ((2, 6), (0, 6))) for _, a in arrays]
+    got = staging.to_host_all(parts, pinned=True)
+    for (host, _), g in zip(arrays, got, strict=True):
+        assert_same_bits(host[2:6], g, "bfloat16")
+
+
 def test_a_synchronous_save_fetches_small_shards_in_batches(monkeypatch, tmp_path):
     """A save of many small leaves through pinned memory (forced on CPU devices) copies them
     to the host a run at a time, not a call each, and writes every bit; a large leaf
@@ -203,10 +222,20 @@ def test_a_synchronous_save_fetches_small_shards_in_batches(monkeypatch, tmp_pat
     host["big"] = random_bits((1024, 512), np.dtype("bfloat16"), rng)  # 1 MiB + a piece
     host["big"] = np.concatenate([host["big"], host["big"][:8]])
     tree = {k: jax.device_put(v, jax.devices()[0]) for k, v in host.items()}
-    puts = Calls(monkeypatch, jax, "device_put")
+    calls: list[list[int]] = []  # each device_put's arrays, by bytes
+    real = jax.device_put
+
+    def watching(x, *args, **kwargs):
+        calls.append([a.nbytes for a in (x if isinstance(x, list) else [x])])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", watching)
     jaxckpt.save(tmp_path / "c", tree)
-    # 60 leaves of 4 KiB (+ trailers) in runs of at most 64 KiB: 4 runs, and the big one
-    assert 2 <= puts.count <= 6, puts.count
+    # 60 leaves of 4 KiB (+ trailers) in runs of at most 64 KiB: 4 runs; the big one alone
+    assert 2 <= len(calls) <= 6, calls
+    assert [host["big"].nbytes] in calls
+    assert all(sum(c) <= 64 << 10 for c in calls if host["big"].nbytes not in c), calls
+    assert sum(map(len, calls)) == len(host)  # every leaf once
     out = jaxckpt.restore(tmp_path / "c", {k: np.zeros_like(v) for k, v in host.items()})
     for k, v in host.items():
         assert_same_bits(v, out[k], k)
