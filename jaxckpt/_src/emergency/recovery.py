@@ -8,9 +8,11 @@ slice to whom is planned in :mod:`jaxckpt._src.emergency.planner`.)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 from numpy.typing import DTypeLike
 
@@ -54,10 +56,19 @@ def needed_slices(w: Want, required: list[Index]) -> list[Index]:
     rec = w.record
     if rec.kind == "prng_key" or w.sharding is None:
         return list(required)
-    shape = tuple(rec.shape)
-    indices = w.sharding.addressable_devices_indices_map(shape).values()
+    return list(_needed(w.sharding, tuple(rec.shape), tuple(required)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _needed(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], required: tuple[Index, ...]
+) -> tuple[Index, ...]:
+    """``needed_slices`` for a leaf of ``shape`` on ``sharding``. Remembered: the leaves of a
+    state share a few shardings, shapes and saved slices (2000 leaves on 8 devices: 128000
+    box intersections, a tenth of a local restore, before)."""
+    indices = sharding.addressable_devices_indices_map(shape).values()
     targets = {from_slices(i, shape) for i in indices if i is not None}
-    return [s for s in required if any(intersect(s, t) is not None for t in targets)]
+    return tuple(s for s in required if any(intersect(s, t) is not None for t in targets))
 
 
 def fill(
