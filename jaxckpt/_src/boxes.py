@@ -7,6 +7,7 @@ tier's peers and plan) uses these, so a box means the same thing everywhere.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -62,8 +63,11 @@ def to_text(box: Index) -> str:
     return ",".join(f"{a}:{b}" for a, b in box) or "-"
 
 
+@functools.lru_cache(maxsize=4096)
 def from_text(text: str) -> Index:
-    """The box ``to_text`` wrote (``ValueError`` on anything else)."""
+    """The box ``to_text`` wrote (``ValueError`` on anything else). Remembered: a state's
+    leaves share a few boxes, and the emergency tier parses one per slice of every process
+    (2000 leaves on 8 devices: 28 ms a list, before)."""
     if text == "-":
         return ()
     return tuple((int(a), int(b)) for a, b in (part.split(":") for part in text.split(",")))
