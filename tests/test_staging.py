@@ -150,14 +150,25 @@ def test_a_leaf_staged_and_saved(mesh42, tmp_path):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("chunk_bytes", [None, 64], ids=["whole", "parts"])
-def test_a_save_from_device_arrays_keeps_every_bit(dtype, chunk_bytes, x64, tmp_path):
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "auto"])
+def test_a_save_from_device_arrays_keeps_every_bit(
+    dtype, chunk_bytes, pinned, x64, tmp_path, monkeypatch
+):
     """``jaxckpt.save`` reads each part straight from its device (pinned memory on an
-    accelerator): whole shards, and parts of one (small chunks)."""
+    accelerator, forced here on CPU devices: the small pieces of two leaves in one batched
+    copy): whole shards, and parts of one (small chunks)."""
+    if pinned:
+        monkeypatch.setattr(staging, "_via_pinned", lambda data: True)
     host, arr = _device_array(dtype, (16, 8))
-    jaxckpt.save(tmp_path / "c", {"x": arr}, chunk_bytes=chunk_bytes)
-    like = jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=arr.sharding)
-    out = jaxckpt.restore(tmp_path / "c", {"x": like})
+    other = random_bits((16, 8), dtype, np.random.default_rng(8))
+    tree = {"x": arr, "y": jax.device_put(other, jax.devices()[1])}
+    jaxckpt.save(tmp_path / "c", tree, chunk_bytes=chunk_bytes)
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()
+    }
+    out = jaxckpt.restore(tmp_path / "c", target)
     assert_same_bits(host, np.asarray(out["x"]), f"{dtype} chunk_bytes={chunk_bytes}")
+    assert_same_bits(other, np.asarray(out["y"]), f"{dtype} chunk_bytes={chunk_bytes}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -32,9 +32,10 @@ class Placement:
     process holds gets its place in one fresh buffer of the leaf, a huge-page mapping from
     2 MiB (``host_buffer`` gives a slice's: read it there; ``replica_buffers`` its
     replicas'), and the slices wait until ``array`` puts them with jax's own put: a leaf
-    without replicas in one call, one with replicas a device at a time (``_try_put``). (Faulting shards smaller than a huge page in 4 KiB pages
-    cost more than reading them; a public ``device_put`` per shard, more than the rest of a
-    restore of small ones; an allocation per copy, 5 % of a restore of 2000 small leaves.)
+    without replicas in one call, one with replicas a device at a time (``_try_put``).
+    (Faulting shards smaller than a huge page in 4 KiB pages cost more than reading them; a
+    public ``device_put`` per shard, more than the rest of a restore of small ones; an
+    allocation per copy, 5 % of a restore of 2000 small leaves.)
     The leaf's shards then free their memory together, when the last of them is gone.
     """
 

@@ -74,8 +74,8 @@ def leaf_record(
         check_numpy(host, name)
         if not host.dtype.isnative:
             host = host.astype(host.dtype.newbyteorder("="))
-        stored = arrays.stored_dtype(host.dtype)
-        nbytes = host.size * np.dtype(stored).itemsize
+        _, stored, itemsize = stored_as(host.dtype)
+        nbytes = host.size * itemsize
         record = LeafRecord(
             path,
             name,
@@ -117,8 +117,9 @@ def check_numpy(arr: np.ndarray, name: str) -> None:
 
 def check_alive(arr: jax.Array, name: str) -> None:
     """Raises where ``arr``'s bytes are gone (deleted, or donated to a computation) before
-    a save could read them: jax's own error names no leaf."""
-    if arr.is_deleted():
+    a save could read them: jax's own error names no leaf. (An empty one has none to lose:
+    its shape and dtype are all a save reads.)"""
+    if arr.size and arr.is_deleted():
         raise DeletedArrayError(
             f"leaf {name!r} is a jax.Array that was deleted or donated (to a jit with "
             "donate_argnums, say) before the save read it, so its bytes are gone; save the "

@@ -61,7 +61,7 @@ def _describe(
     chunk_bytes: int | None,
     salt: int,
 ) -> StagedLeaf:
-    if isinstance(leaf, jax.Array) and leaf.size:  # (an empty one has no bytes to lose)
+    if isinstance(leaf, jax.Array):
         check_alive(leaf, name)
     record, arr = leaf_record(path, name, leaf, meshes, chunk_bytes=chunk_bytes, salt=salt)
     pid = multihost.process_index()

@@ -193,8 +193,7 @@ class LocalSaver:
                 continue
             if not isinstance(leaf, jax.Array):
                 raise unsupported(leaf, name)
-            if leaf.size:  # (an empty one has no bytes to lose)
-                check_alive(leaf, name)
+            check_alive(leaf, name)
             arr = leaf
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 arr = key_data[i] = jax.random.key_data(leaf)
