@@ -136,6 +136,9 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=chunk_bytes)
     if cold:
         iostats.drop_page_cache(str(tmp_path / "c"))
+        # the B-tree walk's read of a data file's head may bring a small file in (readahead)
+        # before the restore asks whether it will wait for the disk: here it always will
+        monkeypatch.setattr(residency, "from_disk", lambda plans: True)
     else:
         jaxckpt.restore(tmp_path / "c")  # every chunk read once: in the page cache
     advised: list[tuple[str, int, int]] = []
@@ -561,9 +564,10 @@ def test_spans_cover_every_byte_once_in_file_order(seed):
 
 @pytest.mark.parametrize("rows", [4096, 262144])
 def test_cached_stretches_get_no_prefetch_advice(rows, mesh42, tmp_path, monkeypatch):
-    """Shards of 8 MiB, or of 16 KiB chunks, read once (in the page cache): their stretches
-    are not advised (the advice would only walk the cache); each probe is a 1-byte
-    RWF_NOWAIT read."""
+    """Shards of 8 MiB, or of 16 KiB chunks, read once (in the page cache): a restore that
+    finds its files cached (``residency.from_disk``) neither probes nor advises; one that
+    took them for uncached probes each stretch, a 1-byte RWF_NOWAIT read, and advises none
+    (the advice would only walk the cache)."""
     x = np.random.default_rng(0).standard_normal((rows, 32)).astype(np.float32)
     chunk_bytes = 16 << 10 if rows == 4096 else None
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=chunk_bytes)
@@ -583,6 +587,10 @@ def test_cached_stretches_get_no_prefetch_advice(rows, mesh42, tmp_path, monkeyp
     monkeypatch.delenv(direct.ENV, raising=False)
     monkeypatch.setattr(os, "posix_fadvise", advise)
     monkeypatch.setattr(os, "preadv", preadv)
+    out = jaxckpt.restore(tmp_path / "c")
+    np.testing.assert_array_equal(np.asarray(out["x"]), x)
+    assert os.POSIX_FADV_WILLNEED not in advice and probes == []
+    monkeypatch.setattr(residency, "from_disk", lambda plans: True)
     out = jaxckpt.restore(tmp_path / "c")
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     assert os.POSIX_FADV_WILLNEED not in advice
@@ -638,9 +646,11 @@ def test_replicas_are_filled_as_the_reader_reads(dtype, shape, onto, x64, preadv
     the chunks; small leaves of every dtype (they have a buffer of their own too) and large
     ones. Every device's bytes exact and its own memory; where the direct path reads the
     dtype, every chunk read once and no replica copied by ``Placement`` (bool and sub-byte
-    types are read by TensorStore, and their replicas copied)."""
+    types are read by TensorStore, and their replicas copied). (Large whole chunks are
+    mapped, not read, unless ``JAXCKPT_MAP=0``: tests/test_mapped.py.)"""
     from jaxckpt._src import placement
 
+    monkeypatch.setenv("JAXCKPT_MAP", "0")
     x = random_bits(shape, dtype, np.random.default_rng(11))
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
     if onto == "saved mesh":

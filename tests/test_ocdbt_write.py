@@ -2,6 +2,7 @@
 the encodings are TensorStore's own, byte for byte; whatever it can't take goes to
 TensorStore; with direct_io the files bypass the page cache."""
 
+import itertools
 import os
 
 import iostats
@@ -98,6 +99,42 @@ def test_tensorstore_reads_our_database(tmp_path):
         value = kv.read(f"x/c/{i}").result().value
         assert value[:100] == x[i * 100 : (i + 1) * 100].tobytes()
     assert len(os.listdir(tmp_path / "db" / "d")) == 1  # 1 KB: one data file, node included
+
+
+def test_large_chunks_start_on_64_byte_boundaries_small_ones_back_to_back(tmp_path, ts_writes):
+    """Chunks of ``ALIGN_MIN_BYTES`` or more start on 64-byte boundaries of their data file
+    (zero bytes between), so a restore onto CPU devices can map them; smaller ones stay
+    back to back. TensorStore reads every bit, gaps and all."""
+    rng = np.random.default_rng(3)
+    big = ocdbt_write.ALIGN_MIN_BYTES
+    tree = {
+        "a": random_bits((big // 4 + 3,), np.dtype(np.float32), rng),  # 1 MiB + 12: one chunk
+        "b": random_bits((5,), np.dtype(np.float32), rng),  # 20 bytes, after it
+        "c": random_bits((big + 5,), np.dtype(np.uint8), rng),
+        "d": random_bits((3 * 1024,), np.dtype(jax.numpy.bfloat16), rng),
+    }
+    jaxckpt.save(tmp_path / "c", tree)
+    assert ts_writes.count == 0
+    db = arrays.database_dir(location(str(tmp_path / "c")), None)
+    base = ts.KvStore.open(db.kvstore()).result()
+    where, _ = arrays.btree(base, db)
+    chunks = {k: v for k, v in where.items() if "/c/" in k}
+    assert len(chunks) == 4
+    for key, at in chunks.items():
+        if at.stop - at.start >= big:
+            assert at.start % ocdbt_write.ALIGN == 0, (key, at)
+    by_file: dict[str, list] = {}
+    for at in chunks.values():
+        by_file.setdefault(at.file, []).append(at)
+    for ats in by_file.values():
+        ats.sort(key=lambda a: a.start)
+        for prev, nxt in itertools.pairwise(ats):
+            gap = nxt.start - prev.stop
+            small = nxt.stop - nxt.start < big
+            assert (gap == 0) if small else (0 <= gap < ocdbt_write.ALIGN), (prev, nxt)
+    for name, x in tree.items():
+        assert_same_bits(_read_with_tensorstore(tmp_path / "c", name), x)
+    assert_same_bits(jaxckpt.restore(tmp_path / "c")["a"], tree["a"])
 
 
 # --- the bits, through a save ------------------------------------------------------------------

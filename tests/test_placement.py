@@ -309,11 +309,11 @@ def test_without_x64_a_64_bit_leaf_is_narrowed_as_jax_narrows_it(dtype, mesh42):
 
 @pytest.mark.parametrize("filled", [True, False])
 def test_replicas_a_reader_filled_are_taken_as_they_are(filled, mesh42):
-    """``put(..., replicas_filled=True)``: the slice was read into ``host_buffer`` and its
+    """``put(..., replicas=...)``: the slice was read into ``host_buffer`` and its
     ``replica_buffers`` already hold its bytes (the direct reader copies each piece as it
     checks it), so the devices adopt them with no copy: here the replicas' places hold a
-    mark of their own, which the devices then show; without the flag each replica is a
-    copy of the slice."""
+    mark of their own, which the devices then show; without them each replica is a copy
+    of the slice."""
     full = random_bits((1024, 512), np.dtype(np.float32), np.random.default_rng(5))  # 2 MiB
     out = Placement(NamedSharding(mesh42, P("data")), full.shape, full.dtype)
     marks = {}
@@ -323,7 +323,7 @@ def test_replicas_a_reader_filled_are_taken_as_they_are(filled, mesh42):
         buf[...] = full[tuple(slice(a, b) for a, b in index)]
         marks[index] = np.full_like(buf, index[0][0])
         replicas[0][...] = marks[index]
-        out.put(index, buf, replicas_filled=filled)
+        out.put(index, buf, replicas if filled else None)
     arr = out.array()
     assert _distinct_buffers(arr) == 8
     seen: dict = {index: [] for index in out.indices}

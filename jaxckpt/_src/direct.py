@@ -32,7 +32,7 @@ import crc32c
 import numpy as np
 
 from ..errors import StorageError
-from . import arrays, crc, residency
+from . import arrays, crc, mapped, residency
 from .chunk_plan import TRAILER, ChunkPart, ChunkRead, SliceRead
 from .storage import Location
 
@@ -73,10 +73,15 @@ def reader_threads() -> int:
 class Reader:
     """Reads ``SliceRead``s on a few threads; ``close`` stops them and closes the files."""
 
-    def __init__(self, threads: int | None = None, keep_bytes: int | None = None) -> None:
+    def __init__(
+        self, threads: int | None = None, keep_bytes: int | None = None, prefetch: bool = True
+    ) -> None:
         """``keep_bytes``: at most this many bytes of chunks kept for the slices that share
-        them (default ``KEEP_BYTES``; a restore passes the smaller of that and its budget)."""
+        them (default ``KEEP_BYTES``; a restore passes the smaller of that and its budget).
+        ``prefetch``: ask the kernel to read ahead (``_prefetch``); a restore that found its
+        files in the page cache (``residency.from_disk``) saves the probes."""
         threads = threads or reader_threads()
+        self._prefetching = prefetch
         self._keep_limit = KEEP_BYTES if keep_bytes is None else keep_bytes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxckpt-direct")
         self._fds: dict[str, int] = {}
@@ -140,6 +145,26 @@ class Reader:
         for k, span in enumerate(spans):
             self._pool.submit(self._read_span, span).add_done_callback(functools.partial(done, k))
         return out
+
+    def map(self, sr: SliceRead, replicas: int = 0) -> Future[tuple[np.ndarray, ...]]:
+        """Slice ``sr`` (``mapped.suitable``) as a private mapping of its chunk in the data
+        file, its CRC32C checked over the mapping, and ``replicas`` more mappings of it (one
+        for each other device of the slice), on the threads: no fresh memory, no copy."""
+        self._prefetch(sr)
+        return self._pool.submit(self._map, sr, replicas)
+
+    def _map(self, sr: SliceRead, replicas: int) -> tuple[np.ndarray, ...]:
+        (c,) = sr.chunks
+        fd = self._fd(c.at.file)
+        try:
+            flat = mapped.region(fd, c.at.start, c.nbytes + TRAILER)
+            want = int.from_bytes(flat[c.nbytes :].tobytes(), "little")
+            if crc32c.crc32c(flat[: c.nbytes].data) != want:
+                raise Corrupt(c.key, c.at)
+            copies = [mapped.region(fd, c.at.start, c.nbytes, False) for _ in range(replicas)]
+        except OSError as e:
+            raise StorageError(f"chunk {c.key!r} at {c.at}: {e}") from e
+        return tuple(f[: c.nbytes].view(sr.dtype).reshape(sr.shape) for f in [flat, *copies])
 
     def _queue(self, q: _Queued) -> _Waiting:
         """Puts a small slice in the batch, which goes to the threads once it holds
@@ -205,7 +230,7 @@ class Reader:
         H100 host, 9 % of a warm 2 GB restore). (Its last byte: the kernel's own readahead,
         started by earlier reads and by such probes, may have brought in the first ones.) A
         hint only: errors are the read's."""
-        if not hasattr(os, "posix_fadvise"):
+        if not self._prefetching or not hasattr(os, "posix_fadvise"):
             return
         where = [c.at for c in sr.chunks] + [p.at for p in sr.parts]
         with self._lock:

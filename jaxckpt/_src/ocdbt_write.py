@@ -58,6 +58,12 @@ VERSION_TREE_ARITY_LOG2 = 4  # TensorStore's default
 _MANIFEST_MAGIC = 0x0CDB3A2A
 _NODE_MAGIC = 0x0CDB20DE
 STEP_BYTES = 1 << 20  # checksummed then written at a time: still in cache for the write
+ALIGN_MIN_BYTES = 256 << 10
+"""A chunk of this many bytes or more starts on an ``ALIGN`` boundary of its data file (zero
+bytes before it): a restore onto CPU devices can then map it as the array's own memory
+(``mapped``; XLA's CPU client adopts 64-byte aligned buffers). Smaller chunks stay back to
+back, so that the direct reader reads runs of them in one ``preadv``."""
+ALIGN = 64
 BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and memory
 BOUNCE_BYTES = 8 << 20  # one aligned buffer per file with O_DIRECT
 _GATHER_BYTES = 64 << 10  # smaller writes are gathered into the file's buffer first
@@ -285,9 +291,17 @@ def plan(
         for piece in f.pieces:
             stored_bytes = piece.nbytes // len(piece.chunks) if piece.chunks else 0
             for c in piece.chunks:
+                offset = chunk_start(offset, stored_bytes)
                 entries[c.key] = Ref(i, offset, stored_bytes)
                 offset += stored_bytes
+        f.size = offset
     return sorted(entries.items()), files
+
+
+def chunk_start(offset: int, stored_bytes: int) -> int:
+    """Where a chunk of ``stored_bytes`` (trailer included) that could start at ``offset``
+    of a data file's values starts (``ALIGN_MIN_BYTES``; the values start on a block)."""
+    return offset + (-offset % ALIGN) if stored_bytes >= ALIGN_MIN_BYTES else offset
 
 
 # --- the files -------------------------------------------------------------------------------
@@ -454,6 +468,9 @@ def _write_file(path: str, f: _File, direct_io: bool, drop: bool) -> None:
                 data = data.view(piece.dtype)
             for c in piece.chunks:
                 raw = c.bytes_of(data)
+                at = sink.pos + sink.fill - len(f.head)
+                if gap := chunk_start(at, len(raw) + 4) - at:
+                    sink.write(np.zeros(gap, np.uint8))
                 crc = 0
                 for start in range(0, len(raw), STEP_BYTES):
                     step = raw[start : start + STEP_BYTES]

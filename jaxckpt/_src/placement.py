@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -48,8 +48,7 @@ class Placement:
         self.placed: dict[jax.Device, jax.Array] = {}
         self._cpu = cpu and _adopted(self.dtype)  # devices that take host buffers as they are
         self._host = self._host_buffers() if self._cpu else {}
-        self._waiting: dict[Index, np.ndarray] = {}
-        self._filled: set[Index] = set()  # slices whose replicas' places the reader filled
+        self._waiting: dict[Index, tuple[np.ndarray, Sequence[np.ndarray] | None]] = {}
         _release_dropped()  # before this leaf's memory is filled
 
     def _host_buffers(self) -> dict[Index, list[np.ndarray]]:
@@ -82,13 +81,15 @@ class Placement:
     def indices(self) -> list[Index]:
         return list(self.devices)
 
-    def put(self, index: Index, data: np.ndarray, replicas_filled: bool = False) -> None:
-        """Slice ``index``'s host data; ``replicas_filled``: read into ``host_buffer`` and
-        its ``replica_buffers`` already hold the same bytes."""
+    def put(
+        self, index: Index, data: np.ndarray, replicas: Sequence[np.ndarray] | None = None
+    ) -> None:
+        """Slice ``index``'s host data; ``replicas``: buffers that hold the same bytes
+        already, one for each of its other devices (a reader that filled
+        ``replica_buffers`` as it read, or mapped each copy of a chunk: ``mapped``), so that
+        nothing is copied onto CPU devices."""
         if self._cpu:
-            self._waiting[index] = data
-            if replicas_filled:
-                self._filled.add(index)
+            self._waiting[index] = (data, replicas)
             return
         first, *rest = self.devices[index]
         self.placed[first] = jax.device_put(data, self._on(first), may_alias=True)
@@ -110,18 +111,17 @@ class Placement:
         buffer, so that no two devices share memory; each put on its device
         (``_try_put``)."""
         bufs: dict[jax.Device, np.ndarray] = {}
-        for index, data in self._waiting.items():
-            first, *replicas = self._host[index]  # (every CPU leaf has its places)
-            filled = (  # the reader's copies are of these very bytes
-                index in self._filled
-                and data.ctypes.data == first.ctypes.data
-                and data.dtype == first.dtype
-            )
-            for copy in replicas if not filled else ():
-                np.copyto(copy, data)
+        for index, (data, given) in self._waiting.items():
+            _, *places = self._host[index]  # (every CPU leaf has its places)
+            replicas = list(given or ())
+            if len(replicas) != len(places) or any(
+                r.dtype != data.dtype or r.shape != data.shape for r in replicas
+            ):
+                replicas = places
+                for copy in places:
+                    np.copyto(copy, data)
             bufs.update(zip(self.devices[index], [data, *replicas], strict=True))
         self._waiting.clear()
-        self._filled.clear()
         devices = list(self.index_map)
         ordered = [bufs[d] for d in devices]
         if len(self.devices) == len(devices):  # no replicas: the whole leaf in one call

@@ -19,7 +19,7 @@ import functools
 import math
 import os
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from ..errors import OptionsError, StorageError
-from . import arrays, chunk_plan, direct, gc_pause, multihost, orbax, read_once, residency
+from . import arrays, chunk_plan, direct, gc_pause, mapped, multihost, orbax, read_once, residency
 from .boxes import Index, extent, volume, whole
 from .inflight import InFlight, default_budget
 from .leaf_plan import Want, result, wants, whole_on_host
@@ -145,19 +145,23 @@ def _read_all(
     for i, r in enumerate(reader.requests):  # TensorStore opens what it is to read, at once
         if i not in plans:
             r.store_fut.start()
+    maps = _mapped(db, reader.requests, plans)
     planned = [(r, plans[i]) for i, r in enumerate(reader.requests) if i in plans]
     cold = residency.from_disk([sr for _, sr in planned])
-    fills = [b for r, sr in planned for b in r.buffers(sr)] if cold else []
+    fills = [
+        b for i, r in enumerate(reader.requests) if i in plans and i not in maps
+        for b in r.buffers(plans[i])
+    ] if cold else []  # fmt: skip
     # no thread outlives the restore; the direct reads' threads stop after their users'
     with (
         _populating(fills),
         contextlib.closing(
-            direct.Reader(keep_bytes=min(direct.KEEP_BYTES, budget))
+            direct.Reader(keep_bytes=min(direct.KEEP_BYTES, budget), prefetch=cold)
         ) as direct_reader,
         contextlib.closing(InFlight[Any](budget, threads=_place_threads(reading))) as reads,
     ):
         for i, request in enumerate(reader.requests):
-            reader.issue(reads, request, plans.get(i), direct_reader)
+            reader.issue(reads, request, plans.get(i), direct_reader, i in maps)
         reads.drain()
         fig.bytes += reads.total
     arrays.release_free_memory()
@@ -189,6 +193,28 @@ def _populating(regions: list[np.ndarray]) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+
+
+def _mapped(
+    db: Location, requests: list[_Request], plans: dict[Hashable, chunk_plan.SliceRead]
+) -> set[Hashable]:
+    """The planned requests whose slices become mappings of their chunks (``mapped``): onto
+    CPU devices (read into the leaf's own buffer, ``into``, with no conversion after) from
+    a local filesystem, while the process has room for the mappings (one per copy)."""
+    if not plans or not mapped.enabled(db.url):
+        return set()
+    suitable = [
+        (i, 1 + len(r.copies))
+        for i, r in enumerate(requests)
+        if (sr := plans.get(i)) is not None and mapped.suitable(sr) and r.buffers(sr)
+    ]
+    room = mapped.room() if suitable else 0
+    out: set[Hashable] = set()
+    for i, n in suitable:
+        if n <= room:
+            out.add(i)
+            room -= n
+    return out
 
 
 def _place_threads(reading: list[Want]) -> int:
@@ -233,7 +259,7 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
         # Whole leaf on the host (NumPy results; PRNG keys are small and re-wrapped).
         holder: dict[str, np.ndarray] = {}
 
-        def keep(data: np.ndarray, copied: bool = False) -> None:
+        def keep(data: np.ndarray, replicas: Sequence[np.ndarray] | None = None) -> None:
             holder["v"] = convert(data)
 
         if store_fut is None:
@@ -245,8 +271,10 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
 
     out = Placement(w.sharding, shape, want_dtype)
 
-    def place(index: Index, data: np.ndarray, copied: bool = False) -> None:
-        out.put(index, convert(data), replicas_filled=copied)
+    def place(index: Index, data: np.ndarray, replicas: Sequence[np.ndarray] | None) -> None:
+        value = convert(data)
+        same = value.ctypes.data == data.ctypes.data and value.nbytes == data.nbytes
+        out.put(index, value, [convert(r) for r in replicas] if same and replicas else None)
 
     for index in out.indices:
         if store_fut is None or not volume(index):
@@ -275,7 +303,7 @@ class _Request:
     store_fut: Any
     rec: LeafRecord
     index: Index | None
-    consume: Callable[[np.ndarray, bool], None]  # (data, whether ``copies`` hold it too)
+    consume: Callable[[np.ndarray, Sequence[np.ndarray] | None], None]  # (data, replicas)
     into: np.ndarray | None = None  # where to read it (``_fits``); else fresh memory
     copies: list[np.ndarray] = dataclasses.field(default_factory=list)  # and fill, if it can
 
@@ -301,13 +329,14 @@ class _Reader:
         store_fut: Any,
         rec: LeafRecord,
         index: Index | None,
-        consume: Callable[[np.ndarray, bool], None],
+        consume: Callable[[np.ndarray, Sequence[np.ndarray] | None], None],
         into: np.ndarray | None = None,
         copies: list[np.ndarray] | None = None,
     ) -> None:
         """Asks for ``index`` of ``rec`` (None: all of it), to hand to ``consume``; read
         into ``into`` where its dtype is the one read, and then, where the direct path reads
-        it, into ``copies`` too (``consume``'s second argument says so)."""
+        it, into ``copies`` too (``consume``'s second argument: the replicas' buffers that
+        hold the same bytes, or None)."""
         self.requests.append(_Request(store_fut, rec, index, consume, into, copies or []))
 
     def issue(
@@ -316,17 +345,20 @@ class _Reader:
         r: _Request,
         plan: chunk_plan.SliceRead | None,
         direct_reader: direct.Reader,
+        mapping: bool = False,
     ) -> None:
-        """Starts ``r``'s read (directly when ``plan`` says how) once it fits the budget."""
+        """Starts ``r``'s read (directly when ``plan`` says how; ``mapping``: as mappings
+        of its chunk, one per copy, ``direct.Reader.map``) once it fits the budget."""
         rec, index = r.rec, r.index
         size: int = math.prod(rec.shape)
         nbytes = rec.nbytes if index is None else volume(index) * (rec.nbytes // max(1, size))
 
-        fill = r.buffers(plan) if plan is not None else []
+        fill = r.buffers(plan) if plan is not None and not mapping else []
         into, copies = (fill[0], fill[1:]) if fill else (None, [])
-        copied = bool(copies)
 
         def start() -> Any:
+            if plan is not None and mapping:
+                return direct_reader.map(plan, len(r.copies))
             if plan is not None:
                 return direct_reader.start(plan, into, copies)
             try:
@@ -343,7 +375,10 @@ class _Reader:
                 data = fut.result()
             except Exception as e:
                 raise self.error(e, rec) from e
-            r.consume(data, copied)
+            if mapping:
+                r.consume(data[0], data[1:])
+            else:
+                r.consume(data, copies or None)
 
         reads.add(nbytes, start, use)
 

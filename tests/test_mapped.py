@@ -1,0 +1,185 @@
+"""A restore onto CPU devices maps whole aligned chunks as the arrays' memory (``mapped``)."""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from conftest import flip_a_chunk_byte, sharded
+from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import errors
+from jaxckpt._src import arrays, chunk_plan, direct, mapped
+
+SPECS = [P("data"), P(), P(None, "model"), P("data", "model")]
+
+
+def _file_of(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (``/proc/self/maps``), or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) > 5 else None
+    return None
+
+
+def _mapped_from(out: jax.Array, root) -> list[bool]:
+    """For each shard of ``out``: whether its memory is a mapping of a file under ``root``."""
+    return [
+        (_file_of(s.data.unsafe_buffer_pointer()) or "").startswith(str(root))
+        for s in out.addressable_shards
+    ]
+
+
+def _rows(dtype: np.dtype, spec: P) -> tuple[int, int]:
+    """A shape whose slices under ``spec`` on (4, 2) are 256 KiB: mapped, not read."""
+    cols = 64
+    per_slice = mapped.MIN_BYTES // dtype.itemsize // cols
+    return (per_slice * 4, cols * (2 if spec == P("data", "model") else 1))
+
+
+def _mappable(dtype: np.dtype) -> bool:
+    return direct_dtype(dtype) and jax.dtypes.itemsize_bits(dtype) == 8 * dtype.itemsize
+
+
+def test_every_dtype_random_bits_comes_back_in_mappings_of_the_files(x64, mesh42, tmp_path):
+    """Random bits of every dtype, each leaf under one of four specs (replicated ones
+    included): every device's bytes exact, every device its own memory, and every shard of a
+    whole-byte dtype the direct path reads is a mapping of the step's data files."""
+    rng = np.random.default_rng(7)
+    tree = {}
+    for i, d in enumerate(DTYPES):
+        spec = SPECS[i % len(SPECS)]
+        tree[d.name] = sharded(random_bits(_rows(d, spec), d, rng), mesh42, spec)
+    jaxckpt.save(tmp_path / "c", tree)
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    for name, x in tree.items():
+        got = out[name]
+        assert len({s.data.unsafe_buffer_pointer() for s in got.addressable_shards}) == 8
+        for shard in got.addressable_shards:
+            assert_same_bits(np.asarray(x)[shard.index], np.asarray(shard.data), name)
+        where = _mapped_from(got, tmp_path / "c")
+        assert all(where) if _mappable(got.dtype) else not any(where), (name, where)
+
+
+def test_a_donation_writes_private_pages_not_the_file_nor_the_other_copies(mesh42, tmp_path):
+    """A restored leaf replicated over 'model' (two mappings of each chunk) donated to a
+    ``jit`` (which may write its buffers in place): the result is right, and the step restores bit-exact
+    again (its files untouched)."""
+    x = random_bits((4096, 64), np.dtype(np.float32), np.random.default_rng(1))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
+    target = {
+        "x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh42, P("data")))
+    }
+    restored = jaxckpt.restore(tmp_path / "c", target=target)["x"]
+    assert all(_mapped_from(restored, tmp_path / "c"))
+    y = jax.jit(lambda v: v.view(np.uint32) ^ np.uint32(0xFFFFFFFF), donate_argnums=0)(restored)
+    assert_same_bits(x.view(np.uint32) ^ np.uint32(0xFFFFFFFF), np.asarray(y))
+    again = jaxckpt.restore(tmp_path / "c", target=target)["x"]
+    for shard in again.addressable_shards:
+        assert_same_bits(x[shard.index], np.asarray(shard.data))
+
+
+def test_the_arrays_outlive_their_step(mesh42, tmp_path):
+    """A step deleted (retention, ``rm -r``) after a restore: its arrays keep their bytes
+    (the mappings hold the files)."""
+    x = random_bits((8192, 256), np.dtype(jax.numpy.bfloat16), np.random.default_rng(2))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data", "model"))})
+    out = jaxckpt.restore(tmp_path / "c")["x"]
+    assert all(_mapped_from(out, tmp_path / "c"))
+    shutil.rmtree(tmp_path / "c")
+    assert_same_bits(x, np.asarray(out))
+
+
+def test_a_corrupt_chunk_is_a_checksum_error_through_the_mapping(mesh42, tmp_path, monkeypatch):
+    """One flipped byte in a mapped chunk: ``ChecksumError`` naming the leaf and the file."""
+    x = random_bits((8192, 64), np.dtype(np.float32), np.random.default_rng(3))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
+    maps = []
+    real = direct.Reader.map
+    monkeypatch.setattr(direct.Reader, "map", lambda self, *a: maps.append(1) or real(self, *a))
+    path, _ = flip_a_chunk_byte(tmp_path / "c")
+    with pytest.raises(errors.ChecksumError, match=r"'x'") as e:
+        jaxckpt.restore(tmp_path / "c")
+    assert os.path.basename(path) in str(e.value)
+    assert maps
+
+
+def test_switched_off_or_out_of_room_the_slices_are_read(mesh42, tmp_path, monkeypatch):
+    """``JAXCKPT_MAP=0``: every slice read into fresh memory. With room for 3 mappings
+    only: three slices mapped (a slice and its replica take two), the rest read; bit-exact
+    either way."""
+    x = random_bits((4096, 64), np.dtype(np.int32), np.random.default_rng(4))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
+    monkeypatch.setenv("JAXCKPT_MAP", "0")
+    out = jaxckpt.restore(tmp_path / "c")["x"]
+    assert not any(_mapped_from(out, tmp_path / "c"))
+    assert_same_bits(x, np.asarray(out))
+    monkeypatch.delenv("JAXCKPT_MAP")
+    monkeypatch.setattr(mapped, "room", lambda: 3)
+    out = jaxckpt.restore(tmp_path / "c")["x"]
+    assert sum(_mapped_from(out, tmp_path / "c")) == 2  # one slice on its two devices
+    assert_same_bits(x, np.asarray(out))
+
+
+def test_a_cold_restore_maps_too(mesh42, tmp_path):
+    """The step's pages dropped from the page cache: the mappings read them (populated,
+    ``MADV_POPULATE_READ``), bit-exact."""
+    x = random_bits((8192, 64), np.dtype(np.float16), np.random.default_rng(5))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, P(None, "model"))})
+    for root, _, files in os.walk(tmp_path / "c"):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    out = jaxckpt.restore(tmp_path / "c")["x"]
+    assert all(_mapped_from(out, tmp_path / "c"))
+    assert_same_bits(x, np.asarray(out))
+
+
+# --- the rules, without jax -----------------------------------------------------------------
+
+
+def _sr(nbytes: int, start: int = 4096, offset: int = 0, inline: bool = False, chunks: int = 1):
+    at = arrays.ChunkBytes("/f", start, start + nbytes + 4, inline)
+    reads = tuple(chunk_plan.ChunkRead(f"k{i}", at, offset, nbytes) for i in range(chunks))
+    return chunk_plan.SliceRead((nbytes * chunks,), np.dtype(np.uint8), reads)
+
+
+def test_only_whole_aligned_out_of_line_chunks_of_the_minimum_size_are_suitable():
+    n = mapped.MIN_BYTES
+    assert mapped.suitable(_sr(n))
+    assert not mapped.suitable(_sr(n - 1))  # small: read with its neighbours
+    assert not mapped.suitable(_sr(n, start=4096 + 4))  # not 64-byte aligned
+    assert not mapped.suitable(_sr(n, inline=True))
+    assert not mapped.suitable(_sr(n, chunks=2))  # two chunks: their trailers between
+    part = chunk_plan.ChunkPart("k", arrays.ChunkBytes("/f", 0, n + 4), n, (n,), (), ())
+    assert not mapped.suitable(chunk_plan.SliceRead((n,), np.dtype(np.uint8), (), (part,)))
+
+
+def test_a_region_past_the_end_of_its_file_is_an_os_error(tmp_path):
+    """No SIGBUS: the mapping is populated, and the kernel's refusal is an ``OSError``."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        region = mapped.region(fd, 64, 1000)
+        assert region.tobytes() == (bytes(range(256)) * 64)[64:1064]
+        region[:] = 0  # private: the file keeps its bytes
+        assert path.read_bytes() == bytes(range(256)) * 64
+        with pytest.raises(OSError):
+            mapped.region(fd, 8192, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+def test_room_leaves_half_of_the_map_count():
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+    assert 0 < mapped.room() < limit // 2
