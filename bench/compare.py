@@ -31,11 +31,13 @@ with mixed PartitionSpecs, then, ``--repeats`` times, alternating the libraries:
 * the limits (``harness.raw_io``): the same bytes written with NumPy + fsync as one file and
   as per-array files on 2/4/8 threads, then read back from the page cache into fresh memory
   that is kept until the clock stops (a buffer per file, every page touched for the first
-  time, as a restore fills the arrays it returns; reading blocks into memory that is freed
-  and reused would skip the page faults every restore pays), plainly and *verified* (a hardware CRC32C over every byte: the least a reader that checks
+  time, as a restore that reads fills the arrays it returns; reading blocks into memory that
+  is freed and reused would skip those page faults; a restore onto CPU devices that maps
+  whole chunks of the files, ``jaxckpt/_src/mapped.py``, skips them too), plainly and *verified* (a hardware CRC32C over every byte: the least a reader that checks
   every byte must do); the best way is the limit. Beside them, the verified read with each
   array's replicas on the (4, 2) mesh then copied into fresh memory: onto CPU devices every
-  replica is host memory a restore must fill (1.41 GB for the 1 GB state's 0.96 GB read),
+  replica is host memory a restore that reads must fill (1.41 GB for the 1 GB state's 0.96
+  GB read; mapped, the replicas share the page cache's pages),
   printed as a ratio beside the targets, which stay against the verified read. The save is held against the raw
   *first* write: each way in a fresh process that builds the arrays, warms up with a tiny
   write and then writes every byte once, as the save worker does (on this VM memory left
