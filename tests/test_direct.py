@@ -138,7 +138,7 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
         iostats.drop_page_cache(str(tmp_path / "c"))
         # the B-tree walk's read of a data file's head may bring a small file in (readahead)
         # before the restore asks whether it will wait for the disk: here it always will
-        monkeypatch.setattr(residency, "from_disk", lambda plans: True)
+        monkeypatch.setattr(residency, "from_disk", lambda plans, unknown=False: True)
     else:
         jaxckpt.restore(tmp_path / "c")  # every chunk read once: in the page cache
     advised: list[tuple[str, int, int]] = []
@@ -590,11 +590,44 @@ def test_cached_stretches_get_no_prefetch_advice(rows, mesh42, tmp_path, monkeyp
     out = jaxckpt.restore(tmp_path / "c")
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     assert os.POSIX_FADV_WILLNEED not in advice and probes == []
-    monkeypatch.setattr(residency, "from_disk", lambda plans: True)
+    monkeypatch.setattr(residency, "from_disk", lambda plans, unknown=False: True)
     out = jaxckpt.restore(tmp_path / "c")
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     assert os.POSIX_FADV_WILLNEED not in advice
     assert probes and set(probes) == {1}
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["256 KiB chunks", "small slices"])
+def test_chunks_a_few_zero_bytes_apart_are_read_in_one_preadv(
+    small, preadv, mesh42, tmp_path, monkeypatch
+):
+    """``ocdbt_write`` starts chunks of 256 KiB or more on 64-byte boundaries: the reader
+    still reads such neighbours (a shard of 16 such chunks, read, not mapped; or runs of
+    small slices, each a chunk) in one ``preadv`` of about 1 MiB, the gaps into scratch,
+    bit-exact; the bytes read are the chunks', their trailers' and the gaps' (< 64 each)."""
+    monkeypatch.setenv("JAXCKPT_MAP", "0")
+    if small:  # every chunk padded: small slices' batches read across the gaps
+        monkeypatch.setattr(ocdbt_write, "ALIGN_MIN_BYTES", 1)
+        x = random_bits((4 * 64, 8), np.dtype(np.float32), np.random.default_rng(8))
+        tree = {f"x{i}": sharded(np.roll(x, i), mesh42, ("data",)) for i in range(16)}
+    else:
+        x = random_bits((65536, 64), np.dtype(np.float32), np.random.default_rng(8))
+        tree = {"x": sharded(x, mesh42, ("data",))}
+    jaxckpt.save(tmp_path / "c", tree, chunk_bytes=None if small else 256 << 10)
+    chunks = _chunk_values(tmp_path / "c")
+    assert len(chunks) == 64
+    gaps = 0
+    for a, b in itertools.pairwise(sorted(chunks, key=lambda c: (c.file, c.start))):
+        if a.file == b.file:
+            assert 0 <= b.start - a.stop < direct.GAP_BYTES
+            gaps += b.start - a.stop
+    assert gaps > 0
+    out = jaxckpt.restore(tmp_path / "c", target=tree)
+    for name, want in tree.items():
+        assert_same_bits(np.asarray(want), np.asarray(out[name]), name)
+    stored = sum(c.stop - c.start for c in chunks)
+    assert stored <= preadv.bytes <= stored + gaps
+    assert preadv.calls <= (4 if small else 4 * 6), preadv.calls  # ~1 MiB a call
 
 
 def test_a_buffer_to_read_into_must_fit_exactly():

@@ -97,6 +97,36 @@ def test_golden_checkpoint_restores_bit_exactly(version, name):
         assert all(v is None for v in jaxckpt.per_process(path, all=True))
 
 
+ALIGNED = [
+    v for v in VERSIONS if os.path.isdir(os.path.join(GOLDEN, f"v{v}", "checkpoint_aligned"))
+]
+
+
+@pytest.mark.parametrize("version", ALIGNED)
+def test_golden_aligned_chunk_restores_bit_exactly_mapped_and_read(version, monkeypatch):
+    """(1.8) The large leaf's chunk starts on a 64-byte boundary after zero bytes: it comes
+    back bit-exact mapped from the file (CPU devices), read (``JAXCKPT_MAP=0``), and by
+    TensorStore alone (``JAXCKPT_DIRECT_READ=0``)."""
+    import tensorstore as ts
+
+    from jaxckpt._src import arrays
+
+    path = os.path.join(GOLDEN, f"v{version}", "checkpoint_aligned")
+    db = arrays.database_dir(location(path), None)
+    where, _ = arrays.btree(ts.KvStore.open(db.kvstore()).result(), db)
+    small, large = where["a_small/c/0"], where["b_large/c/0"]
+    assert large.start % 64 == 0 and 0 < large.start - small.stop < 64
+    for env in ({}, {"JAXCKPT_MAP": "0"}, {"JAXCKPT_DIRECT_READ": "0"}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        out = jaxckpt.restore(path)
+        for name, want in values.ALIGNED.items():
+            got = np.asarray(out[name])
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (name, env)
+        for k in env:
+            monkeypatch.delenv(k)
+
+
 def _at_least(version: str, major: int, minor: int) -> bool:
     return tuple(map(int, version.split("."))) >= (major, minor)
 

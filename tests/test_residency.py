@@ -49,3 +49,21 @@ def test_residency_follows_the_page_cache(tmp_path):
         assert residency.cached(fd, 3 * MIB)
     finally:
         os.close(fd)
+
+
+def test_a_chunk_that_ends_a_file_in_a_part_page_is_told_too(tmp_path):
+    """The last page of a file of 1 MiB + 100 bytes, cached or not: ``from_disk`` tells it
+    (it once mapped a whole page past the file's end, could not, and counted that as
+    cached), also when not knowing counts as the disk (``unknown=True``)."""
+    path = str(tmp_path / "d")
+    with open(path, "wb") as f:
+        f.write(bytes(MIB + 100))
+        f.flush()
+        os.fsync(f.fileno())
+    chunk = chunk_plan.ChunkRead("x/c/0", _at(path, MIB - 4000, MIB + 100), 0, 4096)
+    plans = [chunk_plan.SliceRead((4096,), np.dtype(np.uint8), (chunk,))]
+    iostats.drop_page_cache(str(tmp_path))
+    assert residency.from_disk(plans)
+    with open(path, "rb") as f:
+        f.read()
+    assert not residency.from_disk(plans) and not residency.from_disk(plans, unknown=True)

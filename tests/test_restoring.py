@@ -359,7 +359,10 @@ def test_a_state_dropped_before_a_restore_gives_its_memory_back_before_the_reads
     128 MiB here, replicas included) is handed back before the new state is read, not when
     the restore ends (jax frees it at its next transfer, and a CPU restore puts its leaves
     at the end): the process's RSS while the reads start falls well below where it was
-    (jax may release a buffer a moment after ``del``: the lowest of them)."""
+    (jax may release a buffer a moment after ``del``: the lowest of them). Read into fresh
+    memory (``JAXCKPT_MAP=0``): mapped from the files, the arrays' pages are the page
+    cache's, and a replica's count in the RSS only once touched."""
+    monkeypatch.setenv("JAXCKPT_MAP", "0")
     x = np.random.default_rng(0).standard_normal((8192, 2048)).astype(np.float32)  # 64 MiB
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
     seen: list[int] = []

@@ -48,6 +48,7 @@ one thread, chunks back to back in a file in one ``preadv`` across slices: a tas
 wake-up of a thread for each one cost more than reading it (2000 leaves of 16 KiB)."""
 SMALL_BYTES = 256 << 10
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
+GAP_BYTES = 64  # ``ocdbt_write.ALIGN``: the most zero bytes it writes before a chunk
 
 
 def enabled(loc: Location) -> bool:
@@ -194,7 +195,7 @@ class Reader:
         runs: list[list[_Queued]] = []
         for q in live:
             last = runs[-1][-1].span if runs else None
-            if last is not None and last.file == q.span.file and last.stop == q.span.start:
+            if last is not None and last.file == q.span.file and _near(last.stop, q.span.start):
                 runs[-1].append(q)
             else:
                 runs.append([q])
@@ -202,9 +203,11 @@ class Reader:
             bases: list[int] = []
             pieces: list[_Piece] = []
             chunks: list[ChunkRead] = []
-            for q in run:
+            for k, q in enumerate(run):
                 base = len(chunks)
                 bases.append(base)
+                if k:
+                    pieces += _gap(run[k - 1].span.stop, q.span.start)
                 chunks += q.span.chunks
                 pieces += [
                     p if p.chunk < 0 or not base else dataclasses.replace(p, chunk=p.chunk + base)
@@ -535,10 +538,14 @@ def _spans(chunks: list[ChunkRead], flats: list[np.ndarray], trailers: memoryvie
         touched.clear()
 
     for i, r in enumerate(chunks):
-        if prev is None or r.at.file != prev.at.file or r.at.start != prev.at.stop:
+        if prev is None or r.at.file != prev.at.file or not _near(prev.at.stop, r.at.start):
             cut()
             start = pos = r.at.start
             size = 0
+        for gap in _gap(pos, r.at.start):
+            pieces.append(gap)
+            pos += len(gap.view)
+            size += len(gap.view)
         prev = r
         touched.append(r)
         ranges = [(r.offset + lo, r.offset + min(r.nbytes, lo + PIECE_BYTES))
@@ -556,6 +563,19 @@ def _spans(chunks: list[ChunkRead], flats: list[np.ndarray], trailers: memoryvie
             size += len(piece.view)
     cut()
     return spans
+
+
+def _near(stop: int, start: int) -> bool:
+    """Whether a chunk at ``start`` follows one that ends at ``stop`` closely enough to be read
+    in the same ``preadv``: back to back, or after the zero bytes before a chunk that
+    ``ocdbt_write`` starts on an ``ALIGN`` boundary."""
+    return 0 <= start - stop < GAP_BYTES
+
+
+def _gap(stop: int, start: int) -> list[_Piece]:
+    """The bytes between two chunks read together (``_near``), into scratch memory: no
+    chunk's, so neither checksummed nor kept."""
+    return [_Piece(memoryview(bytearray(start - stop)), -1)] if start > stop else []
 
 
 def _check(chunks: list[ChunkRead], trailers: bytearray, partial: Sequence[Any]) -> None:

@@ -16,11 +16,15 @@ array using it is gone.
 
 What it means for the caller (as with safetensors' loads into torch, which map too):
 - the arrays' pages belong to the page cache: under memory pressure the kernel may drop
-  them and read them again from the file later, instead of swapping;
-- a step deleted while arrays restored from it live (retention) keeps its data files' blocks
-  on the disk until those arrays are gone;
+  them and read them again from the file later (bytes not checked again), instead of
+  swapping; a replica's pages come in as it is first touched;
+- a mapping keeps its whole data file: a step deleted while arrays restored from it live
+  (retention) keeps those files' blocks on the disk (their memory, on tmpfs) until the
+  last such array is gone;
 - jaxckpt never writes a committed step's files; anything that rewrote one in place would
-  change such arrays, or (truncating it) stop the process with SIGBUS.
+  change such arrays, and a file truncated, or a page the disk can no longer read, stops
+  the process with SIGBUS when a dropped page is touched again (during the restore such
+  errors raise ``StorageError``).
 ``JAXCKPT_MAP=0`` turns it off (then every chunk is read into fresh memory).
 """
 

@@ -37,16 +37,22 @@ def new_blocks(
     return out
 
 
-def from_disk(plans: Sequence[SliceRead]) -> bool:
+SAMPLES = 8  # slices whose first chunk ``from_disk`` probes
+
+
+def from_disk(plans: Sequence[SliceRead], unknown: bool = False) -> bool:
     """Whether the reads of ``plans`` (in the order they are issued) will wait for the disk:
-    the first and last bytes of the first and last slices' first chunks are not all in the
-    page cache (``_resident``: it starts no readahead, which would hide from the reader's prefetch
-    the stretches around the probed bytes; False where that can't be told)."""
+    the first and last bytes of the first chunk of up to ``SAMPLES`` slices spread over
+    them, the first and the last included, are not all in the page cache (``_resident``: it
+    starts no readahead, which would hide from the reader's prefetch the stretches around
+    the probed bytes); ``unknown`` where that can't be told."""
     if not plans:
         return False
-    probes = {(at.file, at.start) for sr in (plans[0], plans[-1]) for at in _first(sr)}
-    probes |= {(at.file, at.stop - 1) for sr in (plans[0], plans[-1]) for at in _first(sr)}
-    return any(_resident(file, offset) is False for file, offset in sorted(probes))
+    picked = [*plans[:: max(1, len(plans) // SAMPLES)], plans[-1]]
+    probes = {(at.file, at.start) for sr in picked for at in _first(sr)}
+    probes |= {(at.file, at.stop - 1) for sr in picked for at in _first(sr)}
+    found = [_resident(file, offset) for file, offset in sorted(probes)]
+    return False in found or (unknown and None in found)
 
 
 def _resident(path: str, offset: int) -> bool | None:
@@ -57,14 +63,13 @@ def _resident(path: str, offset: int) -> bool | None:
         return None
     page = offset - offset % mmap.PAGESIZE
     try:
-        with (
-            open(path, "rb") as f,
-            mmap.mmap(f.fileno(), mmap.PAGESIZE, access=mmap.ACCESS_READ, offset=page) as m,
-        ):
-            view = np.frombuffer(m, np.uint8)
-            vec = bytearray(1)
-            ok = fn(view.ctypes.data, mmap.PAGESIZE, (ctypes.c_char * 1).from_buffer(vec)) == 0
-            del view  # (before the mapping closes)
+        with open(path, "rb") as f:
+            size = min(mmap.PAGESIZE, os.fstat(f.fileno()).st_size - page)  # (a file's last)
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ, offset=page) as m:
+                view = np.frombuffer(m, np.uint8)
+                vec = bytearray(1)
+                ok = fn(view.ctypes.data, size, (ctypes.c_char * 1).from_buffer(vec)) == 0
+                del view  # (before the mapping closes)
     except (OSError, ValueError):  # the read raises, naming it; a page past the end
         return None
     return bool(vec[0] & 1) if ok else None

@@ -156,7 +156,10 @@ def _read_all(
     with (
         _populating(fills),
         contextlib.closing(
-            direct.Reader(keep_bytes=min(direct.KEEP_BYTES, budget), prefetch=cold)
+            direct.Reader(
+                keep_bytes=min(direct.KEEP_BYTES, budget),
+                prefetch=cold or residency.from_disk([sr for _, sr in planned], unknown=True),
+            )
         ) as direct_reader,
         contextlib.closing(InFlight[Any](budget, threads=_place_threads(reading))) as reads,
     ):

@@ -50,6 +50,10 @@ def main() -> None:
     jaxckpt.save(os.path.join(out, "checkpoint"), values.state(mesh))
     if (major, minor) >= (1, 2):  # sub-chunks: chunks smaller than the shards
         jaxckpt.save(os.path.join(out, "checkpoint_chunked"), values.state(mesh), chunk_bytes=16)
+    if (major, minor) >= (1, 8):  # a chunk after a gap of zero bytes
+        one = jax.devices()[0]
+        aligned = {k: jax.device_put(v, one) for k, v in values.ALIGNED.items()}
+        jaxckpt.save(os.path.join(out, "checkpoint_aligned"), aligned)
     params = {
         "w": jax.device_put(values.EXPORT_W, NamedSharding(mesh, P(None, "model"))),
         "b": jax.device_put(values.EXPORT_B, NamedSharding(mesh, P("model"))),
