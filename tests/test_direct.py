@@ -601,10 +601,10 @@ def test_cached_stretches_get_no_prefetch_advice(rows, mesh42, tmp_path, monkeyp
 def test_chunks_a_few_zero_bytes_apart_are_read_in_one_preadv(
     small, preadv, mesh42, tmp_path, monkeypatch
 ):
-    """``ocdbt_write`` starts chunks of 256 KiB or more on 64-byte boundaries: the reader
+    """``ocdbt_write`` starts chunks of 256 KiB or more on page boundaries: the reader
     still reads such neighbours (a shard of 16 such chunks, read, not mapped; or runs of
     small slices, each a chunk) in one ``preadv`` of about 1 MiB, the gaps into scratch,
-    bit-exact; the bytes read are the chunks', their trailers' and the gaps' (< 64 each)."""
+    bit-exact; the bytes read are the chunks', their trailers' and the gaps' (< 4 KiB each)."""
     monkeypatch.setenv("JAXCKPT_MAP", "0")
     if small:  # every chunk padded: small slices' batches read across the gaps
         monkeypatch.setattr(ocdbt_write, "ALIGN_MIN_BYTES", 1)

@@ -104,7 +104,7 @@ ALIGNED = [
 
 @pytest.mark.parametrize("version", ALIGNED)
 def test_golden_aligned_chunk_restores_bit_exactly_mapped_and_read(version, monkeypatch):
-    """(1.8) The large leaf's chunk starts on a 64-byte boundary after zero bytes: it comes
+    """(1.8) The large leaf's chunk starts on a page boundary after zero bytes: it comes
     back bit-exact mapped from the file (CPU devices), read (``JAXCKPT_MAP=0``), and by
     TensorStore alone (``JAXCKPT_DIRECT_READ=0``)."""
     import tensorstore as ts
@@ -115,7 +115,7 @@ def test_golden_aligned_chunk_restores_bit_exactly_mapped_and_read(version, monk
     db = arrays.database_dir(location(path), None)
     where, _ = arrays.btree(ts.KvStore.open(db.kvstore()).result(), db)
     small, large = where["a_small/c/0"], where["b_large/c/0"]
-    assert large.start % 64 == 0 and 0 < large.start - small.stop < 64
+    assert large.start % 4096 == 0 and 0 < large.start - small.stop < 4096
     for env in ({}, {"JAXCKPT_MAP": "0"}, {"JAXCKPT_DIRECT_READ": "0"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)

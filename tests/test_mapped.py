@@ -4,6 +4,7 @@ import os
 import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import flip_a_chunk_byte, sharded
@@ -143,6 +144,30 @@ def test_a_cold_restore_maps_too(mesh42, tmp_path):
     assert_same_bits(x, np.asarray(out))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e5m2", "int16"])
+def test_a_slice_of_several_chunks_is_one_stretch_of_mappings(dtype, mesh42, tmp_path):
+    """Shards saved in chunks of 256 KiB (``chunk_bytes``, row blocks), restored onto the
+    saved mesh (16 chunks a slice) and onto 4 devices (two shards' chunks a slice): each
+    slice one stretch of memory, each chunk mapped at its place from the files, random bits
+    exact; a flipped byte in one of them is a ``ChecksumError``."""
+    d = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    rows = 4 * 16 * (256 << 10) // (64 * d.itemsize)
+    x = random_bits((rows, 64), d, np.random.default_rng(9))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=256 << 10)
+    mesh4 = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    for mesh in (mesh42, mesh4):
+        target = {"x": NamedSharding(mesh, P("data"))}
+        out = jaxckpt.restore(tmp_path / "c", target=target)["x"]
+        assert all(_mapped_from(out, tmp_path / "c")), mesh
+        assert len({s.data.unsafe_buffer_pointer() for s in out.addressable_shards}) == mesh.size
+        for shard in out.addressable_shards:
+            assert_same_bits(x[shard.index], np.asarray(shard.data), f"{dtype} {mesh.shape}")
+        del out
+    flip_a_chunk_byte(tmp_path / "c")
+    with pytest.raises(errors.ChecksumError, match=r"'x'"):
+        jaxckpt.restore(tmp_path / "c")
+
+
 # --- the rules, without jax -----------------------------------------------------------------
 
 
@@ -150,6 +175,34 @@ def _sr(nbytes: int, start: int = 4096, offset: int = 0, inline: bool = False, c
     at = arrays.ChunkBytes("/f", start, start + nbytes + 4, inline)
     reads = tuple(chunk_plan.ChunkRead(f"k{i}", at, offset, nbytes) for i in range(chunks))
     return chunk_plan.SliceRead((nbytes * chunks,), np.dtype(np.uint8), reads)
+
+
+def test_several_chunks_are_suitable_back_to_back_on_page_boundaries():
+    page, n = 4096, mapped.MIN_BYTES
+
+    def sr(*chunks):  # (file start, nbytes) each, back to back in the slice
+        reads, at = [], 0
+        for start, nbytes in chunks:
+            where = arrays.ChunkBytes("/f", start, start + nbytes + 4)
+            reads.append(chunk_plan.ChunkRead(f"k{at}", where, at, nbytes))
+            at += nbytes
+        return chunk_plan.SliceRead((at,), np.dtype(np.uint8), tuple(reversed(reads)))
+
+    assert mapped.suitable(sr((0, n), (5 * n, n), (2 * n, 100)))  # any order in the file
+    assert not mapped.suitable(sr((0, n), (5 * n + 64, n)))  # 64-byte aligned: one chunk only
+    assert not mapped.suitable(sr((0, n + 100), (5 * n, n)))  # the first ends inside a page
+    assert not mapped.suitable(sr((0, page), (5 * n, page)))  # small
+    gap = chunk_plan.SliceRead(
+        (2 * n,),
+        np.dtype(np.uint8),
+        (
+            chunk_plan.ChunkRead("a", arrays.ChunkBytes("/f", 0, n + 4), 0, n),
+            chunk_plan.ChunkRead(
+                "b", arrays.ChunkBytes("/f", 2 * n, 3 * n + 4), n + page, n - page
+            ),
+        ),
+    )
+    assert not mapped.suitable(gap)  # not back to back in the slice
 
 
 def test_only_whole_aligned_out_of_line_chunks_of_the_minimum_size_are_suitable():

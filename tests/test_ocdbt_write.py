@@ -102,7 +102,7 @@ def test_tensorstore_reads_our_database(tmp_path):
 
 
 def test_large_chunks_start_on_64_byte_boundaries_small_ones_back_to_back(tmp_path, ts_writes):
-    """Chunks of ``ALIGN_MIN_BYTES`` or more start on 64-byte boundaries of their data file
+    """Chunks of ``ALIGN_MIN_BYTES`` or more start on page boundaries of their data file
     (zero bytes between), so a restore onto CPU devices can map them; smaller ones stay
     back to back. TensorStore reads every bit, gaps and all."""
     rng = np.random.default_rng(3)

@@ -48,7 +48,7 @@ one thread, chunks back to back in a file in one ``preadv`` across slices: a tas
 wake-up of a thread for each one cost more than reading it (2000 leaves of 16 KiB)."""
 SMALL_BYTES = 256 << 10
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
-GAP_BYTES = 64  # ``ocdbt_write.ALIGN``: the most zero bytes it writes before a chunk
+GAP_BYTES = 4096  # ``ocdbt_write.ALIGN``: the most zero bytes it writes before a chunk
 
 
 def enabled(loc: Location) -> bool:
@@ -155,17 +155,33 @@ class Reader:
         return self._pool.submit(self._map, sr, replicas)
 
     def _map(self, sr: SliceRead, replicas: int) -> tuple[np.ndarray, ...]:
-        (c,) = sr.chunks
-        fd = self._fd(c.at.file)
+        chunks = sorted(sr.chunks, key=lambda c: c.offset)
+        parts = [(self._fd(c.at.file), c.at.start, c.nbytes) for c in chunks]
+        nbytes = sum(c.nbytes for c in chunks)
+
+        def mapping(populate: bool) -> np.ndarray:  # one chunk: with its trailer
+            if len(parts) == 1:
+                return mapped.region(parts[0][0], parts[0][1], nbytes + TRAILER, populate)
+            return mapped.chunks(parts, populate)
+
         try:
-            flat = mapped.region(fd, c.at.start, c.nbytes + TRAILER)
-            want = int.from_bytes(flat[c.nbytes :].tobytes(), "little")
-            if crc32c.crc32c(flat[: c.nbytes].data) != want:
-                raise Corrupt(c.key, c.at)
-            copies = [mapped.region(fd, c.at.start, c.nbytes, False) for _ in range(replicas)]
+            flat = mapping(True)
+            if len(chunks) == 1:
+                trailers = [flat[nbytes:].tobytes()]
+            else:
+                trailers = [os.pread(fd, TRAILER, a + n) for fd, a, n in parts]
+            for c, trailer in zip(chunks, trailers, strict=True):
+                data = flat[c.offset : c.offset + c.nbytes].data
+                if len(trailer) != TRAILER or crc32c.crc32c(data) != int.from_bytes(
+                    trailer, "little"
+                ):
+                    raise Corrupt(c.key, c.at)
+            copies = [mapping(False) for _ in range(replicas)]
         except OSError as e:
-            raise StorageError(f"chunk {c.key!r} at {c.at}: {e}") from e
-        return tuple(f[: c.nbytes].view(sr.dtype).reshape(sr.shape) for f in [flat, *copies])
+            raise StorageError(
+                f"chunks {[c.key for c in chunks]} of {chunks[0].at.file}: {e}"
+            ) from e
+        return tuple(f[:nbytes].view(sr.dtype).reshape(sr.shape) for f in [flat, *copies])
 
     def _queue(self, q: _Queued) -> _Waiting:
         """Puts a small slice in the batch, which goes to the threads once it holds

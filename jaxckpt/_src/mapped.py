@@ -5,8 +5,9 @@ zeroes each fresh page as it is first touched, then the read copies the chunk ov
 the page cache. Here that was most of a warm restore: 1 GB of 6 MB chunks in the page cache,
 two threads, each chunk read and checked: 2.3 GB/s into fresh memory, 10 GB/s into memory
 used before. Where a slice is one whole chunk, stored raw and 64-byte aligned in
-its data file (``ocdbt_write.ALIGN_MIN_BYTES``), on a local filesystem, the restore maps
-that stretch of the file instead (``MAP_PRIVATE``: copy on write), faults it in with
+its data file, or whole chunks back to back on page boundaries (``ocdbt_write`` aligns those
+of 256 KiB or more), on a local filesystem, the restore maps those stretches of the files
+instead (several chunks: each at its place in one reservation) (``MAP_PRIVATE``: copy on write), faults it in with
 ``MADV_POPULATE_READ`` (an I/O error comes back as an error, not as a SIGBUS), checks its
 CRC32C over the mapping, and CPU devices adopt the mapping as the array's memory: the page
 cache's pages themselves, nothing zeroed, nothing copied (17-20 GB/s in that probe). Each
@@ -36,6 +37,7 @@ import math
 import mmap
 import os
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -63,13 +65,23 @@ def enabled(path: str) -> bool:
 
 
 def suitable(sr: SliceRead) -> bool:
-    """Whether slice ``sr`` can be a mapping of its file: one whole chunk, out of line,
-    starting on an ``ALIGN`` boundary, of ``MIN_BYTES`` or more."""
-    if sr.parts or len(sr.chunks) != 1:
+    """Whether slice ``sr`` can be mappings of its file, of ``MIN_BYTES`` or more: one
+    whole chunk starting on an ``ALIGN`` boundary, or whole chunks back to back in the
+    slice, each starting on a page boundary and each but the last a whole number of pages
+    (each mapped at its place, ``chunks``); all out of line."""
+    size = math.prod(sr.shape) * sr.dtype.itemsize
+    if sr.parts or not sr.chunks or size < MIN_BYTES:
         return False
-    (c,) = sr.chunks
-    whole = c.offset == 0 and c.nbytes == math.prod(sr.shape) * sr.dtype.itemsize
-    return whole and not c.at.inline and c.at.start % ALIGN == 0 and c.nbytes >= MIN_BYTES
+    chunks = sorted(sr.chunks, key=lambda c: c.offset)
+    align = ALIGN if len(chunks) == 1 else mmap.PAGESIZE
+    at = 0
+    for i, c in enumerate(chunks):
+        if c.offset != at or c.at.inline or c.at.start % align:
+            return False
+        if i < len(chunks) - 1 and c.nbytes % mmap.PAGESIZE:
+            return False
+        at += c.nbytes
+    return at == size
 
 
 def room() -> int:
@@ -92,16 +104,48 @@ def region(fd: int, start: int, nbytes: int, populate: bool = True) -> np.ndarra
     OSError where the kernel can't map or read them (past the file's end, an I/O error)."""
     floor = start - start % mmap.PAGESIZE
     length = start + nbytes - floor
-    addr = _mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, floor)
+    addr = _mmap(None, length, _RW, mmap.MAP_PRIVATE, fd, floor)
     if addr is None or addr == _MAP_FAILED:
         raise _os_error(f"mmap of bytes {start}-{start + nbytes - 1}")
     if populate and _madvise(addr, length, _MADV_POPULATE_READ) != 0:
         err = _os_error(f"reading bytes {start}-{start + nbytes - 1}")
         _munmap(addr, length)
         raise err
+    return _owned(addr, length, start - floor, nbytes)
+
+
+def chunks(parts: Sequence[tuple[int, int, int]], populate: bool = True) -> np.ndarray:
+    """The chunks ``parts`` (file ``fd``, ``start``, ``nbytes``: each starting on a page
+    boundary, each but the last a whole number of pages) back to back in one stretch of
+    memory (flat uint8): a reservation with each chunk mapped at its place (``MAP_FIXED``,
+    private), faulted in where ``populate``. Raises OSError as ``region`` does."""
+    total = sum(n for _, _, n in parts)
+    length = -(-total // mmap.PAGESIZE) * mmap.PAGESIZE
+    base = _mmap(None, length, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)  # PROT_NONE
+    if base is None or base == _MAP_FAILED:
+        raise _os_error(f"reserving {length} bytes")
+    try:
+        at = 0
+        for fd, start, nbytes in parts:
+            size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+            got = _mmap(base + at, size, _RW, mmap.MAP_PRIVATE | _MAP_FIXED, fd, start)
+            if got != base + at:
+                raise _os_error(f"mmap of bytes {start}-{start + nbytes - 1}")
+            if populate and _madvise(got, nbytes, _MADV_POPULATE_READ) != 0:
+                raise _os_error(f"reading bytes {start}-{start + nbytes - 1}")
+            at += size
+    except BaseException:
+        _munmap(base, length)
+        raise
+    return _owned(base, length, 0, total)
+
+
+def _owned(addr: int, length: int, offset: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` from ``offset`` of the mapping at ``addr``, as an array that unmaps all
+    ``length`` bytes of it when the last array using them is gone."""
     memory = (ctypes.c_uint8 * length).from_address(addr)
     weakref.finalize(memory, _munmap, addr, length).atexit = False  # (jax may hold it still)
-    return np.frombuffer(memoryview(memory), np.uint8, count=nbytes, offset=start - floor)
+    return np.frombuffer(memoryview(memory), np.uint8, count=nbytes, offset=offset)
 
 
 def _libc(name: str, restype: type, *argtypes: type) -> Any:
@@ -119,6 +163,8 @@ _mmap = _libc(
 _munmap = _libc("munmap", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
 _madvise = _libc("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10  # Linux, every architecture
+_RW = mmap.PROT_READ | mmap.PROT_WRITE
 
 
 def _os_error(what: str) -> OSError:

@@ -60,10 +60,10 @@ _NODE_MAGIC = 0x0CDB20DE
 STEP_BYTES = 1 << 20  # checksummed then written at a time: still in cache for the write
 ALIGN_MIN_BYTES = 256 << 10
 """A chunk of this many bytes or more starts on an ``ALIGN`` boundary of its data file (zero
-bytes before it): a restore onto CPU devices can then map it as the array's own memory
-(``mapped``; XLA's CPU client adopts 64-byte aligned buffers). Smaller chunks stay back to
-back, so that the direct reader reads runs of them in one ``preadv``."""
-ALIGN = 64
+bytes before it): a restore onto CPU devices can then map it as the array's own memory,
+and several such chunks of one slice each at its place (``mapped``). Smaller chunks stay
+back to back, so that the direct reader reads runs of them in one ``preadv``."""
+ALIGN = 4096  # a page
 BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and memory
 BOUNCE_BYTES = 8 << 20  # one aligned buffer per file with O_DIRECT
 _GATHER_BYTES = 64 << 10  # smaller writes are gathered into the file's buffer first

@@ -25,7 +25,7 @@ NUMPY = {
 SCALAR = np.float32(2.5)  # a NumPy scalar
 PYTHON = {"i": 3, "f": 0.25, "b": True, "s": "golden", "n": None}
 KEY_SEED = 1234  # jax.random.key(KEY_SEED), threefry
-ALIGNED = {  # (1.8) a small leaf, then one whose chunk (256 KiB) starts on a 64-byte boundary
+ALIGNED = {  # (1.8) a small leaf, then one whose chunk (256 KiB) starts on a page boundary
     "a_small": np.arange(5, dtype=np.float32),
     "b_large": (np.arange(1 << 16, dtype=np.uint64) * 2654435761 % (1 << 32))
     .astype(np.uint32)
