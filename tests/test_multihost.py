@@ -169,9 +169,11 @@ def _bytes_by_rule(path: str, n: int) -> list[int]:
 
 
 def _restore_io(path: str, n: int, hosts: str) -> list[dict]:
+    """Each process's I/O counters over a restore, its chunks read with read calls, which
+    the OS counts (``JAXCKPT_MAP=0``: mapped onto CPU devices, they would be faulted in)."""
     res = multiproc.run(
         DATA_PARALLEL, n, devices_per_process=8 // n, args=["restore", path],
-        env={"JAXCKPT_TEST_HOSTS": hosts},
+        env={"JAXCKPT_TEST_HOSTS": hosts, "JAXCKPT_MAP": "0"},
     )  # fmt: skip
     return [
         json.loads(line.split(" ", 1)[1])
