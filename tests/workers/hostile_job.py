@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
+from jaxckpt._src import direct  # noqa: E402
 
 # Fixed leaves that read once (replicated over 'data') and random ones: each dtype gets
 # ``RANDOM`` leaves of random shapes and PartitionSpecs drawn from $JAXCKPT_TEST_SEED.
@@ -45,6 +46,10 @@ RANDOM = 2
 # Leaves whose slices are 2 MiB or more (8 MiB over at most 4 'model' devices): restores
 # read and replicate them in huge-page buffers (jaxckpt/_src/arrays.py: aligned_empty).
 BIG = {"bfloat16": 8 << 20, "int4": 8 << 20}
+# Leaves whose restored slices are whole chunks of 256 KiB or more, one or several back to
+# back (a shard both processes hold is written in row blocks, one a process): restores onto
+# CPU devices map them from the files (jaxckpt/_src/mapped.py).
+MAPPED = {"float8_e4m3fn": 4 << 20, "bfloat16": 4 << 20}
 
 
 def dtypes() -> list[np.dtype]:
@@ -73,6 +78,10 @@ def layout(seed: int) -> dict[str, tuple[np.dtype, tuple[int, ...], P]]:
         for k in range(RANDOM):
             shape = tuple(int(x) for x in rng.choice([1, 3, 8, 16, 24], rng.integers(0, 4)))
             out[f"{d.name}/r{k}"] = (d, shape, random_spec(shape, rng))
+        if d.name in MAPPED:
+            rows = MAPPED[d.name] // (64 * d.itemsize)
+            out[f"{d.name}/rows"] = (d, (rows, 64), P("data", None))
+            out[f"{d.name}/tall"] = (d, (rows, 64), P(None, "model"))
         if d.name in BIG:
             out[f"{d.name}/big"] = (d, (16, BIG[d.name] // (16 * d.itemsize)), P(None, "model"))
     return out
@@ -141,7 +150,16 @@ def main(mode: str, path: str) -> None:
     if mode == "save":
         jaxckpt.save(path, state(mesh))
     elif mode == "restore":
+        maps = [0]
+        real = direct.Reader._map
+
+        def counting(self, *args):  # noqa: ANN001, ANN202
+            maps[0] += 1
+            return real(self, *args)
+
+        direct.Reader._map = counting
         check(jaxckpt.restore(path, target=target(mesh, saved_spec)), "saved specs")
+        assert maps[0] or not set(MAPPED) & {d.name for d in dtypes()}, "nothing was mapped"
         check(jaxckpt.restore(path, mesh=mesh), "mesh=")
         other = jax.make_mesh((jax.device_count() // n, n), ("data", "model"))
         check(jaxckpt.restore(path, target=target(other, lambda k, s: P())), "replicated")
