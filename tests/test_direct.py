@@ -138,7 +138,7 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
         iostats.drop_page_cache(str(tmp_path / "c"))
         # the B-tree walk's read of a data file's head may bring a small file in (readahead)
         # before the restore asks whether it will wait for the disk: here it always will
-        monkeypatch.setattr(residency, "from_disk", lambda plans, unknown=False: True)
+        monkeypatch.setattr(residency, "from_disk", lambda plans: True)
     else:
         jaxckpt.restore(tmp_path / "c")  # every chunk read once: in the page cache
     advised: list[tuple[str, int, int]] = []
@@ -590,7 +590,7 @@ def test_cached_stretches_get_no_prefetch_advice(rows, mesh42, tmp_path, monkeyp
     out = jaxckpt.restore(tmp_path / "c")
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     assert os.POSIX_FADV_WILLNEED not in advice and probes == []
-    monkeypatch.setattr(residency, "from_disk", lambda plans, unknown=False: True)
+    monkeypatch.setattr(residency, "from_disk", lambda plans: True)
     out = jaxckpt.restore(tmp_path / "c")
     np.testing.assert_array_equal(np.asarray(out["x"]), x)
     assert os.POSIX_FADV_WILLNEED not in advice

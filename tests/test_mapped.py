@@ -168,6 +168,20 @@ def test_a_slice_of_several_chunks_is_one_stretch_of_mappings(dtype, mesh42, tmp
         jaxckpt.restore(tmp_path / "c")
 
 
+def test_room_is_counted_a_mapping_per_chunk_and_copy(mesh42, tmp_path, monkeypatch):
+    """A slice of 16 chunks on 2 devices takes 32 mappings: with room for 31 it is read,
+    with room for 32 mapped (``vm.max_map_count`` is counted in mappings, not slices)."""
+    x = random_bits((4 * 16 * 1024, 64), np.dtype(np.float32), np.random.default_rng(6))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=256 << 10)
+    target = {"x": NamedSharding(mesh42, P("data"))}
+    for room, want in ((31, 0), (32, 2)):
+        monkeypatch.setattr(mapped, "room", lambda room=room: room)
+        out = jaxckpt.restore(tmp_path / "c", target=target)["x"]
+        assert sum(_mapped_from(out, tmp_path / "c")) == want, room
+        assert_same_bits(x, np.asarray(out))
+        del out
+
+
 # --- the rules, without jax -----------------------------------------------------------------
 
 

@@ -53,8 +53,8 @@ def test_residency_follows_the_page_cache(tmp_path):
 
 def test_a_chunk_that_ends_a_file_in_a_part_page_is_told_too(tmp_path):
     """The last page of a file of 1 MiB + 100 bytes, cached or not: ``from_disk`` tells it
-    (it once mapped a whole page past the file's end, could not, and counted that as
-    cached), also when not knowing counts as the disk (``unknown=True``)."""
+    (it once mapped a whole page past the file's end, could not, and answered "can't
+    tell", None)."""
     path = str(tmp_path / "d")
     with open(path, "wb") as f:
         f.write(bytes(MIB + 100))
@@ -66,4 +66,4 @@ def test_a_chunk_that_ends_a_file_in_a_part_page_is_told_too(tmp_path):
     assert residency.from_disk(plans)
     with open(path, "rb") as f:
         f.read()
-    assert not residency.from_disk(plans) and not residency.from_disk(plans, unknown=True)
+    assert residency.from_disk(plans) is False

@@ -148,9 +148,10 @@ class Reader:
         return out
 
     def map(self, sr: SliceRead, replicas: int = 0) -> Future[tuple[np.ndarray, ...]]:
-        """Slice ``sr`` (``mapped.suitable``) as a private mapping of its chunk in the data
-        file, its CRC32C checked over the mapping, and ``replicas`` more mappings of it (one
-        for each other device of the slice), on the threads: no fresh memory, no copy."""
+        """Slice ``sr`` (``mapped.suitable``) as private mappings of its chunks in the data
+        files (several: each at its place, ``mapped.chunks``), each chunk's CRC32C checked
+        over them, and ``replicas`` more such copies (one for each other device of the
+        slice), on the threads: no fresh memory, no copy."""
         self._prefetch(sr)
         return self._pool.submit(self._map, sr, replicas)
 

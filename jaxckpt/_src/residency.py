@@ -40,19 +40,19 @@ def new_blocks(
 SAMPLES = 8  # slices whose first chunk ``from_disk`` probes
 
 
-def from_disk(plans: Sequence[SliceRead], unknown: bool = False) -> bool:
+def from_disk(plans: Sequence[SliceRead]) -> bool | None:
     """Whether the reads of ``plans`` (in the order they are issued) will wait for the disk:
     the first and last bytes of the first chunk of up to ``SAMPLES`` slices spread over
     them, the first and the last included, are not all in the page cache (``_resident``: it
     starts no readahead, which would hide from the reader's prefetch the stretches around
-    the probed bytes); ``unknown`` where that can't be told."""
+    the probed bytes); None where some can't be told and none was found missing."""
     if not plans:
         return False
     picked = [*plans[:: max(1, len(plans) // SAMPLES)], plans[-1]]
     probes = {(at.file, at.start) for sr in picked for at in _first(sr)}
     probes |= {(at.file, at.stop - 1) for sr in picked for at in _first(sr)}
     found = [_resident(file, offset) for file, offset in sorted(probes)]
-    return False in found or (unknown and None in found)
+    return True if False in found else None if None in found else False
 
 
 def _resident(path: str, offset: int) -> bool | None:

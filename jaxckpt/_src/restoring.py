@@ -147,7 +147,8 @@ def _read_all(
             r.store_fut.start()
     maps = _mapped(db, reader.requests, plans)
     planned = [(r, plans[i]) for i, r in enumerate(reader.requests) if i in plans]
-    cold = residency.from_disk([sr for _, sr in planned])
+    on_disk = residency.from_disk([sr for _, sr in planned])  # None: can't tell
+    cold = on_disk is True
     fills = [
         b for i, r in enumerate(reader.requests) if i in plans and i not in maps
         for b in r.buffers(plans[i])
@@ -158,7 +159,7 @@ def _read_all(
         contextlib.closing(
             direct.Reader(
                 keep_bytes=min(direct.KEEP_BYTES, budget),
-                prefetch=cold or residency.from_disk([sr for _, sr in planned], unknown=True),
+                prefetch=on_disk is not False,
             )
         ) as direct_reader,
         contextlib.closing(InFlight[Any](budget, threads=_place_threads(reading))) as reads,
@@ -203,11 +204,12 @@ def _mapped(
 ) -> set[Hashable]:
     """The planned requests whose slices become mappings of their chunks (``mapped``): onto
     CPU devices (read into the leaf's own buffer, ``into``, with no conversion after) from
-    a local filesystem, while the process has room for the mappings (one per copy)."""
+    a local filesystem, while the process has room for the mappings (one per chunk and
+    copy)."""
     if not plans or not mapped.enabled(db.url):
         return set()
     suitable = [
-        (i, 1 + len(r.copies))
+        (i, (1 + len(r.copies)) * len(sr.chunks))
         for i, r in enumerate(requests)
         if (sr := plans.get(i)) is not None and mapped.suitable(sr) and r.buffers(sr)
     ]
