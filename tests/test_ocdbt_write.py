@@ -101,7 +101,7 @@ def test_tensorstore_reads_our_database(tmp_path):
     assert len(os.listdir(tmp_path / "db" / "d")) == 1  # 1 KB: one data file, node included
 
 
-def test_large_chunks_start_on_64_byte_boundaries_small_ones_back_to_back(tmp_path, ts_writes):
+def test_large_chunks_start_on_page_boundaries_small_ones_back_to_back(tmp_path, ts_writes):
     """Chunks of ``ALIGN_MIN_BYTES`` or more start on page boundaries of their data file
     (zero bytes between), so a restore onto CPU devices can map them; smaller ones stay
     back to back. TensorStore reads every bit, gaps and all."""
