@@ -214,10 +214,10 @@ def test_cpu_slices_wait_for_array_then_each_device_adopts_its_own(
 ):
     """On CPU devices a leaf's slices wait for ``array``, which puts them with jax's own put
     (``placement._put``; a public device_put per shard cost most of a restore of small
-    shards): a leaf without replicas in one call, one with replicas a device at a time (jax
-    would give all devices of a replicated leaf the first buffer); where this jax has none,
-    a ``device_put`` of the list. Each device holds a buffer of its own, on the sharding
-    asked for, each shard on its device with its slice's bits."""
+    shards): a leaf in one call, replicas and all, unless it is replicated on every device:
+    that one a device at a time (jax would give all its devices the first buffer); where
+    this jax has none, a ``device_put`` of the list. Each device holds a buffer of its own,
+    on the sharding asked for, each shard on its device with its slice's bits."""
     calls = []
     real = placement._put
     if own:
@@ -232,8 +232,8 @@ def test_cpu_slices_wait_for_array_then_each_device_adopts_its_own(
             out.put(index, np.ascontiguousarray(full[tuple(slice(a, b) for a, b in index)]))
         assert not calls  # nothing on a device yet
         arr = out.array()
-        replicas = len(out.indices) < 8
-        assert len(calls) == own * (8 if replicas else 1) and _distinct_buffers(arr) == 8
+        everywhere = len(out.indices) == 1
+        assert len(calls) == own * (8 if everywhere else 1) and _distinct_buffers(arr) == 8
         calls.clear()
         assert arr.sharding == sharding and arr.dtype == full.dtype
         want = sharding.addressable_devices_indices_map(full.shape)
@@ -269,10 +269,29 @@ def test_a_jax_whose_put_refuses_gets_the_list_put(mesh42, monkeypatch):
         assert_same_bits(full, np.asarray(arr), str(spec))
 
 
-def test_only_a_leaf_without_replicas_is_put_in_one_call(mesh42, monkeypatch):
-    """jax's put of a whole leaf is never handed one whose slices lie on several devices
-    (should it give them one buffer, a donation on one would write the others): every
-    call with several devices has as many distinct slices, and every buffer is its own."""
+def test_jaxs_put_keeps_every_buffer_of_a_leaf_replicated_on_some_devices(mesh42):
+    """Why a leaf replicated on some devices (not all) goes in one call: jax's put adopts
+    each buffer on its own device, replicas too (should a jax give them one buffer, a
+    donation on one would write the others)."""
+    for spec in [P("data"), P(None, "model"), P("model")]:
+        sharding = NamedSharding(mesh42, spec)
+        index = sharding.addressable_devices_indices_map((8, 8))
+        devices = list(index)
+        bufs = [arrays.aligned_empty(extent(from_slices(index[d], (8, 8))), np.dtype(np.float32))
+                for d in devices]  # fmt: skip
+        for k, b in enumerate(bufs):
+            b[...] = k
+        arr = placement._put((8, 8), sharding, devices, bufs)
+        for shard in arr.addressable_shards:
+            k = devices.index(shard.device)
+            assert shard.data.unsafe_buffer_pointer() == bufs[k].ctypes.data, spec
+            assert float(np.asarray(shard.data)[0, 0]) == k, spec
+
+
+def test_only_a_leaf_replicated_everywhere_is_put_a_device_at_a_time(mesh42, monkeypatch):
+    """jax's put of a whole leaf is never handed one that every device holds whole (it
+    would give them one buffer): such a leaf goes a device at a time, every other leaf in
+    one call, every buffer its own."""
     seen: list[tuple[int, int, int]] = []
     real = placement._put
 
@@ -286,8 +305,11 @@ def test_only_a_leaf_without_replicas_is_put_in_one_call(mesh42, monkeypatch):
     monkeypatch.setattr(placement, "_put", watching)
     full = random_bits((8, 8), np.dtype(np.float32), np.random.default_rng(4))
     for spec in SPECS:
-        assert_same_bits(full, np.asarray(_placed(full, NamedSharding(mesh42, spec))), str(spec))
-    assert sorted(set(seen)) == [(1, 1, 1), (8, 8, 8)]
+        arr = _placed(full, NamedSharding(mesh42, spec))
+        assert_same_bits(full, np.asarray(arr), str(spec))
+        assert _distinct_buffers(arr) == 8, spec
+    # P("data") and P(None, "model"): 8 devices, 4 and 2 slices; P(): 8 calls of one
+    assert sorted(set(seen)) == [(1, 1, 1), (8, 2, 8), (8, 4, 8), (8, 8, 8)]
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int64, np.uint64, np.complex128], ids=str)

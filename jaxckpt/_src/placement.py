@@ -32,7 +32,7 @@ class Placement:
     process holds gets its place in one fresh buffer of the leaf, a huge-page mapping from
     2 MiB (``host_buffer`` gives a slice's: read it there; ``replica_buffers`` its
     replicas'), and the slices wait until ``array`` puts them with jax's own put: a leaf
-    without replicas in one call, one with replicas a device at a time (``_try_put``).
+    in one call, one replicated on every device a device at a time (``_try_put``).
     (Faulting shards smaller than a huge page in 4 KiB pages cost more than reading them; a
     public ``device_put`` per shard, more than the rest of a restore of small ones; an
     allocation per copy, 5 % of a restore of 2000 small leaves.)
@@ -124,7 +124,7 @@ class Placement:
         self._waiting.clear()
         devices = list(self.index_map)
         ordered = [bufs[d] for d in devices]
-        if len(self.devices) == len(devices):  # no replicas: the whole leaf in one call
+        if len(devices) == 1 or not self.sharding.is_fully_replicated:  # the leaf in one call
             whole = _try_put(ordered, [(self.shape, self.sharding, devices, ordered)])
             if whole:
                 return whole[0]
@@ -207,11 +207,12 @@ def _try_put(bufs: list[np.ndarray], calls: list[tuple]) -> list[jax.Array] | No
     """``_put`` of each of ``calls`` (shape, sharding, devices, buffers), or None where this
     jax has no ``_put`` or refuses the call (a private function that changed), or would
     keep a dtype of ``bufs`` that jax narrows (64-bit ones without ``jax_enable_x64``:
-    ``device_put`` narrows them). The whole leaf goes in one call only where it has no
-    replicas: jax's put of a leaf gives every device of one replicated everywhere the first
-    buffer, and one buffer on several devices would let a donation on one write the
-    others. A leaf of 8 replicas a device at a time: 0.06-0.08 ms against 0.24-0.33 ms for
-    ``device_put`` of the list (its pytree handling; 500 leaves)."""
+    ``device_put`` narrows them). The whole leaf goes in one call unless it is replicated
+    on every device: jax's put of such a leaf gives every device the first buffer, and one
+    buffer on several devices would let a donation on one write the others (a leaf
+    replicated on some devices keeps every buffer it is given; tests/test_placement.py
+    checks both). A leaf replicated everywhere goes a device at a time: 0.06-0.08 ms for 8
+    against 0.24-0.33 ms for ``device_put`` of the list (its pytree handling; 500 leaves)."""
     if _put is None or any(jax.dtypes.canonicalize_dtype(b.dtype) != b.dtype for b in bufs):
         return None
     try:
