@@ -389,6 +389,7 @@ def btree(
     root = max(versions, key=lambda v: v["generation_number"])["root"]["location"]
     found: dict[str, ChunkBytes] = {}
     values: dict[str, bytes] = {}
+    files: dict[str, str] = {}  # (a few data files hold every key)
     todo = [(root, b"")]
     while todo:
         node_at, prefix = todo.pop()
@@ -404,18 +405,22 @@ def btree(
             inline = "indirect_value" not in entry
             ref = node_at if inline else entry["indirect_value"]
             name = key.decode(errors="replace")
-            found[name] = _reference(db, ref, inline=inline)
+            found[name] = _reference(db, ref, files, inline=inline)
             if inline and isinstance(entry.get("inline_value"), bytes):
                 values[name] = entry["inline_value"]
     return found, values
 
 
-def _reference(db: Location, ref: str, *, inline: bool) -> ChunkBytes:
-    """``kind:base_path:relative_path:offset:length`` (TensorStore's data reference)."""
+def _reference(db: Location, ref: str, files: dict[str, str], *, inline: bool) -> ChunkBytes:
+    """``kind:base_path:relative_path:offset:length`` (TensorStore's data reference); the
+    data file's URL of each ``kind:base_path:relative_path`` is kept in ``files``."""
     head, offset, length = ref.rsplit(":", 2)
-    _, base_path, relative = head.split(":", 2)
-    path = urllib.parse.unquote(base_path + relative)
-    return ChunkBytes(db.join(path).url, int(offset), int(offset) + int(length), inline)
+    url = files.get(head)
+    if url is None:
+        _, base_path, relative = head.split(":", 2)
+        url = files[head] = db.join(urllib.parse.unquote(base_path + relative)).url
+    start = int(offset)
+    return ChunkBytes(url, start, start + int(length), inline)
 
 
 def locate(db: Location, key: str) -> ChunkBytes | None:
