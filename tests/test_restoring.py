@@ -225,7 +225,11 @@ def test_dtype_cast_on_restore(mesh42, tmp_path):
     target = {"x": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=x.sharding)}
     out = jaxckpt.restore(tmp_path / "c", target=target)
     assert out["x"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x).astype(jnp.bfloat16))
+    want = np.asarray(x).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out["x"]), want)
+    for shard in out["x"].addressable_shards:  # each replica cast too, in a buffer of its own
+        np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
+    assert len({s.data.unsafe_buffer_pointer() for s in out["x"].addressable_shards}) == 8
 
 
 def test_sharding_leaves_as_target(mesh42, tmp_path):
