@@ -13,13 +13,17 @@ devices, each process holding its own part). Measures, per process (median over 
   * restore time from local copies, from peer copies (process 1's local directory deleted),
     and from the remote directory and S3;
   * the overhead per training step of ``local_interval_steps=1`` on the example model (the
-    Flax MLP + Optax AdamW of examples/train_flax.py, as in examples/resilient_training.py).
+    Flax MLP + Optax AdamW of examples/train_flax.py, as in examples/resilient_training.py);
+  * the first restore from local copies in fresh processes (as after a failure: no memory
+    to reuse), mapped (``mapped``) against read (``JAXCKPT_MAP=0``, as before mapping),
+    alternating, --fresh-repeats pairs (target: mapped no slower).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -28,8 +32,13 @@ import harness
 from harness import median
 
 
-def worker(root: str, mib: int, s3: str | None, repeats: int, run_log: bool = True) -> dict:
-    """One process: its median seconds of every save, restore and training step measured."""
+def worker(
+    root: str, mib: int, s3: str | None, repeats: int, run_log: bool = True, fresh: str = ""
+) -> dict:
+    """One process: its median seconds of every save, restore and training step measured
+    (``fresh``: a step of ``fresh_worker`` instead)."""
+    if fresh:
+        return fresh_worker(root, mib, fresh)
     import time
 
     import jax
@@ -192,6 +201,64 @@ def worker(root: str, mib: int, s3: str | None, repeats: int, run_log: bool = Tr
     return out
 
 
+def fresh_worker(root: str, mib: int, what: str) -> dict:
+    """``what`` "save": one local step of the bench state, and a tiny checkpoint. "restore":
+    in this fresh process, the tiny checkpoint restored (jax and jaxckpt warmed up), then
+    the local step, timed: seconds, CPU seconds and the restore's phases."""
+    import time
+
+    import jax
+    import numpy as np
+
+    import jaxckpt
+
+    pid = jax.process_index()
+    import compare  # (after jax set up its devices: the job's own)
+
+    mesh = compare.make_mesh((4, 2), jax.device_count())
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, remote_interval_steps=10**9, replication=1, timeout_s=600
+    )
+    em = jaxckpt.EmergencyCheckpointManager(
+        os.path.join(root, f"host{pid}"), os.path.join(root, "remote"), opts
+    )
+    if what == "save":
+        state, _ = compare.build_state(mib / 1024, mesh)
+        em.save(1, state)
+        em.wait_until_finished()
+        em.close()
+        jaxckpt.save(os.path.join(root, "tiny"), {"x": np.ones((64, 64), np.float32)})
+        return {}
+    target = compare.abstract_state(mib / 1024, mesh)
+    jaxckpt.restore(os.path.join(root, "tiny"))
+    t, cpu = time.perf_counter(), time.process_time()
+    jax.block_until_ready(em.restore(target=target))
+    out = {"s": time.perf_counter() - t, "cpu": time.process_time() - cpu}
+    assert em.last_report.tier == "local" and not em.last_report.from_peers
+    out.update(em.last_restore_figures.phases)
+    em.close()
+    return out
+
+
+def fresh_restores(root: str, args) -> dict[str, list[float]]:
+    """Seconds of the slowest process's first restore from local copies, in fresh jobs,
+    mapped and read (``JAXCKPT_MAP=0``) alternating, each first in turn."""
+    job = functools.partial(
+        harness.run_job, __file__, args.processes, devices=8 // args.processes, timeout_s=900,
+        root=root, mib=args.mib, s3=None, repeats=0,
+    )  # fmt: skip
+    job(fresh="save")
+    times: dict[str, list[float]] = {"mapped": [], "read": []}
+    for r in range(args.fresh_repeats):
+        for way in ("mapped", "read") if r % 2 == 0 else ("read", "mapped"):
+            got = job(fresh="restore", env={"JAXCKPT_MAP": "1" if way == "mapped" else "0"})
+            times[way].append(max(x["s"] for x in got))
+            harness.log(f"fresh restore, {way}: " + ", ".join(
+                f"process {i} {x['s']:.3f} s (CPU {x['cpu']:.3f}, read {x['read']:.3f}, "
+                f"place {x['place']:.3f})" for i, x in enumerate(got)))  # fmt: skip
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024, help="total state size")
@@ -200,6 +267,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed saves / restores (median)")
     ap.add_argument(
         "--no-run-log", action="store_true", help="managers keep no run log (its cost: on vs off)"
+    )
+    ap.add_argument(
+        "--fresh-repeats", type=int, default=3, help="fresh-process restore pairs (0: none)"
     )
     args = ap.parse_args()
     env, server, s3 = {}, None, None
@@ -236,6 +306,7 @@ def main() -> None:
                 __file__, args.processes, devices=8 // args.processes, timeout_s=1800, env=env,
                 root=root, mib=args.mib, s3=s3, repeats=args.repeats, run_log=not args.no_run_log,
             )  # fmt: skip
+            fresh = fresh_restores(os.path.join(root, "fresh"), args) if args.fresh_repeats else {}
     finally:
         if server is not None:
             server.stop()
@@ -275,6 +346,13 @@ def main() -> None:
             continue
         ok = ours <= base if "<=" in what else ours < base
         print(f"  {harness.verdict(ok)} {what:<52} {ours / base:6.2f}x")
+    if fresh:
+        mapped, read = median(fresh["mapped"]), median(fresh["read"])
+        print(f"\nfirst restore from local copies in fresh processes, {args.fresh_repeats} "
+              f"alternating pairs (slowest process, median): mapped {mapped:.3f} s, read "
+              f"(JAXCKPT_MAP=0) {read:.3f} s; runs {fresh}")  # fmt: skip
+        what = "fresh restore from local copies: mapped <= read"
+        print(f"  {harness.verdict(mapped <= read)} {what:<52} {read / mapped:6.2f}x faster")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ import jax
 import multiproc
 import numpy as np
 import pytest
-from conftest import assert_tree_equal, listing, sharded
+from conftest import assert_tree_equal, listing, mapped_from, sharded
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt._src import mapped
 from jaxckpt._src.emergency import wire
 from jaxckpt._src.emergency.planner import SliceKey
 from jaxckpt._src.options import OptionsError
@@ -121,6 +122,76 @@ def test_a_local_restore_opens_with_tensorstore_only_the_leaves_it_reads_with_it
     for k, v in tree.items():
         assert_same_bits(np.asarray(v), np.asarray(out[k]), k)
     assert sorted(set(opened)) == sorted(d.name for d in DTYPES if not direct_dtype(d))
+
+
+MAP_SPECS = [P("data", "model"), P("data"), P(None, "model"), P()]
+
+
+def test_a_local_restore_maps_whole_chunks_as_the_arrays_memory(x64, tmp_path, mesh42, monkeypatch):
+    """Slices of 256 KiB or more come back as private mappings of the local step's data
+    files (``mapped``), as a restore's do: random bits of every whole-byte dtype under four
+    specs (replicas included), each device's bytes exact and its own memory; they stay so
+    after retention deletes the step; ``JAXCKPT_MAP=0`` reads them instead."""
+    from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
+
+    rng = np.random.default_rng(5)
+    tree = {}
+    for i, d in enumerate(x for x in DTYPES if direct_dtype(x) and _whole_bytes(x)):
+        rows = mapped.MIN_BYTES // d.itemsize // 64 * 4  # a (4, 2) slice: 256 KiB at least
+        spec = MAP_SPECS[i % len(MAP_SPECS)]
+        tree[d.name] = sharded(random_bits((rows, 128), d, rng), mesh42, spec)
+    want = {k: np.asarray(v) for k, v in tree.items()}
+    monkeypatch.delenv(mapped.ENV, raising=False)
+    o = dataclasses.replace(opts(), local_max_to_keep=1)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        mgr.save(1, tree)
+        mgr.wait_until_finished()
+        out = mgr.restore()
+        assert mgr.last_report.tier == "local"
+        for k, v in out.items():
+            assert all(mapped_from(v, tmp_path / "l" / "00000001")), k
+            assert len({s.data.unsafe_buffer_pointer() for s in v.addressable_shards}) == 8, k
+            assert_same_bits(want[k], np.asarray(v), k)
+        mgr.save(2, tree)  # retention deletes step 1, whose files the arrays map
+        mgr.wait_until_finished()
+        assert mgr.local_steps() == [2]
+        for k, v in out.items():
+            for shard in v.addressable_shards:
+                assert_same_bits(want[k][shard.index], np.asarray(shard.data), k)
+        monkeypatch.setenv(mapped.ENV, "0")
+        read = mgr.restore()
+        for k, v in read.items():
+            assert not any(mapped_from(v, tmp_path / "l")), k
+            assert_same_bits(want[k], np.asarray(v), k)
+
+
+def test_a_corrupt_chunk_of_a_mapped_slice_is_never_restored(tmp_path, mesh42, monkeypatch):
+    """A mapped slice's chunk fails its CRC32C (checked over the mapping): that step is
+    rejected naming the copy, the older one restored, mapped."""
+    monkeypatch.delenv(mapped.ENV, raising=False)
+
+    def state(step):
+        w = np.random.default_rng(step).standard_normal((1024, 512)).astype(np.float32)
+        return w, {"w": sharded(w, mesh42, P("data", "model"))}  # slices of 256 KiB
+
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        w1, s1 = state(1)
+        w2, s2 = state(2)
+        mgr.save(1, s1)
+        mgr.save(2, s2)
+        mgr.wait_until_finished()
+        corrupt(tmp_path / "l" / "00000002", w2[256:512, 256:512])
+        out = mgr.restore()
+        rep = mgr.last_report
+        assert (rep.tier, rep.step) == ("local", 1)
+        assert "no verified copy of w[256:512,256:512]" in rep.rejected[0].why
+        assert "CRC32C" in rep.bad_copies[0].why
+        assert all(mapped_from(out["w"], tmp_path / "l" / "00000001"))
+        np.testing.assert_array_equal(np.asarray(out["w"]), w1)
+
+
+def _whole_bytes(d: np.dtype) -> bool:
+    return jax.dtypes.itemsize_bits(d) == 8 * d.itemsize
 
 
 def test_step_digits_and_figures(tmp_path, mesh42):

@@ -7,7 +7,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import flip_a_chunk_byte, sharded
+from conftest import flip_a_chunk_byte, mapped_from, sharded
 from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -17,25 +17,6 @@ from jaxckpt import errors
 from jaxckpt._src import arrays, chunk_plan, direct, mapped
 
 SPECS = [P("data"), P(), P(None, "model"), P("data", "model")]
-
-
-def _file_of(address: int) -> str | None:
-    """The file mapped at ``address`` in this process (``/proc/self/maps``), or None."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return fields[5].strip() if len(fields) > 5 else None
-    return None
-
-
-def _mapped_from(out: jax.Array, root) -> list[bool]:
-    """For each shard of ``out``: whether its memory is a mapping of a file under ``root``."""
-    return [
-        (_file_of(s.data.unsafe_buffer_pointer()) or "").startswith(str(root))
-        for s in out.addressable_shards
-    ]
 
 
 def _rows(dtype: np.dtype, spec: P) -> tuple[int, int]:
@@ -65,7 +46,7 @@ def test_every_dtype_random_bits_comes_back_in_mappings_of_the_files(x64, mesh42
         assert len({s.data.unsafe_buffer_pointer() for s in got.addressable_shards}) == 8
         for shard in got.addressable_shards:
             assert_same_bits(np.asarray(x)[shard.index], np.asarray(shard.data), name)
-        where = _mapped_from(got, tmp_path / "c")
+        where = mapped_from(got, tmp_path / "c")
         assert all(where) if _mappable(got.dtype) else not any(where), (name, where)
 
 
@@ -79,7 +60,7 @@ def test_a_donation_writes_private_pages_not_the_file_nor_the_other_copies(mesh4
         "x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh42, P("data")))
     }
     restored = jaxckpt.restore(tmp_path / "c", target=target)["x"]
-    assert all(_mapped_from(restored, tmp_path / "c"))
+    assert all(mapped_from(restored, tmp_path / "c"))
     y = jax.jit(lambda v: v.view(np.uint32) ^ np.uint32(0xFFFFFFFF), donate_argnums=0)(restored)
     assert_same_bits(x.view(np.uint32) ^ np.uint32(0xFFFFFFFF), np.asarray(y))
     again = jaxckpt.restore(tmp_path / "c", target=target)["x"]
@@ -93,7 +74,7 @@ def test_the_arrays_outlive_their_step(mesh42, tmp_path):
     x = random_bits((8192, 256), np.dtype(jax.numpy.bfloat16), np.random.default_rng(2))
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data", "model"))})
     out = jaxckpt.restore(tmp_path / "c")["x"]
-    assert all(_mapped_from(out, tmp_path / "c"))
+    assert all(mapped_from(out, tmp_path / "c"))
     shutil.rmtree(tmp_path / "c")
     assert_same_bits(x, np.asarray(out))
 
@@ -120,12 +101,12 @@ def test_switched_off_or_out_of_room_the_slices_are_read(mesh42, tmp_path, monke
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
     monkeypatch.setenv("JAXCKPT_MAP", "0")
     out = jaxckpt.restore(tmp_path / "c")["x"]
-    assert not any(_mapped_from(out, tmp_path / "c"))
+    assert not any(mapped_from(out, tmp_path / "c"))
     assert_same_bits(x, np.asarray(out))
     monkeypatch.delenv("JAXCKPT_MAP")
     monkeypatch.setattr(mapped, "room", lambda: 3)
     out = jaxckpt.restore(tmp_path / "c")["x"]
-    assert sum(_mapped_from(out, tmp_path / "c")) == 2  # one slice on its two devices
+    assert sum(mapped_from(out, tmp_path / "c")) == 2  # one slice on its two devices
     assert_same_bits(x, np.asarray(out))
 
 
@@ -140,7 +121,7 @@ def test_a_cold_restore_maps_too(mesh42, tmp_path):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
     out = jaxckpt.restore(tmp_path / "c")["x"]
-    assert all(_mapped_from(out, tmp_path / "c"))
+    assert all(mapped_from(out, tmp_path / "c"))
     assert_same_bits(x, np.asarray(out))
 
 
@@ -158,7 +139,7 @@ def test_a_slice_of_several_chunks_is_one_stretch_of_mappings(dtype, mesh42, tmp
     for mesh in (mesh42, mesh4):
         target = {"x": NamedSharding(mesh, P("data"))}
         out = jaxckpt.restore(tmp_path / "c", target=target)["x"]
-        assert all(_mapped_from(out, tmp_path / "c")), mesh
+        assert all(mapped_from(out, tmp_path / "c")), mesh
         assert len({s.data.unsafe_buffer_pointer() for s in out.addressable_shards}) == mesh.size
         for shard in out.addressable_shards:
             assert_same_bits(x[shard.index], np.asarray(shard.data), f"{dtype} {mesh.shape}")
@@ -177,7 +158,7 @@ def test_room_is_counted_a_mapping_per_chunk_and_copy(mesh42, tmp_path, monkeypa
     for room, want in ((31, 0), (32, 2)):
         monkeypatch.setattr(mapped, "room", lambda room=room: room)
         out = jaxckpt.restore(tmp_path / "c", target=target)["x"]
-        assert sum(_mapped_from(out, tmp_path / "c")) == want, room
+        assert sum(mapped_from(out, tmp_path / "c")) == want, room
         assert_same_bits(x, np.asarray(out))
         del out
 
@@ -250,3 +231,19 @@ def test_room_leaves_half_of_the_map_count():
     with open("/proc/sys/vm/max_map_count") as f:
         limit = int(f.read())
     assert 0 < mapped.room() < limit // 2
+
+
+def test_choose_takes_suitable_slices_in_turn_while_there_is_room(tmp_path, monkeypatch):
+    """``mapped.choose``: nothing where mapping is off; else each suitable slice in turn,
+    counting one mapping per chunk and copy, while ``room`` lasts."""
+    n = mapped.MIN_BYTES
+    wanted = [("a", _sr(n), 1), ("small", _sr(n - 1), 0), ("b", _sr(n), 0), ("c", _sr(n), 2)]
+    monkeypatch.delenv(mapped.ENV, raising=False)
+    monkeypatch.setattr(mapped, "room", lambda: 2)
+    assert mapped.choose(str(tmp_path), wanted) == {"a"}  # a slice and its replica
+    monkeypatch.setattr(mapped, "room", lambda: 5)
+    assert mapped.choose(str(tmp_path), wanted) == {"a", "b"}  # 2 + 1; "c" needs 3 more
+    monkeypatch.setattr(mapped, "room", lambda: 6)
+    assert mapped.choose(str(tmp_path), wanted) == {"a", "b", "c"}
+    monkeypatch.setenv(mapped.ENV, "0")
+    assert mapped.choose(str(tmp_path), wanted) == set()

@@ -26,7 +26,8 @@ What it means for the caller (as with safetensors' loads into torch, which map t
   change such arrays, and a file truncated, or a page the disk can no longer read, stops
   the process with SIGBUS when a dropped page is touched again (during the restore such
   errors raise ``StorageError``).
-``JAXCKPT_MAP=0`` turns it off (then every chunk is read into fresh memory).
+``JAXCKPT_MAP=0`` turns it off (then every chunk is read into fresh memory). Both a
+restore and the emergency tier's reads of its local copies map (``choose``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ import math
 import mmap
 import os
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -54,6 +55,7 @@ FILESYSTEMS = frozenset({"ext4", "xfs", "btrfs", "tmpfs"})
 """Local ones: their pages can't go stale under another host's writes (NFS, Lustre, FUSE:
 read instead)."""
 _MADV_POPULATE_READ = 22  # Linux 5.14+
+K = TypeVar("K", bound=Hashable)
 
 
 def enabled(path: str) -> bool:
@@ -82,6 +84,23 @@ def suitable(sr: SliceRead) -> bool:
             return False
         at += c.nbytes
     return at == size
+
+
+def choose(path: str, wanted: Iterable[tuple[K, SliceRead, int]]) -> set[K]:
+    """The keys of ``wanted`` (key, slice, its replicas: copies mapped besides the first)
+    whose slices become mappings of the files under ``path``: where mapping is ``enabled``,
+    each ``suitable`` slice in turn while the process has ``room`` for its mappings (one
+    per chunk and copy)."""
+    if not enabled(path):
+        return set()
+    fits = [(k, (1 + n) * len(sr.chunks)) for k, sr, n in wanted if suitable(sr)]
+    left = room() if fits else 0
+    out: set[K] = set()
+    for k, n in fits:
+        if n <= left:
+            out.add(k)
+            left -= n
+    return out
 
 
 def room() -> int:

@@ -238,6 +238,19 @@ fill fresh memory while a state the caller dropped before it still holds its own
 memory (and, on a VM, pages that cost more to fault in than to reuse)."""
 
 
+def cpu_replicas(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], dtype: DTypeLike
+) -> Mapping[Index, int]:
+    """For a leaf whose slices CPU devices adopt as they are (``Placement``), each distinct
+    slice this process holds with its number of replicas (devices beyond the first): a
+    reader that fills or maps that many more copies saves ``put`` the copying. Empty for
+    any other leaf."""
+    slices, cpu = _slices(sharding, shape)
+    if not (cpu and _adopted(np.dtype(dtype))):
+        return {}
+    return {index: len(devices) - 1 for index, devices in slices.items()}
+
+
 def on_cpu(devices: Iterable[jax.Device]) -> bool:
     """Whether every one of ``devices`` is a CPU device, whose memory is host memory."""
     return all(d.platform == "cpu" for d in devices)

@@ -204,22 +204,15 @@ def _mapped(
 ) -> set[Hashable]:
     """The planned requests whose slices become mappings of their chunks (``mapped``): onto
     CPU devices (read into the leaf's own buffer, ``into``, with no conversion after) from
-    a local filesystem, while the process has room for the mappings (one per chunk and
-    copy)."""
-    if not plans or not mapped.enabled(db.url):
-        return set()
-    suitable = [
-        (i, (1 + len(r.copies)) * len(sr.chunks))
-        for i, r in enumerate(requests)
-        if (sr := plans.get(i)) is not None and mapped.suitable(sr) and r.buffers(sr)
-    ]
-    room = mapped.room() if suitable else 0
-    out: set[Hashable] = set()
-    for i, n in suitable:
-        if n <= room:
-            out.add(i)
-            room -= n
-    return out
+    a local filesystem, while the process has room for the mappings (``mapped.choose``)."""
+    return mapped.choose(
+        db.url,
+        (
+            (i, sr, len(r.copies))
+            for i, r in enumerate(requests)
+            if (sr := plans.get(i)) is not None and r.buffers(sr)
+        ),
+    )
 
 
 def _place_threads(reading: list[Want]) -> int:

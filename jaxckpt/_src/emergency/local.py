@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
-from .. import arrays, chunk_plan, direct, ocdbt_write, steps
+from .. import arrays, chunk_plan, direct, mapped, ocdbt_write, steps
 from ..boxes import Index, extent, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
 from ..manifest import (
@@ -49,6 +49,7 @@ LOCAL_FORMAT = "jaxckpt-local"
 LOCAL_CHUNK_BYTES = 16 << 20
 
 Slices = dict[SliceKey, np.ndarray]  # held slices' host data, in the stored dtype
+Copies = dict[SliceKey, tuple[np.ndarray, ...]]  # mapped slices' replicas (``read_slices``)
 Writers = dict[SliceKey, int]  # the process that held each slice when the step was saved
 
 
@@ -304,13 +305,19 @@ def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
 
 
 def read_slices(
-    step: LocalStep, wanted: Iterable[SliceKey], into: Slices | None = None
-) -> tuple[Slices, list[tuple[SliceKey, str]]]:
+    step: LocalStep,
+    wanted: Iterable[SliceKey],
+    into: Slices | None = None,
+    maps: Mapping[SliceKey, int] | None = None,
+) -> tuple[Slices, Copies, list[tuple[SliceKey, str]]]:
     """Reads the slices in ``wanted`` that ``step`` holds, verifying checksums.
 
-    Returns (slices read, [(slice, why)] for copies that failed to read: those count as
-    missing, their data is never used). A slice with a buffer in ``into`` (same shape and
-    item size, e.g. a view into a ``wire.pack_layout`` buffer) is read into it.
+    Returns (slices read, replicas mapped, [(slice, why)] for copies that failed to read:
+    those count as missing, their data is never used). A slice with a buffer in ``into``
+    (same shape and item size, e.g. a view into a ``wire.pack_layout`` buffer) is read into
+    it. One of ``maps`` (slice: its replicas' count) becomes private mappings of its chunks
+    where ``mapped.choose`` allows, checked as they are mapped: the slice and that many
+    replicas, each a mapping of its own (``direct.Reader.map``).
     """
     assert step.path is not None  # a step read from a directory
     db = step.path.join("arrays")
@@ -322,11 +329,23 @@ def read_slices(
     for key in keys:  # TensorStore opens what it is to read, at once
         if key not in plans:
             stores[key.leaf].start()
-    reads: list[tuple[SliceKey, np.ndarray, Any]] = []
+    maps = maps or {}
+    mapping = mapped.choose(
+        db.url,
+        (
+            (k, plans[k], maps[k])
+            for k in keys
+            if k in maps and k in plans and k not in (into or {})
+        ),
+    )
+    reads: list[tuple[SliceKey, np.ndarray | None, Any]] = []
     bad: list[tuple[SliceKey, str]] = []
     with contextlib.closing(direct.Reader()) as reader:
         for key in keys:
             plan, shape = plans.get(key), extent(key.box)
+            if plan is not None and key in mapping:
+                reads.append((key, None, reader.map(plan, maps[key])))
+                continue
             if plan is not None:
                 dst = _slice_buffer(into, key, shape, plan.dtype)
                 if dst.flags.c_contiguous:
@@ -341,15 +360,21 @@ def read_slices(
             region = store[tuple(slice(a, b) for a, b in key.box)]
             reads.append((key, dst, ts.array(dst, copy=False, write=True).write(region)))
         out: Slices = {}
-        for key, dst, written in reads:
+        copies: Copies = {}
+        for key, buf, written in reads:
             try:
-                written.result()
-                out[key] = dst
+                got = written.result()
             except direct.Corrupt as e:
                 err: Exception = arrays.checksum_error(key.leaf, e.key, str(e.at), str(e))
                 bad.append((key, f"{type(err).__name__}: {err}"))
+                continue
             except Exception as e:
                 err = arrays.read_error(e, leaf=key.leaf, db=db, writers=lambda _k: db.url)
                 bad.append((key, f"{type(err).__name__}: {err}"))
+                continue
+            if buf is None:  # mapped: the slice, then its replicas
+                out[key], copies[key] = got[0], got[1:]
+            else:
+                out[key] = buf
     arrays.release_free_memory()
-    return out, bad
+    return out, copies, bad

@@ -19,8 +19,8 @@ from numpy.typing import DTypeLike
 from .. import arrays
 from ..boxes import Index, extent, from_slices, intersect, whole, within
 from ..leaf_plan import Want, whole_on_host
-from ..placement import Placement
-from .local import Slices
+from ..placement import Placement, cpu_replicas
+from .local import Copies, Slices
 from .planner import BadCopy, PeerSlice, Rejected, SliceKey
 
 
@@ -71,6 +71,22 @@ def _needed(
     return tuple(s for s in required if any(intersect(s, t) is not None for t in targets))
 
 
+def mappable(w: Want, needed: list[Index]) -> dict[SliceKey, int]:
+    """The slices of ``needed`` that a restore may map rather than read (``mapped``), each
+    with its replicas' count: those that are exactly the slice of CPU devices of a leaf
+    restored uncast (``placement.cpu_replicas``), so that the devices adopt the mappings
+    as they are (``assemble``)."""
+    rec = w.record
+    if (
+        rec.kind != "array"
+        or w.sharding is None
+        or np.dtype(w.dtype or rec.data_dtype) != rec.data_dtype
+    ):
+        return {}
+    copies = cpu_replicas(w.sharding, tuple(rec.shape), rec.data_dtype)
+    return {SliceKey(rec.name, box): copies[box] for box in needed if box in copies}
+
+
 def fill(
     box: Index, required: list[Index], data: Slices, name: str, dtype: DTypeLike
 ) -> np.ndarray:
@@ -87,9 +103,10 @@ def fill(
     return out
 
 
-def assemble(w: Want, required: list[Index], data: Slices) -> Any:
+def assemble(w: Want, required: list[Index], data: Slices, copies: Copies | None = None) -> Any:
     """The value of ``w``'s leaf, built from the saved slices in ``data`` and placed as
-    ``w`` asks."""
+    ``w`` asks; ``copies``: for slices read as mappings (``mappable``), their replicas'
+    mappings, which the devices adopt as they are."""
     rec = w.record
     if not rec.has_array:
         return rec.value
@@ -101,5 +118,7 @@ def assemble(w: Want, required: list[Index], data: Slices) -> Any:
         return whole_on_host(w, full)
     out = Placement(w.sharding, shape, want)
     for index in out.indices:  # ``data`` is dropped after the restore: buffers may be adopted
-        out.put(index, fill(index, required, data, rec.name, saved).astype(want, copy=False))
+        value = fill(index, required, data, rec.name, saved).astype(want, copy=False)
+        more = (copies or {}).get(SliceKey(rec.name, index)) if want == saved else None
+        out.put(index, value, [m.view(saved) for m in more] if more else None)
     return out.array()

@@ -29,7 +29,7 @@ from ..leaf_plan import Want
 from ..monitoring import Stopwatch
 from ..storage import Location
 from . import local, wire
-from .local import LocalStep, Slices
+from .local import Copies, LocalStep, Slices
 from .peers import send_rows
 from .planner import (
     Bad,
@@ -46,7 +46,7 @@ from .planner import (
     sent_by,
     shift_rounds,
 )
-from .recovery import RecoveryReport, assemble, needed_slices
+from .recovery import RecoveryReport, assemble, mappable, needed_slices
 
 Needs = list[list[SliceKey]]  # per process: the saved slices it must have
 Rows = dict[int, tuple[np.ndarray, Slices]]  # receiver -> a packed row, its slices' views
@@ -114,14 +114,19 @@ def restore_step(
     wants = leaf_plan.wants(doc.leaves, doc.meshes, req.target, req.mesh, req.directory)
     needs = _gather_needs(at, wants, doc)
     needed = set(needs[at.pid])
+    maps = {
+        k: n
+        for w in wants
+        for k, n in mappable(w, needed_slices(w, doc.required.get(w.record.name, []))).items()
+    }
     first = plan_sends(s, req.views, at.holders, needs, {})  # if no copy fails, the usual case
     rows = _rows_to_read_into(at, first, needed, doc)
     req.fig.lap("plan")
-    data, sends, bad = _read_verified(at, needs, first, rows)
+    data, copies, sends, bad = _read_verified(at, needs, first, rows, maps)
     req.fig.lap("read")
     moved = _move(at, needed, sends, first, rows, data)
     req.fig.lap("move")
-    values = [assemble(w, doc.required.get(w.record.name, []), data) for w in wants]
+    values = [assemble(w, doc.required.get(w.record.name, []), data, copies) for w in wants]
     records, records_from = _gather_records(at, doc.process_count)
     req.fig.lap("place")
     report = RecoveryReport(
@@ -192,14 +197,17 @@ def _rows_to_read_into(at: _Step, first: Moves, needed: set[SliceKey], doc: Loca
     }
 
 
-def _read_verified(at: _Step, needs: Needs, first: Moves, rows: Rows) -> tuple[Slices, Moves, Bad]:
+def _read_verified(
+    at: _Step, needs: Needs, first: Moves, rows: Rows, maps: dict[SliceKey, int]
+) -> tuple[Slices, Copies, Moves, Bad]:
     """Reads (and CRC-checks) the held slices this process needs and those it sends.
 
     A copy failing re-plans without it, and a new sender reads in another round. Every
     process computes the same plan from the same published facts, so all run the same
     number of rounds. Senders under the ``first`` plan read what they send in the first
-    round, into ``rows`` where there is one. Returns (the slices read that the final plan
-    uses, the final plan, the failed copies of every process).
+    round, into ``rows`` where there is one; slices of ``maps`` may become mappings
+    (``local.read_slices``). Returns (the slices read that the final plan uses, the
+    replicas mapped of those, the final plan, the failed copies of every process).
     """
     views, pid = at.req.views, at.pid
     read_by = [
@@ -209,10 +217,14 @@ def _read_verified(at: _Step, needs: Needs, first: Moves, rows: Rows) -> tuple[S
     to_read = set(read_by[pid])
     into = {key: v for _, row_views in rows.values() for key, v in row_views.items()}
     data: Slices = {}
+    copies: Copies = {}
     bad: Bad = {}
     for round_ in range(len(views) + 2):
-        got, failed = local.read_slices(at.mine, to_read, into) if at.mine and to_read else ({}, [])
+        got, got_copies, failed = (
+            local.read_slices(at.mine, to_read, into, maps) if at.mine and to_read else ({}, {}, [])
+        )
         data.update(got)
+        copies.update(got_copies)
         failed_json = [[key.leaf, to_text(key.box), why] for key, why in failed]
         for p, theirs in enumerate(at.gather(f"bad{round_}", failed_json)):
             for leaf, index, why in theirs:
@@ -227,7 +239,8 @@ def _read_verified(at: _Step, needs: Needs, first: Moves, rows: Rows) -> tuple[S
     else:
         raise StepUnusable("copies kept failing verification", tuple(bad.values()))
     used = set(needs[pid]) | sent_by(sends, pid)  # not what a plan a failed copy changed read
-    return {k: v for k, v in data.items() if k in used}, sends, bad
+    kept = {k: v for k, v in data.items() if k in used}
+    return kept, {k: v for k, v in copies.items() if k in used}, sends, bad
 
 
 def _move(
