@@ -413,6 +413,8 @@ def test_replaced_host_restores_from_peer_copies(tmp_path):
     run(2, "save", tmp_path, 3)
     shutil.rmtree(tmp_path / "host1")  # a new machine, empty local disk
     r0, r1 = reports(run(2, "restore", tmp_path, "local", 3))
+    # big's slices: process 0 maps its own two from its disk; process 1 gets its from peers
+    assert (r0["mapped"], r1["mapped"]) == (2, 0)
     assert r0["from_peers"] == []
     # process 1's rows of w come from process 0, which held process 1's peer copy
     w = [p for p in r1["from_peers"] if p[0] == "w"]

@@ -11,7 +11,10 @@ Each process's local directory is ROOT/host<h> with h = JAXCKPT_TEST_HOSTS[proce
 JAXCKPT_TEST_REMOTE (intervals), JAXCKPT_TEST_REPL (replication), JAXCKPT_TEST_KILL_PID and
 JAXCKPT_TEST_KILL_STEP (that process SIGKILLs itself after writing that local step's arrays,
 before its commit), JAXCKPT_TEST_MACHINES (a JSON list: the machine each process id runs
-on, as JAXCKPT_HOST). Prints ``REPORT <json>`` after a restore.
+on, as JAXCKPT_HOST). Prints ``REPORT <json>`` after a restore, with ``mapped``: the slices
+its first restore mapped from the local step's files (``direct.Reader.map``, counted).
+The leaf ``big`` is random bfloat16 bits (NaN payloads, -0.0...) in slices of 256 KiB on
+(4, 2): those a process restores from its own disk are mapped; values are checked as bits.
 """
 
 import dataclasses
@@ -30,9 +33,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._src import ocdbt_write  # noqa: E402
+from jaxckpt._src import direct, ocdbt_write  # noqa: E402
 
-SPECS = {"w": P("data", "model"), "b": P("model"), "c": P()}  # c: 0-d
+SPECS = {"w": P("data", "model"), "b": P("model"), "c": P(), "big": P("data")}  # c: 0-d
 
 
 def expected(step: int) -> dict:
@@ -40,6 +43,9 @@ def expected(step: int) -> dict:
         "w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step,
         "b": np.arange(32, dtype=np.float32) * step,
         "c": np.asarray(3 * step, np.int32),
+        "big": np.random.default_rng(step)
+        .integers(0, 1 << 16, (1024, 512), dtype=np.uint16)
+        .view(jax.numpy.bfloat16),
         "n": np.arange(5, dtype=np.int64) - step,
         "step": step,
     }
@@ -67,7 +73,8 @@ def check(out: dict, step: int) -> None:
     )
     for k in SPECS:
         for shard in out[k].addressable_shards:
-            np.testing.assert_array_equal(np.asarray(shard.data), exp[k][shard.index])
+            got, want = np.asarray(shard.data), np.ascontiguousarray(exp[k][shard.index])
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (k, shard.index)
 
 
 def kill_after_local_write(step: int) -> None:
@@ -116,7 +123,16 @@ def main(mode: str, root: str, rest: list[str]) -> None:
             print("REPORT null", flush=True)
         mgr.close()
     else:
+        maps = [0]
+        real = direct.Reader._map
+
+        def counting(self, *args):  # noqa: ANN001, ANN202
+            maps[0] += 1
+            return real(self, *args)
+
+        direct.Reader._map = counting
         out = mgr.restore()
+        direct.Reader._map = real
         report = mgr.last_report
         check(out, report.step)
         # again, onto another layout given as a target
@@ -132,7 +148,7 @@ def main(mode: str, root: str, rest: list[str]) -> None:
         target["w"] = NamedSharding(other, P("model", "data"))
         check(mgr.restore(target=target), report.step)
         assert mgr.last_report.step == report.step
-        print("REPORT", json.dumps(dataclasses.asdict(report)), flush=True)
+        print("REPORT", json.dumps({**dataclasses.asdict(report), "mapped": maps[0]}), flush=True)
         if rest:
             assert (report.tier, report.step) == (rest[0], int(rest[1])), report
         mgr.close()
