@@ -682,7 +682,15 @@ def test_manager_saves_and_restores_the_latest_step_bit_exactly(
 @given(data=st.data())
 def test_emergency_local_tier_restores_bit_exactly(data: st.DataObject, tmp_path_factory):
     """EmergencyCheckpointManager, one process: the newest local step comes back
-    bit-exactly without a target, onto another mesh, or onto a target's shardings."""
+    bit-exactly without a target, onto another mesh, or onto a target's shardings; in about
+    half the cases every whole chunk it keeps for CPU devices is mapped."""
+    mapping = data.draw(st.booleans(), "chunks of any size mapped")
+    event(f"chunks of any size mapped: {mapping}")
+    with mapping_any_chunk(mapping):
+        _emergency_local(data, tmp_path_factory)
+
+
+def _emergency_local(data: st.DataObject, tmp_path_factory) -> None:
     mesh = data.draw(meshes(), "mesh")
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=1,
