@@ -190,6 +190,26 @@ def test_a_corrupt_chunk_of_a_mapped_slice_is_never_restored(tmp_path, mesh42, m
         np.testing.assert_array_equal(np.asarray(out["w"]), w1)
 
 
+def test_a_step_saved_again_leaves_the_arrays_mapped_from_it_as_they_were(
+    tmp_path, mesh42, monkeypatch
+):
+    """The step a restore mapped is saved again, with other values: its committed files
+    are not written again (nothing writes a committed step's files, which the arrays map),
+    so the arrays and the next restore keep the step's values."""
+    monkeypatch.delenv(mapped.ENV, raising=False)
+    rng = np.random.default_rng(3)
+    w1, w2 = (rng.standard_normal((1024, 512)).astype(np.float32) for _ in range(2))
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
+        mgr.save(1, {"w": sharded(w1, mesh42, P("data", "model"))})
+        mgr.wait_until_finished()
+        out = mgr.restore()
+        assert all(mapped_from(out["w"], tmp_path / "l" / "00000001"))
+        mgr.save(1, {"w": sharded(w2, mesh42, P("data", "model"))})
+        mgr.wait_until_finished()
+        np.testing.assert_array_equal(np.asarray(out["w"]), w1)
+        np.testing.assert_array_equal(np.asarray(mgr.restore()["w"]), w1)
+
+
 def _whole_bytes(d: np.dtype) -> bool:
     return jax.dtypes.itemsize_bits(d) == 8 * d.itemsize
 
