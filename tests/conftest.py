@@ -99,25 +99,6 @@ def assert_tree_equal(a, b):
             assert type(x) is type(y) and x == y, (x, y)
 
 
-def file_of(address: int) -> str | None:
-    """The file mapped at ``address`` in this process (``/proc/self/maps``), or None."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return fields[5].strip() if len(fields) > 5 else None
-    return None
-
-
-def mapped_from(out: jax.Array, root) -> list[bool]:
-    """For each shard of ``out``: whether its memory is a mapping of a file under ``root``."""
-    return [
-        (file_of(s.data.unsafe_buffer_pointer()) or "").startswith(str(root))
-        for s in out.addressable_shards
-    ]
-
-
 def flip_a_chunk_byte(path) -> tuple[str, int]:
     """Corrupts a checkpoint at ``path``: one byte in the middle of the biggest chunk value of
     its biggest data file; returns the file and the byte's offset. (A data file may also hold B-tree nodes of earlier generations

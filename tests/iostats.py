@@ -1,7 +1,10 @@
 """I/O measured from outside the code under test: the OS's counters for this process,
-TensorStore's own file kvstore counter, and dropping a checkpoint's files from the page cache."""
+TensorStore's own file kvstore counter, dropping a checkpoint's files from the page cache,
+and which memory is a mapping of which file (``/proc/self/maps``)."""
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 
 def io() -> dict:
@@ -77,3 +80,42 @@ def resident_bytes(address: int, nbytes: int) -> int:
     if libc.mincore(address, nbytes, vec) != 0:
         raise OSError(ctypes.get_errno(), f"mincore at {address:#x} failed")
     return sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
+
+
+def file_of(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (``/proc/self/maps``), or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) > 5 else None
+    return None
+
+
+def mapped_from(out, root) -> list[bool]:
+    """For each shard of ``out``: whether its memory is a mapping of a file under ``root``."""
+    return [
+        (file_of(s.data.unsafe_buffer_pointer()) or "").startswith(str(root))
+        for s in out.addressable_shards
+    ]
+
+
+@contextlib.contextmanager
+def counting_maps() -> Iterator[list[int]]:
+    """Counts the slices the direct reader maps (``direct.Reader.map``) while inside: the
+    list's one item."""
+    from jaxckpt._src import direct
+
+    count = [0]
+    real = direct.Reader._map
+
+    def counting(self, *args):  # noqa: ANN001, ANN202
+        count[0] += 1
+        return real(self, *args)
+
+    direct.Reader._map = counting
+    try:
+        yield count
+    finally:
+        direct.Reader._map = real

@@ -11,7 +11,8 @@ import jax
 import multiproc
 import numpy as np
 import pytest
-from conftest import assert_tree_equal, listing, mapped_from, sharded
+from conftest import assert_tree_equal, listing, sharded
+from iostats import mapped_from
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

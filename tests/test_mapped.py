@@ -7,8 +7,9 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import flip_a_chunk_byte, mapped_from, sharded
+from conftest import flip_a_chunk_byte, sharded
 from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
+from iostats import mapped_from
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 
+import iostats
 import multiproc
 
 multiproc.init()
@@ -33,7 +34,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._src import direct, ocdbt_write  # noqa: E402
+from jaxckpt._src import ocdbt_write  # noqa: E402
 
 SPECS = {"w": P("data", "model"), "b": P("model"), "c": P(), "big": P("data")}  # c: 0-d
 
@@ -123,16 +124,8 @@ def main(mode: str, root: str, rest: list[str]) -> None:
             print("REPORT null", flush=True)
         mgr.close()
     else:
-        maps = [0]
-        real = direct.Reader._map
-
-        def counting(self, *args):  # noqa: ANN001, ANN202
-            maps[0] += 1
-            return real(self, *args)
-
-        direct.Reader._map = counting
-        out = mgr.restore()
-        direct.Reader._map = real
+        with iostats.counting_maps() as maps:
+            out = mgr.restore()
         report = mgr.last_report
         check(out, report.step)
         # again, onto another layout given as a target

@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 
+import iostats
 import multiproc
 
 multiproc.init()
@@ -36,7 +37,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._src import direct  # noqa: E402
 
 # Fixed leaves that read once (replicated over 'data') and random ones: each dtype gets
 # ``RANDOM`` leaves of random shapes and PartitionSpecs drawn from $JAXCKPT_TEST_SEED.
@@ -150,15 +150,8 @@ def main(mode: str, path: str) -> None:
     if mode == "save":
         jaxckpt.save(path, state(mesh))
     elif mode == "restore":
-        maps = [0]
-        real = direct.Reader._map
-
-        def counting(self, *args):  # noqa: ANN001, ANN202
-            maps[0] += 1
-            return real(self, *args)
-
-        direct.Reader._map = counting
-        check(jaxckpt.restore(path, target=target(mesh, saved_spec)), "saved specs")
+        with iostats.counting_maps() as maps:
+            check(jaxckpt.restore(path, target=target(mesh, saved_spec)), "saved specs")
         assert maps[0] or not set(MAPPED) & {d.name for d in dtypes()}, "nothing was mapped"
         check(jaxckpt.restore(path, mesh=mesh), "mesh=")
         other = jax.make_mesh((jax.device_count() // n, n), ("data", "model"))
