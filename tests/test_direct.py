@@ -777,6 +777,36 @@ def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(tmp_path, preadv
         reader.close()
 
 
+def test_a_slice_that_fails_gives_up_the_shared_chunks_it_never_came_for(tmp_path, monkeypatch):
+    """Slices 0 and 1 share two chunks, the first (in file order) corrupt. Slice 1 puts the
+    corrupt one off (another thread reads it, as far as it knows), keeps the other for
+    slice 0, then fails on the corrupt one; slice 0 fails on it first and never comes for
+    the other: it gives its claim up, and the kept chunk goes at once (it stayed until
+    ``close``: a race the whole suite once hit)."""
+    x, db, slices, lay = _shared_chunks(tmp_path)
+    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
+    first, other = sorted(plans[0].parts, key=lambda p: (p.at.file, p.at.start))
+    assert {first.key, other.key} == {p.key for p in plans[1].parts}
+    with open(first.at.file, "r+b") as f:
+        f.seek(first.at.start + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    reader = direct.Reader()
+    try:
+        real = reader._being_read
+        monkeypatch.setattr(reader, "_being_read", lambda key: key == first.key or real(key))
+        with pytest.raises(direct.Corrupt, match=first.key):
+            reader._read_parts(plans[1], [np.empty(plans[1].shape, plans[1].dtype)])
+        assert reader._kept[other.key].left == 1  # kept for slice 0
+        monkeypatch.setattr(reader, "_being_read", real)
+        with pytest.raises(direct.Corrupt, match=first.key):
+            reader._read_parts(plans[0], [np.empty(plans[0].shape, plans[0].dtype)])
+        assert reader._kept == {} and reader._kept_bytes == 0
+    finally:
+        reader.close()
+
+
 # --- each leaf's layout from the B-tree walk, no TensorStore open ------------------------------
 
 

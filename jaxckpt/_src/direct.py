@@ -18,6 +18,7 @@ read is issued, the kernel is asked to read its chunks ahead (``residency``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -291,15 +292,34 @@ class Reader:
         """The slice's chunks in file order, those another thread is reading for it too
         put off to the end (waiting for them while there is work left would leave this
         thread idle: two slices sharing their chunks would read them in turn)."""
-        later = []
-        for p in sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)):
-            if p.users > 1 and self._being_read(p.key):
-                later.append(p)
-            else:
-                self._read_part(p, bufs)
-        for p in later:
-            self._read_part(p, bufs)
+        pending = collections.deque(sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)))
+        later: collections.deque[ChunkPart] = collections.deque()
+        try:
+            while pending:
+                p = pending.popleft()
+                if p.users > 1 and self._being_read(p.key):
+                    later.append(p)
+                else:
+                    self._read_part(p, bufs)
+            while later:
+                self._read_part(later.popleft(), bufs)
+        except BaseException:
+            self._abandon([*pending, *later])
+            raise
         return bufs[0]
+
+    def _abandon(self, parts: list[ChunkPart]) -> None:
+        """A slice whose read failed gives up the shared chunks it will never come for:
+        counted as come and gone, so that the last of their other users lets them go
+        (else a kept chunk waits for it until ``close``)."""
+        for p in parts:
+            if p.users < 2:
+                continue
+            with self._lock:
+                self._came[p.key] = self._came.get(p.key, 0) + 1
+                entry = self._kept.get(p.key)
+            if entry is not None:
+                self._done_with(p.key, entry)
 
     def _being_read(self, key: str) -> bool:
         """Whether another thread is reading chunk ``key`` for the slices that share it."""
