@@ -176,10 +176,15 @@ def main(mode: str, path: str) -> None:
         if pid == n - 1:
             shutil.rmtree(local)
         multihost_utils.sync_global_devices("wiped")
-        with jaxckpt.EmergencyCheckpointManager(local, os.path.join(path, "remote"), opts) as m:
+        with (
+            jaxckpt.EmergencyCheckpointManager(local, os.path.join(path, "remote"), opts) as m,
+            iostats.counting_maps() as maps,
+        ):
             out = m.restore(target=target(mesh, saved_spec))
             report = m.last_report
         assert report is not None and report.step == 1, report
+        if pid != n - 1:  # its own copies on its disk: the large slices mapped from them
+            assert maps[0] or not set(MAPPED) & {d.name for d in dtypes()}, "nothing mapped"
         check(out, f"emergency ({report.tier})")
         print("REPORT", report, flush=True)
     elif mode == "export":  # parameters as NumPy values and as arrays on another mesh
