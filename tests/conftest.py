@@ -116,12 +116,17 @@ def flip_a_chunk_byte(path) -> tuple[str, int]:
     biggest = max({v.file for v in values}, key=os.path.getsize)
     value = max((v for v in values if v.file == biggest), key=lambda v: v.stop - v.start)
     offset = (value.start + value.stop) // 2
-    with open(biggest, "r+b") as f:
+    flip_byte(biggest, offset)
+    return biggest, offset
+
+
+def flip_byte(file, offset: int, mask: int = 0xFF) -> None:
+    """XORs the byte at ``offset`` of ``file`` with ``mask``, in place."""
+    with open(file, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return biggest, offset
+        f.write(bytes([byte[0] ^ mask]))
 
 
 # --- S3: a moto server on 127.0.0.1 -----------------------------------------------------------

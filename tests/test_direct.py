@@ -15,7 +15,7 @@ import multiproc
 import numpy as np
 import pytest
 import tensorstore as ts
-from conftest import flip_a_chunk_byte, sharded
+from conftest import flip_a_chunk_byte, flip_byte, sharded
 from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -758,11 +758,7 @@ def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(tmp_path, preadv
     x, db, slices, lay = _shared_chunks(tmp_path)
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     bad = next(part for part in plans[0].parts if part.key == "x/c/0/0")
-    with open(bad.at.file, "r+b") as f:
-        f.seek(bad.at.start + 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(bad.at.file, bad.at.start + 100, 0x01)
     reader = direct.Reader()
     try:
         futures = {k: reader.start(plans[k]) for k in slices}
@@ -787,11 +783,7 @@ def test_a_slice_that_fails_gives_up_the_shared_chunks_it_never_came_for(tmp_pat
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     first, other = sorted(plans[0].parts, key=lambda p: (p.at.file, p.at.start))
     assert {first.key, other.key} == {p.key for p in plans[1].parts}
-    with open(first.at.file, "r+b") as f:
-        f.seek(first.at.start + 100)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(first.at.file, first.at.start + 100, 0x01)
     reader = direct.Reader()
     try:
         real = reader._being_read
