@@ -204,13 +204,16 @@ def _mapped(
 ) -> set[Hashable]:
     """The planned requests whose slices become mappings of their chunks (``mapped``): onto
     CPU devices (read into the leaf's own buffer, ``into``, with no conversion after) from
-    a local filesystem, while the process has room for the mappings (``mapped.choose``)."""
+    a local filesystem, while the process has room for the mappings (``mapped.choose``).
+    (``suitable`` first: ``buffers`` makes views, a few us a request of thousands.)"""
+    if not plans:
+        return set()
     return mapped.choose(
         db.url,
         (
             (i, sr, len(r.copies))
             for i, r in enumerate(requests)
-            if (sr := plans.get(i)) is not None and r.buffers(sr)
+            if (sr := plans.get(i)) is not None and mapped.suitable(sr) and r.buffers(sr)
         ),
     )
 
