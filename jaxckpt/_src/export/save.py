@@ -201,30 +201,24 @@ def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
 def _place_params(
     params: Any, mesh: Mesh, loc: Location
 ) -> tuple[PyTreeDef, list[jax.Array], list[PartitionSpec], list[ParamLeaf]]:
-    """The leaves of ``params`` placed on ``mesh`` with their PartitionSpecs, and records."""
+    """The leaves of ``params`` placed on ``mesh`` with their PartitionSpecs, and records.
+    Bytes unchanged: NumPy values slice by slice, arrays as bits in one transfer (``bits``)."""
     names = _axis_names(mesh)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    leaves, specs, records = [], [], []
-    for key_path, leaf in flat:
-        path = tree_lib.path_to_json(key_path)
-        name = tree_lib.path_name(path)
-        spec = _param_spec(leaf, name, names, loc)
-        placed = _place(leaf, NamedSharding(mesh, spec))
-        leaves.append(placed)
+    paths = [tree_lib.path_to_json(key_path) for key_path, _ in flat]
+    leaves, specs = [], []
+    for path, (_, leaf) in zip(paths, flat, strict=True):
+        spec = _param_spec(leaf, tree_lib.path_name(path), names, loc)
+        if not isinstance(leaf, jax.Array):
+            leaf = bits.from_host(np.asarray(leaf), NamedSharding(mesh, spec))
+        leaves.append(leaf)
         specs.append(spec)
-        records.append(
-            ParamLeaf(name, path, list(placed.shape), str(placed.dtype), spec_to_json(spec))
-        )
-    return treedef, leaves, specs, records
-
-
-def _place(leaf: Any, sharding: NamedSharding) -> jax.Array:
-    """A parameter on ``sharding`` with its bytes unchanged: a NumPy value slice by slice
-    (no cross-process equality check, which NaN fails), an array as bits (``bits``)."""
-    if isinstance(leaf, jax.Array):
-        return bits.reshard(leaf, sharding)
-    data = np.asarray(leaf)
-    return jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
+    placed = bits.reshard(leaves, [NamedSharding(mesh, spec) for spec in specs])
+    records = [
+        ParamLeaf(tree_lib.path_name(path), path, list(x.shape), str(x.dtype), spec_to_json(s))
+        for path, x, s in zip(paths, placed, specs, strict=True)
+    ]
+    return treedef, placed, specs, records
 
 
 def _param_spec(leaf: Any, name: str, names: tuple[str, ...], loc: Location) -> PartitionSpec:
