@@ -386,18 +386,6 @@ def test_parameters_keep_their_bytes(tmp_path):
             assert_same_bits(v, np.asarray(restored[k]), f"{name} {k}")
 
 
-@pytest.mark.slow
-def test_parameters_keep_their_bytes_in_a_two_process_export(tmp_path):
-    """2 processes of one host export random-bit parameters of every dtype, as NumPy values
-    (a NaN failed JAX's cross-process equality check) and as arrays on another mesh; each
-    restores them, compared as bytes (as separate hosts: test_multihost's
-    test_random_layouts_and_bits_through_every_multi_process_path)."""
-    import multiproc
-
-    worker = os.path.join(os.path.dirname(__file__), "workers", "hostile_job.py")
-    multiproc.run(worker, 2, args=["export", str(tmp_path)], timeout_s=240).check()
-
-
 def test_signature_keeps_the_fields_a_newer_minor_version_adds(exported, tmp_path):
     """A reader ignores fields it does not know when serving; signature() still shows them."""
     path = _copy(exported, tmp_path)

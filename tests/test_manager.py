@@ -467,17 +467,6 @@ def test_close_reports_a_save_it_could_not_finish(mesh42, tmp_path):
         assert not t.is_alive()
 
 
-@pytest.mark.slow
-def test_random_bits_of_every_dtype_through_an_async_manager_on_one_host(tmp_path):
-    """2 processes of one host: an async save, then a restore of every dtype filled with
-    random bits, each shard compared as bytes (as separate hosts, read once + move, with
-    random layouts: test_multihost's test_random_layouts_and_bits_through_every_...)."""
-    import multiproc
-
-    worker = os.path.join(os.path.dirname(__file__), "workers", "hostile_job.py")
-    multiproc.run(worker, 2, args=["manager", str(tmp_path / "run")], timeout_s=240).check()
-
-
 def test_random_bits_of_every_dtype_through_a_manager(mesh42, tmp_path):
     """One process: sync and async saves of random bits of every dtype, restored exactly."""
     from hostile import DTYPES, random_bits

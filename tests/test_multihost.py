@@ -262,28 +262,30 @@ def test_processes_of_one_host_read_an_object_store_once(s3_url):
 
 @pytest.mark.slow
 @pytest.mark.property
+@pytest.mark.parametrize("machines", ["one host", "separate hosts"])
 @settings(max_examples=max(1, settings().max_examples // 20))  # ci: 1, fuzz: 10
 @given(seed=st.integers(0, 2**31 - 1))
-def test_random_layouts_and_bits_through_every_multi_process_path(seed):
-    """Every dtype, random shapes and PartitionSpecs and random bits drawn from ``seed``
-    (tests/workers/hostile_job.py), processes as separate hosts: saved by 2, restored by 2
-    (read once + move) and by 4 onto saved, replicated and random specs; an async manager;
-    the emergency tier with the last host's local directory wiped (peer copies); exported
-    parameters, as NumPy values and as arrays on another mesh. Compared as bytes."""
+def test_random_layouts_and_bits_through_every_multi_process_path(machines, seed):
+    """Every dtype (bf16, float8s, int1/int2 included), random shapes and PartitionSpecs and
+    random bits drawn from ``seed`` (tests/workers/hostile_job.py), 2 processes of one host
+    or as separate hosts, in one job: saved, restored (read once + move where hosts differ)
+    onto saved, replicated and random specs; an async manager; the emergency tier with the
+    last host's local directory wiped (its shards from the other's peer copies); exported
+    parameters, as NumPy values and as arrays on another mesh. As separate hosts, restored
+    by 4 processes too. Every shard compared as bytes."""
     import tempfile
 
-    env = {"JAXCKPT_TEST_MACHINES": "separate", "JAXCKPT_TEST_SEED": str(seed)}
+    env = {"JAXCKPT_TEST_SEED": str(seed)}
+    if machines == "separate hosts":
+        env["JAXCKPT_TEST_MACHINES"] = "separate"
+    modes = "save,restore,manager,emergency,export"
     with tempfile.TemporaryDirectory() as root:
-        path = os.path.join(root, "c")
-
-        def run(n: int, *args: str) -> None:
+        res = multiproc.run(HOSTILE, 2, args=[modes, root], env=env, timeout_s=300).check()
+        assert "from_peers=(PeerSlice(" in res.outputs[1], res.outputs[1][-2000:]
+        for mode in modes.split(","):
+            assert all(f"ok {mode} {pid}" in out for pid, out in enumerate(res.outputs)), mode
+        if machines == "separate hosts":
+            args = ["restore", root]
             multiproc.run(
-                HOSTILE, n, devices_per_process=8 // n, args=list(args), env=env, timeout_s=240
+                HOSTILE, 4, devices_per_process=2, args=args, env=env, timeout_s=240
             ).check()
-
-        run(2, "save", path)
-        run(2, "restore", path)
-        run(4, "restore", path)
-        run(2, "manager", os.path.join(root, "manager"))
-        run(2, "emergency", os.path.join(root, "emergency"))
-        run(2, "export", os.path.join(root, "export"))

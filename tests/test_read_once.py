@@ -1,13 +1,9 @@
 """read_once: which spec a shared leaf is read with (pure logic; the multi-process reads are
 measured in tests/test_multihost.py)."""
 
-import os
-
 import jax
 import ml_dtypes
-import multiproc
 import numpy as np
-import pytest
 from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,21 +36,6 @@ def test_one_process_never_reads_once(mesh42):
     assert read_once.read_sharding(s, (1024, 512), (256, 256), ("a",)) is None
     assert read_once.move([], []) == []
     assert jax.process_count() == 1
-
-
-HOSTILE = os.path.join(os.path.dirname(__file__), "workers", "hostile_job.py")
-
-
-@pytest.mark.slow
-def test_random_bits_of_every_dtype_on_processes_of_one_host(tmp_path):
-    """Every dtype (bf16, float8s, int1/int2 included) filled with random bits, saved and
-    restored by 2 processes of one host, every shard compared as bytes
-    (tests/workers/hostile_job.py). As separate hosts, where leaves are read once and
-    moved, with random layouts and by 4 processes too: test_multihost's
-    test_random_layouts_and_bits_through_every_multi_process_path."""
-    path = str(tmp_path / "c")
-    multiproc.run(HOSTILE, 2, args=["save", path], timeout_s=240).check()
-    multiproc.run(HOSTILE, 2, args=["restore", path], timeout_s=240).check()
 
 
 def test_moves_carry_bits_not_values(mesh42):

@@ -1,16 +1,16 @@
 """Worker: every dtype filled with random bits, through the multi-process paths, compared as
 bytes on every shard.
 
-usage: hostile_job.py save DIR          jaxckpt.save of the state on a (P, D) mesh
-       hostile_job.py restore DIR       restore onto the saved shardings (read once + move
-                                        where hosts differ), onto mesh=, onto another target
-       hostile_job.py manager DIR       CheckpointManager: async save, then restore
-       hostile_job.py emergency ROOT    EmergencyCheckpointManager(replication=1): save step
-                                        1; the last process wipes its local directory; every
-                                        process restores (its shards from peer copies)
-       hostile_job.py export DIR        jaxckpt.export.save of the values as NumPy
-                                        parameters (DIR/numpy) and as arrays on another mesh
-                                        (DIR/arrays); every process restores both parameters
+usage: hostile_job.py MODE[,MODE...] ROOT   the modes in turn, in one job, each in its own
+                                            folder of ROOT (save and restore share ROOT/ckpt):
+  save        jaxckpt.save of the state on a (P, D) mesh
+  restore     restore onto the saved shardings (read once + move where hosts differ), onto
+              mesh=, onto another target
+  manager     CheckpointManager: async save, then restore
+  emergency   EmergencyCheckpointManager(replication=1): save step 1; the last process
+              wipes its local directory; every process restores (its shards from peer copies)
+  export      jaxckpt.export.save of the values as NumPy parameters (export/numpy) and as
+              arrays on another mesh (export/arrays); every process restores both parameters
 Env: JAXCKPT_TEST_MACHINES=separate gives each process its own machine ($JAXCKPT_HOST);
 JAXCKPT_TEST_DTYPES (comma-separated names) narrows the dtypes; JAXCKPT_TEST_SEED draws the
 random shapes, specs and bits (bench/fuzz.py runs fresh seeds); values depend on the seed
@@ -142,10 +142,15 @@ def saved_spec(name: str, shape: tuple[int, ...]) -> P:
     return LAYOUT[name][2]
 
 
-def main(mode: str, path: str) -> None:
-    pid, n = jax.process_index(), jax.process_count()
+def main(modes: str, root: str) -> None:
     if os.environ.get("JAXCKPT_TEST_MACHINES") == "separate":
-        os.environ["JAXCKPT_HOST"] = f"host{pid}"
+        os.environ["JAXCKPT_HOST"] = f"host{jax.process_index()}"
+    for mode in modes.split(","):
+        run(mode, os.path.join(root, "ckpt" if mode in ("save", "restore") else mode))
+
+
+def run(mode: str, path: str) -> None:
+    pid, n = jax.process_index(), jax.process_count()
     mesh = jax.make_mesh((n, jax.device_count() // n), ("data", "model"))
     if mode == "save":
         jaxckpt.save(path, state(mesh))
@@ -208,6 +213,8 @@ def main(mode: str, path: str) -> None:
                 out_specs=P(),
             )
             check(jaxckpt.restore(os.path.join(path, name, "params")), f"export {name}", narrow)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
     print("ok", mode, pid, flush=True)
 
 
