@@ -523,6 +523,7 @@ def test_remote_newer_than_every_complete_local_step(tmp_path):
 @pytest.mark.slow
 def test_process_killed_during_local_save(tmp_path):
     env = {"JAXCKPT_TEST_REPL": "0", "JAXCKPT_TEST_KILL_PID": "1", "JAXCKPT_TEST_KILL_STEP": "3"}
+    env["JAXCKPT_SHUTDOWN_TIMEOUT"] = "1"  # the survivor's wait for the dead process at exit
     res = run(2, "save", tmp_path, 3, env=env, check=False)
     assert res.returncodes[1] == -signal.SIGKILL, res.outputs[1]
     assert any(".tmp-" in n for n in steps(tmp_path / "host1"))
