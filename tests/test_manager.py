@@ -320,16 +320,22 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
 
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_flax.py")
 
-    def run(directory, log, *extra):
+    def start(directory, log, *extra):
         cmd = [sys.executable, example, "--dir", str(directory), "--steps", "12"]
         cmd += ["--save-every", "3", "--log", str(log), *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    straight = run(tmp_path / "a", tmp_path / "a.log")
+    def run(proc):
+        out, err = proc.communicate(timeout=300)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    # the straight run and the run that is killed are independent: side by side
+    straight_proc = start(tmp_path / "a", tmp_path / "a.log")
+    killed = run(start(tmp_path / "b", tmp_path / "b.log", "--kill-at", "6"))
+    straight = run(straight_proc)
     assert straight.returncode == 0, straight.stderr
-    killed = run(tmp_path / "b", tmp_path / "b.log", "--kill-at", "6")
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = run(tmp_path / "b", tmp_path / "b.log", "--resume")
+    resumed = run(start(tmp_path / "b", tmp_path / "b.log", "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step 6" in resumed.stdout
 
