@@ -1,5 +1,8 @@
-"""The jaxckpt command, run as a user runs it: ``python -m jaxckpt`` in a subprocess."""
+"""The jaxckpt command: its ``main`` called in this process as the command line does (fast),
+and ``python -m jaxckpt`` in a subprocess, as a user runs it, for exit codes and stderr."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -10,9 +13,23 @@ import pytest
 from conftest import flip_a_chunk_byte, sharded
 
 import jaxckpt
+from jaxckpt._src.cli.main import main
 
 
 def cli(*args) -> subprocess.CompletedProcess:
+    """``jaxckpt ARGS``, run by ``main`` here: its exit code and what it printed."""
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def command(*args) -> subprocess.CompletedProcess:
+    """``python -m jaxckpt ARGS`` in a subprocess, as a user runs it."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, "-m", "jaxckpt", *map(str, args)],
@@ -159,7 +176,7 @@ def test_diff(mesh42, tmp_path, ckpt):
 
 def test_user_mistakes_print_one_line_and_exit_2(tmp_path):
     for args in (("info", tmp_path / "nope"), ("verify", tmp_path), ("ls", tmp_path)):
-        res = cli(*args)
+        res = command(*args)
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
         assert str(tmp_path) in res.stderr
@@ -170,8 +187,8 @@ def test_convert_orbax_to_jaxckpt_bit_exact(mesh42, tmp_path):
     import orbax_states
 
     state = orbax_states.train_state(mesh42)
-    ocp.StandardCheckpointer().save(tmp_path / "orbax", state)
-    ocp.StandardCheckpointer().wait_until_finished()
+    with ocp.StandardCheckpointer() as ckptr:  # waits for its async save on exit
+        ckptr.save(tmp_path / "orbax", state)
     res = cli("convert", tmp_path / "orbax", tmp_path / "jx")
     assert res.returncode == 0, res.stderr
     out = jaxckpt.restore(tmp_path / "jx")

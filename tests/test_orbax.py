@@ -47,8 +47,8 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("orbax")
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     state = orbax_states.train_state(mesh)
-    ocp.StandardCheckpointer().save(root / "standard", state)  # default options
-    ocp.StandardCheckpointer().wait_until_finished()
+    with ocp.StandardCheckpointer() as standard:  # default options; waits on exit
+        standard.save(root / "standard", state)
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
     ckptr.save(root / "per_array", args=ocp.args.PyTreeSave(state))
     zarr3 = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True))
