@@ -35,6 +35,20 @@ def test_reshard_moves_every_dtype_on_two_device_orders_in_few_programs(mesh42, 
         assert_same_bits(x, np.asarray(a), f"{x.dtype} (the input, kept)")
 
 
+def test_reshard_never_donates_its_inputs(mesh42, x64):
+    """Onto the same devices in another order with shards of the same shape, where jax's put
+    can reuse a donated buffer: an integer array is its own bits, and was deleted."""
+    permuted = Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), ("data", "model"))
+    rng = np.random.default_rng(3)
+    values = [random_bits((8, 8), d, rng) for d in (np.int32, np.int8, np.float32, np.uint64)]
+    arrays = [jax.device_put(v, NamedSharding(mesh42, P("data"))) for v in values]
+    moved = bits.reshard(arrays, [NamedSharding(permuted, P("data"))] * len(arrays))
+    for x, a, b in zip(values, arrays, moved, strict=True):
+        assert not a.is_deleted(), x.dtype
+        assert_same_bits(x, np.asarray(a), f"{x.dtype} (the input)")
+        assert_same_bits(x, np.asarray(b), f"{x.dtype} (moved)")
+
+
 def test_to_bits_and_back_leave_arrays_of_integer_dtypes_alone(mesh42):
     a = jax.device_put(np.arange(16, dtype=np.int32), NamedSharding(mesh42, P("data")))
     f = jax.device_put(np.full(16, np.nan, np.float32), NamedSharding(mesh42, P("data")))

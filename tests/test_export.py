@@ -346,6 +346,31 @@ def test_two_arguments_share_a_symbol_and_dict_outputs(tmp_path):
         served(x, mask[:4])
 
 
+def test_the_callers_parameters_stay_alive_after_export(tmp_path):
+    """Parameters on the export mesh's devices in another order, shards of the same shape:
+    an int8 table (its own bits) was donated to jax's put and deleted under the caller."""
+    mesh = jax.make_mesh((4, 2), AXES)
+    permuted = Mesh(np.array(jax.devices()[::-1]).reshape(4, 2), AXES)
+    table = np.arange(64, dtype=np.int8).reshape(8, 8)
+    params = {
+        "table": jax.device_put(table, NamedSharding(permuted, P("data"))),
+        "scale": jax.device_put(np.full(8, 0.5, np.float32), NamedSharding(permuted, P())),
+    }
+    jaxckpt.export.save(
+        tmp_path / "e",
+        lambda p, x: x * p["scale"],
+        params,
+        jax.ShapeDtypeStruct((8,), jnp.float32),
+        mesh=mesh,
+        in_specs=(P(),),
+        out_specs=P(),
+    )
+    assert not any(x.is_deleted() for x in params.values())
+    assert np.array_equal(np.asarray(params["table"]), table)
+    saved = jaxckpt.restore(tmp_path / "e" / "params")
+    assert np.array_equal(np.asarray(saved["table"]), table)
+
+
 def test_parameters_keep_their_bytes(tmp_path):
     """Parameters of every dtype filled with random bits, on another mesh than the export's
     or as NumPy values, are placed and stored byte for byte (bf16 NaN payloads included)."""

@@ -63,7 +63,9 @@ def reshard(
         out[i] = from_host(np.asarray(arrays[i]), shardings[i])
     if on_devices:
         sent = to_bits([arrays[i] for i in on_devices], donate=False)
-        moved = jax.device_put(sent, [shardings[i] for i in on_devices], donate=True)
+        # donate the bitcast copies only: an integer array is its own bits, the caller's
+        fresh = [y is not arrays[i] for y, i in zip(sent, on_devices, strict=True)]
+        moved = jax.device_put(sent, [shardings[i] for i in on_devices], donate=fresh)
         back = from_bits(moved, [arrays[i].dtype for i in on_devices])
         for i, y in zip(on_devices, back, strict=True):
             out[i] = y
