@@ -235,8 +235,8 @@ def test_room_leaves_half_of_the_map_count():
 
 
 def test_choose_takes_suitable_slices_in_turn_while_there_is_room(tmp_path, monkeypatch):
-    """``mapped.choose``: nothing where mapping is off; else each suitable slice in turn,
-    counting one mapping per chunk and copy, while ``room`` lasts."""
+    """``mapped.choose``: nothing where mapping is off; else each suitable slice the caller
+    finds usable, in turn, counting one mapping per chunk and copy, while ``room`` lasts."""
     n = mapped.MIN_BYTES
     wanted = [("a", _sr(n), 1), ("small", _sr(n - 1), 0), ("b", _sr(n), 0), ("c", _sr(n), 2)]
     monkeypatch.delenv(mapped.ENV, raising=False)
@@ -246,5 +246,13 @@ def test_choose_takes_suitable_slices_in_turn_while_there_is_room(tmp_path, monk
     assert mapped.choose(str(tmp_path), wanted) == {"a", "b"}  # 2 + 1; "c" needs 3 more
     monkeypatch.setattr(mapped, "room", lambda: 6)
     assert mapped.choose(str(tmp_path), wanted) == {"a", "b", "c"}
+    asked = []  # the caller's own test, asked only of suitable slices; "b" fails it
+
+    def usable(key, sr):
+        asked.append(key)
+        return key != "b"
+
+    assert mapped.choose(str(tmp_path), wanted, usable) == {"a", "c"}
+    assert asked == ["a", "b", "c"]
     monkeypatch.setenv(mapped.ENV, "0")
     assert mapped.choose(str(tmp_path), wanted) == set()

@@ -56,11 +56,14 @@ def reshard(
 ) -> list[jax.Array]:
     """``arrays[i]`` on ``shardings[i]``, bytes unchanged, ``arrays`` themselves kept (not
     donated): one transfer for all of them."""
-    out = list(arrays)
-    moving = [i for i, (x, s) in enumerate(zip(arrays, shardings, strict=True)) if x.sharding != s]
-    on_devices = [i for i in moving if carrier(arrays[i].dtype) is not None]
-    for i in set(moving) - set(on_devices):  # through the host, where every process has it
-        out[i] = from_host(np.asarray(arrays[i]), shardings[i])
+    out, on_devices = list(arrays), []
+    for i, (x, s) in enumerate(zip(arrays, shardings, strict=True)):
+        if x.sharding == s:
+            continue
+        if carrier(x.dtype) is None:  # through the host, where every process has it
+            out[i] = from_host(np.asarray(x), s)
+        else:
+            on_devices.append(i)
     if on_devices:
         sent = to_bits([arrays[i] for i in on_devices], donate=False)
         # donate the bitcast copies only: an integer array is its own bits, the caller's

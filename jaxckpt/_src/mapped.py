@@ -38,7 +38,7 @@ import math
 import mmap
 import os
 import weakref
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -86,14 +86,23 @@ def suitable(sr: SliceRead) -> bool:
     return at == size
 
 
-def choose(path: str, wanted: Iterable[tuple[K, SliceRead, int]]) -> set[K]:
+def choose(
+    path: str,
+    wanted: Iterable[tuple[K, SliceRead, int]],
+    usable: Callable[[K, SliceRead], bool] | None = None,
+) -> set[K]:
     """The keys of ``wanted`` (key, slice, its replicas: copies mapped besides the first)
     whose slices become mappings of the files under ``path``: where mapping is ``enabled``,
-    each ``suitable`` slice in turn while the process has ``room`` for its mappings (one
-    per chunk and copy)."""
+    each ``suitable`` slice that the caller finds ``usable`` too (asked only of suitable
+    ones) in turn, while the process has ``room`` for its mappings (one per chunk and
+    copy)."""
     if not enabled(path):
         return set()
-    fits = [(k, (1 + n) * len(sr.chunks)) for k, sr, n in wanted if suitable(sr)]
+    fits = [
+        (k, (1 + n) * len(sr.chunks))
+        for k, sr, n in wanted
+        if suitable(sr) and (usable is None or usable(k, sr))
+    ]
     left = room() if fits else 0
     out: set[K] = set()
     for k, n in fits:

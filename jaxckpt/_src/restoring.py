@@ -201,21 +201,21 @@ def _populating(regions: list[np.ndarray]) -> Iterator[None]:
 
 def _mapped(
     db: Location, requests: list[_Request], plans: dict[Hashable, chunk_plan.SliceRead]
-) -> set[Hashable]:
+) -> set[int]:
     """The planned requests whose slices become mappings of their chunks (``mapped``): onto
     CPU devices (read into the leaf's own buffer, ``into``, with no conversion after) from
-    a local filesystem, while the process has room for the mappings (``mapped.choose``).
-    (``suitable`` first: ``buffers`` makes views, a few us a request of thousands.)"""
+    a local filesystem, while the process has room for the mappings (``mapped.choose``;
+    it asks for ``buffers``, views of a few us each, only of the slices it can map)."""
     if not plans:
         return set()
-    return mapped.choose(
-        db.url,
-        (
-            (i, sr, len(r.copies))
-            for i, r in enumerate(requests)
-            if (sr := plans.get(i)) is not None and mapped.suitable(sr) and r.buffers(sr)
-        ),
+
+    def usable(i: int, sr: chunk_plan.SliceRead) -> bool:
+        return bool(requests[i].buffers(sr))
+
+    wanted = (
+        (i, sr, len(r.copies)) for i, r in enumerate(requests) if (sr := plans.get(i)) is not None
     )
+    return mapped.choose(db.url, wanted, usable)
 
 
 def _place_threads(reading: list[Want]) -> int:
