@@ -66,9 +66,12 @@ def reshard(
             on_devices.append(i)
     if on_devices:
         sent = to_bits([arrays[i] for i in on_devices], donate=False)
-        # donate the bitcast copies only: an integer array is its own bits, the caller's
-        fresh = [y is not arrays[i] for y, i in zip(sent, on_devices, strict=True)]
-        moved = jax.device_put(sent, [shardings[i] for i in on_devices], donate=fresh)
+        # one put an array, donating the bitcast copies only (an integer array is its own
+        # bits: the caller's); a batch mixing donated and kept arrays hung a two-process job
+        moved = [
+            jax.device_put(y, shardings[i], donate=y is not arrays[i])
+            for y, i in zip(sent, on_devices, strict=True)
+        ]
         back = from_bits(moved, [arrays[i].dtype for i in on_devices])
         for i, y in zip(on_devices, back, strict=True):
             out[i] = y
