@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -43,17 +44,26 @@ class Job:
     procs: list[subprocess.Popen]
 
     def wait(self, timeout_s: float = 120.0) -> Result:
+        """Every process's output, read concurrently: a process whose pipe filled while
+        another was read would block, and its peers with it in the next collective."""
         deadline = time.monotonic() + timeout_s
-        outputs = []
-        for p in self.procs:
+        outputs = [""] * len(self.procs)
+
+        def collect(i: int) -> None:
+            p = self.procs[i]
             try:
-                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                outputs[i], _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 for q in self.procs:
                     q.kill()
                 out, _ = p.communicate()
-                out += "\n[killed: time bound exceeded]"
-            outputs.append(out)
+                outputs[i] = out + "\n[killed: time bound exceeded]"
+
+        readers = [threading.Thread(target=collect, args=(i,)) for i in range(len(self.procs))]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
         return Result([p.returncode for p in self.procs], outputs)
 
 

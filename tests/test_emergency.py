@@ -552,7 +552,7 @@ def test_resilient_training_example(tmp_path):
 
     script = os.path.join(os.path.dirname(HERE), "examples", "resilient_training.py")
     res = subprocess.run(
-        [sys.executable, script, "--processes", "2", "--dir", str(tmp_path / "run")],
+        [sys.executable, script, "--processes", "2", "--dir", str(tmp_path / "run"), "--steps", "20"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -273,7 +273,8 @@ def test_random_layouts_and_bits_through_every_multi_process_path(machines, seed
     onto saved, replicated and random specs; an async manager; the emergency tier with the
     last host's local directory wiped (its shards from the other's peer copies); exported
     parameters, as NumPy values and as arrays on another mesh. As separate hosts, restored
-    by 4 processes too. Every shard compared as bytes."""
+    by 4 processes too (onto the saved and random specs). Every shard compared as bytes, and
+    no warning from a restore."""
     import tempfile
 
     env = {"JAXCKPT_TEST_SEED": str(seed)}
@@ -286,7 +287,7 @@ def test_random_layouts_and_bits_through_every_multi_process_path(machines, seed
         for mode in modes.split(","):
             assert all(f"ok {mode} {pid}" in out for pid, out in enumerate(res.outputs)), mode
         if machines == "separate hosts":
-            args = ["restore", root]
+            args = ["regrid", root]
             multiproc.run(
                 HOSTILE, 4, devices_per_process=2, args=args, env=env, timeout_s=240
             ).check()

@@ -55,7 +55,7 @@ def reshard(
     arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]
 ) -> list[jax.Array]:
     """``arrays[i]`` on ``shardings[i]``, bytes unchanged, ``arrays`` themselves kept (not
-    donated): one transfer for all of them."""
+    donated): bitcast, ``transfer`` and bitcast back, a program a device order each."""
     out, on_devices = list(arrays), []
     for i, (x, s) in enumerate(zip(arrays, shardings, strict=True)):
         if x.sharding == s:
@@ -66,16 +66,47 @@ def reshard(
             on_devices.append(i)
     if on_devices:
         sent = to_bits([arrays[i] for i in on_devices], donate=False)
-        # one put an array, donating the bitcast copies only (an integer array is its own
-        # bits: the caller's); a batch mixing donated and kept arrays hung a two-process job
-        moved = [
-            jax.device_put(y, shardings[i], donate=y is not arrays[i])
-            for y, i in zip(sent, on_devices, strict=True)
-        ]
+        moved = transfer(sent, [shardings[i] for i in on_devices])
         back = from_bits(moved, [arrays[i].dtype for i in on_devices])
         for i, y in zip(on_devices, back, strict=True):
             out[i] = y
     return out
+
+
+def transfer(
+    arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]
+) -> list[jax.Array]:
+    """``arrays`` (carriers: ``to_bits``) on ``shardings``: one XLA program for all those
+    whose old and new shardings have the same devices in the same order (``jax.device_put``
+    compiles one per distinct leaf: 81 in a restore of 170 leaves here, 7.4 s of its 14),
+    ``jax.device_put`` for the rest. Nothing donated: a buffer can't become one of another
+    shape, and jax warns of each it could not use."""
+    out = list(arrays)
+    groups: dict[tuple, list[int]] = {}
+    for i, (x, s) in enumerate(zip(arrays, shardings, strict=True)):
+        if x.sharding == s:
+            continue
+        key = _devices(x.sharding)
+        groups.setdefault(key if key == _devices(s) else ("one", i), []).append(i)
+    for key, todo in groups.items():
+        if key[0] == "one":
+            out[todo[0]] = jax.device_put(arrays[todo[0]], shardings[todo[0]])
+            continue
+        fn = _transfer_fn(
+            tuple(arrays[i].sharding for i in todo), tuple(shardings[i] for i in todo)
+        )
+        for i, y in zip(todo, fn([arrays[i] for i in todo]), strict=True):
+            out[i] = y
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _transfer_fn(
+    sources: tuple[jax.sharding.Sharding, ...], shardings: tuple[jax.sharding.Sharding, ...]
+) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    return jax.jit(
+        lambda xs: list(xs), in_shardings=(list(sources),), out_shardings=list(shardings)
+    )
 
 
 def from_host(data: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:

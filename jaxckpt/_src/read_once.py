@@ -104,10 +104,11 @@ def movable(dtype: DTypeLike) -> bool:
 def move(
     arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]
 ) -> list[jax.Array]:
-    """``arrays`` moved onto ``shardings`` in one transfer (collectives across processes),
-    as bits: every byte arrives as it left (``bits``). ``arrays`` are donated."""
+    """``arrays`` moved onto ``shardings`` (collectives across processes: one program a device
+    order, ``bits.transfer``), as bits: every byte arrives as it left (``bits``). ``arrays``
+    are given up (floating-point ones donated to their bitcasts)."""
     if not arrays:
         return []
     dtypes = [a.dtype for a in arrays]
-    moved = jax.device_put(bits.to_bits(arrays), list(shardings), donate=True)
+    moved = bits.transfer(bits.to_bits(arrays), list(shardings))
     return bits.from_bits(moved, dtypes)

@@ -6,6 +6,8 @@ usage: hostile_job.py MODE[,MODE...] ROOT   the modes in turn, in one job, each 
   save        jaxckpt.save of the state on a (P, D) mesh
   restore     restore onto the saved shardings (read once + move where hosts differ), onto
               mesh=, onto another target
+  regrid      restore onto the saved shardings and onto random specs only (a job of another
+              process count: the other restores add compiles, not paths)
   manager     CheckpointManager: async save, then restore
   emergency   EmergencyCheckpointManager(replication=1): save step 1; the last process
               wipes its local directory; every process restores (its shards from peer copies)
@@ -20,6 +22,7 @@ only, so any process count restores them.
 import os
 import shutil
 import sys
+import warnings
 
 import iostats
 import multiproc
@@ -146,7 +149,7 @@ def main(modes: str, root: str) -> None:
     if os.environ.get("JAXCKPT_TEST_MACHINES") == "separate":
         os.environ["JAXCKPT_HOST"] = f"host{jax.process_index()}"
     for mode in modes.split(","):
-        run(mode, os.path.join(root, "ckpt" if mode in ("save", "restore") else mode))
+        run(mode, os.path.join(root, "ckpt" if mode in ("save", "restore", "regrid") else mode))
 
 
 def run(mode: str, path: str) -> None:
@@ -154,13 +157,17 @@ def run(mode: str, path: str) -> None:
     mesh = jax.make_mesh((n, jax.device_count() // n), ("data", "model"))
     if mode == "save":
         jaxckpt.save(path, state(mesh))
-    elif mode == "restore":
-        with iostats.counting_maps() as maps:
-            check(jaxckpt.restore(path, target=target(mesh, saved_spec)), "saved specs")
+    elif mode in ("restore", "regrid"):
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            with iostats.counting_maps() as maps:
+                check(jaxckpt.restore(path, target=target(mesh, saved_spec)), "saved specs")
+        assert not warned, [str(w.message) for w in warned]  # (jax's of unusable donations)
         assert maps[0] or not set(MAPPED) & {d.name for d in dtypes()}, "nothing was mapped"
-        check(jaxckpt.restore(path, mesh=mesh), "mesh=")
         other = jax.make_mesh((jax.device_count() // n, n), ("data", "model"))
-        check(jaxckpt.restore(path, target=target(other, lambda k, s: P())), "replicated")
+        if mode == "restore":
+            check(jaxckpt.restore(path, mesh=mesh), "mesh=")
+            check(jaxckpt.restore(path, target=target(other, lambda k, s: P())), "replicated")
         rng = np.random.default_rng(SEED + 1)
         check(
             jaxckpt.restore(path, target=target(other, lambda k, s: random_spec(s, rng))), "random"
