@@ -13,10 +13,15 @@ that alternates, from the page cache:
   CRC-checked into host memory (onto CPU devices, its replicas' places filled as it is
   read), none put on a device;
 * ``verified read, N threads``: every byte of the checkpoint's files read into fresh memory
-  with a CRC32C over it (``harness.read_files``), on 8 and 16 threads.
+  with a CRC32C over it (``harness.read_files``), on 8 and 16 threads and on as many as the
+  host has cores.
 
 The restored state is checked bit-exact once, before the clock. Prints the medians, GB/s of
-the state's bytes, and each row against the best verified read.
+the state's bytes, each row against the best verified read, and the CPU it cost per GB: the
+process's (user + system, ``/proc/self/stat``, every thread) and the calling thread's alone
+(``time.thread_time``: planning, handing reads out, putting slices on devices). Where the
+process's CPU per GB over the host's cores is near the wall time per GB, the restore is
+bound by the CPU, not by the reads.
 """
 
 from __future__ import annotations
@@ -69,49 +74,54 @@ def main() -> None:
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), {len(mesh.devices.flat)} device(s); "
           f"{os.cpu_count()} cores; state {nbytes / 1e9:.3f} GB; medians of {args.repeats}")  # fmt: skip
-    best = min(statistics.median(ts) for name, ts in rows.items() if name.startswith("verified"))
+    best = min(
+        statistics.median(w for w, _, _ in ts) for name, ts in rows.items() if "verified" in name
+    )
+    gb = nbytes / 1e9
     for name, ts in rows.items():
-        m = statistics.median(ts)
-        print(f"{name:28s} {m:7.3f} s  {nbytes / m / 1e9:7.2f} GB/s  {best / m:5.2f}x the best "
-              f"verified read   {[round(t, 3) for t in ts]}")  # fmt: skip
+        m = statistics.median(w for w, _, _ in ts)
+        cpu = statistics.median(c for _, c, _ in ts) / gb
+        main_cpu = statistics.median(c for _, _, c in ts) / gb
+        print(f"{name:28s} {m:7.3f} s  {gb / m:7.2f} GB/s  {best / m:5.2f}x the best verified "
+              f"read  CPU {cpu:5.3f} s/GB (calling thread {main_cpu:5.3f})  "
+              f"{[round(w, 3) for w, _, _ in ts]}")  # fmt: skip
 
 
-def _measure(ckpt: str, target) -> dict[str, list[float]]:
+def _measure(ckpt: str, target) -> dict[str, list[tuple[float, float, float]]]:
     put, array = placement.Placement.put, placement.Placement.array
 
     def restore(reads_only: bool):
-        def run() -> float:
+        def run() -> tuple[float, float, float]:
             if reads_only:  # every slice read, checked and dropped; the leaves come back None
-                placement.Placement.put = lambda self, index, data, **kw: None
+                placement.Placement.put = lambda self, *a, **kw: None
                 placement.Placement.array = lambda self: None
             try:
-                t = time.perf_counter()
+                t, cpu, main = time.perf_counter(), harness.cpu_seconds(), time.thread_time()
                 out = jaxckpt.restore(ckpt, target)
                 if not reads_only:
                     jax.block_until_ready(out)
-                t = time.perf_counter() - t
+                t, main = time.perf_counter() - t, time.thread_time() - main
+                cpu = harness.cpu_seconds() - cpu
             finally:
                 placement.Placement.put, placement.Placement.array = put, array
-            return t
+            return t, cpu, main
 
         return run
 
     def verified(threads: int):
-        def run() -> float:
+        def run() -> tuple[float, float, float]:
             kept: list = []
-            t = time.perf_counter()
+            t, cpu, main = time.perf_counter(), harness.cpu_seconds(), time.thread_time()
             harness.read_files(harness.files_under(ckpt), threads, harness.crc32c()[1], kept)
-            return time.perf_counter() - t
+            t, main = time.perf_counter() - t, time.thread_time() - main
+            return t, harness.cpu_seconds() - cpu, main
 
         return run
 
-    ways = {
-        "restore": restore(False),
-        "reads only": restore(True),
-        "verified read, 8 threads": verified(8),
-        "verified read, 16 threads": verified(16),
-    }
-    times: dict[str, list[float]] = {name: [] for name in ways}
+    ways = {"restore": restore(False), "reads only": restore(True)}
+    for n in sorted({8, 16, os.cpu_count() or 1}):
+        ways[f"verified read, {n} threads"] = verified(n)
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways}
     for rep in range(args.repeats):
         for name in harness.alternate(list(ways), rep):
             times[name].append(ways[name]())
