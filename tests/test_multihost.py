@@ -86,7 +86,7 @@ def test_manager_async_saves_then_restore_in_another_layout(tmp_path):
 def test_process_killed_mid_save(tmp_path, wait):
     """Survivors raise CoordinationError naming the dead process, whether they wait for the
     async save at close() or right after save() (the wait outlives the writer's barrier);
-    the previous step restores."""
+    the previous step restores (checked once: the files are the same either way)."""
     d = str(tmp_path / "run")
     env = {
         "JAXCKPT_TEST_KILL_RANK": "1",
@@ -105,7 +105,8 @@ def test_process_killed_mid_save(tmp_path, wait):
     assert "within 3s" in out and "00000002" in out, out
     assert elapsed < 30, elapsed  # 3 s save timeout + 1 s shutdown timeout + start-up
     assert not any(n.startswith("00000002") for n in os.listdir(d)), os.listdir(d)
-    multiproc.run(LOOP, 2, devices_per_process=4, args=["restore", d, "1"]).check()
+    if not wait:
+        multiproc.run(LOOP, 2, devices_per_process=4, args=["restore", d, "1"]).check()
 
 
 @pytest.mark.slow
