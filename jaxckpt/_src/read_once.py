@@ -104,9 +104,9 @@ def movable(dtype: DTypeLike) -> bool:
 def move(
     arrays: Sequence[jax.Array], shardings: Sequence[jax.sharding.Sharding]
 ) -> list[jax.Array]:
-    """``arrays`` moved onto ``shardings`` (collectives across processes: one program a device
-    order, ``bits.transfer``), as bits: every byte arrives as it left (``bits``). ``arrays``
-    are given up (floating-point ones donated to their bitcasts)."""
+    """``arrays`` moved onto ``shardings`` (collectives across processes, ``bits.transfer``),
+    as bits: every byte arrives as it left (``bits``). ``arrays`` are given up
+    (floating-point ones donated to their bitcasts)."""
     if not arrays:
         return []
     dtypes = [a.dtype for a in arrays]
