@@ -1,6 +1,7 @@
 """bits: moving bytes between shardings, every dtype's bits kept, one program per device order."""
 
 import jax
+import ml_dtypes
 import numpy as np
 from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import Mesh, NamedSharding
@@ -73,3 +74,32 @@ def test_transfer_across_device_orders_and_without_warnings(mesh42, x64, recwarn
         assert b.sharding == s
         assert_same_bits(x, np.asarray(b), str(x.dtype))
     assert not [str(w.message) for w in recwarn.list], [str(w.message) for w in recwarn.list]
+
+
+def test_leaves_of_one_shape_share_a_program_and_unique_ones_share_another(mesh42):
+    """Leaves of one shape, dtype and sharding share one compiled program (jax's, per
+    signature), and leaves of their own go in one program together: twice as many leaves
+    of the shared shape compile nothing more (one program of every leaf would compile
+    again, its time growing with the leaves); bits kept."""
+    rng = np.random.default_rng(5)
+    sharding = NamedSharding(mesh42, P("data"))
+    values = [random_bits((8, 16), ml_dtypes.bfloat16, rng) for _ in range(60)]
+    uniques = [random_bits((8 * k, 4), np.float32, rng) for k in (1, 2, 3)]
+    arrays = [jax.device_put(v, sharding) for v in values + uniques]
+    compiles: list[str] = []
+
+    def count(name: str, secs: float, **kw) -> None:
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        bits.to_bits(arrays[:30] + arrays[60:], donate=False)
+        first = len(compiles)
+        got = bits.to_bits(arrays, donate=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert first <= 2 and len(compiles) == first, compiles
+    for v, g in zip(values + uniques, got, strict=True):
+        assert g.dtype == bits.carrier(v.dtype)
+        assert_same_bits(v.view(g.dtype), np.asarray(g), str(v.dtype))

@@ -10,6 +10,7 @@ and bitcasts back; sub-byte types that devices can't carry safely move through h
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Sequence
 
@@ -98,22 +99,37 @@ def from_host(data: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 def _bitcast_all(
     arrays: Sequence[jax.Array], dtypes: Sequence[np.dtype | None], donate: bool
 ) -> list[jax.Array]:
-    """``arrays[i]`` bitcast to ``dtypes[i]``: one XLA program for all the arrays on the same
-    devices (a program per leaf compiled in ~40 ms each; a train state has hundreds)."""
+    """``arrays[i]`` bitcast to ``dtypes[i]``. A leaf whose shape, dtypes and sharding no
+    other leaf shares would compile a program of its own (~40-50 ms each): those of the same
+    devices go in one program (~13 ms a leaf). Leaves that share them share jax's program for
+    that signature (``_bitcast_one``), compiled once: a state of many leaves of few shapes
+    (1000 of 10) bitcast in 0.65 s that way against 1.29 s in one program."""
     out = list(arrays)
-    groups: dict[tuple, list[int]] = {}
+    todo: list[int] = []
     for i, (x, dtype) in enumerate(zip(arrays, dtypes, strict=True)):
         if dtype is None:
             raise ValueError(f"{x.dtype} cannot move between devices; move it through the host")
         if x.dtype != dtype:
+            todo.append(i)
+    signatures = collections.Counter(_signature(arrays[i], dtypes[i]) for i in todo)
+    groups: dict[tuple, list[int]] = {}
+    for i in todo:
+        x, dtype = arrays[i], dtypes[i]
+        if signatures[_signature(x, dtype)] > 1:
+            out[i] = _bitcast_one(dtype, x.sharding, donate)(x)
+        else:
             groups.setdefault(_devices(x.sharding), []).append(i)
-    for todo in groups.values():
+    for group in groups.values():
         fn = _bitcast_fn(
-            tuple(dtypes[i] for i in todo), tuple(arrays[i].sharding for i in todo), donate
+            tuple(dtypes[i] for i in group), tuple(arrays[i].sharding for i in group), donate
         )
-        for i, y in zip(todo, fn([arrays[i] for i in todo]), strict=True):
+        for i, y in zip(group, fn([arrays[i] for i in group]), strict=True):
             out[i] = y
     return out
+
+
+def _signature(x: jax.Array, dtype: np.dtype | None) -> tuple:
+    return x.shape, x.dtype, dtype, x.sharding
 
 
 def _devices(sharding: jax.sharding.Sharding) -> tuple:
@@ -129,5 +145,16 @@ def _bitcast_fn(
     return jax.jit(
         lambda xs: [jax.lax.bitcast_convert_type(x, d) for x, d in zip(xs, dtypes, strict=True)],
         out_shardings=list(shardings),
+        donate_argnums=0 if donate else (),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _bitcast_one(
+    dtype: np.dtype, sharding: jax.sharding.Sharding, donate: bool
+) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(
+        lambda x: jax.lax.bitcast_convert_type(x, dtype),
+        out_shardings=sharding,
         donate_argnums=0 if donate else (),
     )
