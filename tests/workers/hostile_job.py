@@ -162,7 +162,10 @@ def run(mode: str, path: str) -> None:
             warnings.simplefilter("always")
             with iostats.counting_maps() as maps:
                 check(jaxckpt.restore(path, target=target(mesh, saved_spec)), "saved specs")
-        assert not warned, [str(w.message) for w in warned]  # (jax's of unusable donations)
+        # (jax warned of each donated buffer it could not reuse); a dependency's deprecation
+        # notices on first use are not the restore's
+        said = [str(w.message) for w in warned if not issubclass(w.category, DeprecationWarning)]
+        assert not said, said
         assert maps[0] or not set(MAPPED) & {d.name for d in dtypes()}, "nothing was mapped"
         other = jax.make_mesh((jax.device_count() // n, n), ("data", "model"))
         if mode == "restore":
