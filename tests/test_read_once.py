@@ -1,9 +1,13 @@
 """read_once: which spec a shared leaf is read with (pure logic; the multi-process reads are
 measured in tests/test_multihost.py)."""
 
+import os
+
 import jax
 import ml_dtypes
+import multiproc
 import numpy as np
+import pytest
 from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -53,3 +57,13 @@ def test_moves_carry_bits_not_values(mesh42):
         assert_same_bits(x, np.asarray(b), str(dtype))
     assert not any(read_once.movable(d) for d in (ml_dtypes.int1, ml_dtypes.int2, ml_dtypes.uint1))
     assert not read_once.movable(ml_dtypes.uint2)
+
+
+@pytest.mark.slow
+def test_a_restore_across_hosts_moves_hundreds_of_leaves(tmp_path):
+    """300 leaves of 10 shapes and dtypes, read once and moved by 2 processes as separate
+    hosts: every byte arrives, in time. (With all 300 moves queued at once, such a job
+    stopped for good in 2 runs of 4; this test did not catch it in the runs tried.)"""
+    worker = os.path.join(os.path.dirname(__file__), "workers", "many_moves.py")
+    res = multiproc.run(worker, 2, args=[str(tmp_path / "c"), "300"], timeout_s=60).check()
+    assert all(f"ok {pid}" in out for pid, out in enumerate(res.outputs)), res.outputs
