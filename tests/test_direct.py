@@ -4,6 +4,7 @@ Proof that it ran comes from outside it: ``os.preadv`` wrapped to count calls, b
 bytes (TensorStore reads files with its own C++ code, never through Python's ``os``).
 """
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src import arrays, chunk_plan, direct, ocdbt_write, residency
+from jaxckpt._src import arrays, chunk_plan, direct, mapped, ocdbt_write, residency
 from jaxckpt._src.storage import Location, location
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
@@ -80,7 +81,10 @@ def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path
     expected = (x.nbytes + x[:64].nbytes + 5 * 4) if direct_dtype(dtype) else 0
     assert preadv.bytes == expected, (preadv.calls, preadv.bytes)
 
-    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), x.nbytes + 4 * 4)]:
+    # onto (8, 1) the chunks cut in two come from mappings of the files where they may be
+    # mapped (``mapped.enabled``): none is read with preadv then
+    cut = 0 if mapped.enabled(str(tmp_path)) else x.nbytes + 4 * 4
+    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), cut)]:
         mesh = jax.make_mesh(shape, ("data", "model"))
         target = {"x": NamedSharding(mesh, P("data")), "n": x[:64]}
         before = preadv.bytes
@@ -241,18 +245,23 @@ def test_a_corrupt_chunk_raises_the_same_error_either_way(switch, mesh42, tmp_pa
     assert (counter.calls > 0) == (switch == "1")
 
 
-def test_a_corrupt_chunk_read_in_part_is_named(mesh42, tmp_path, preadv):
-    """A slice that needs half of the corrupt chunk: the same error as a whole read."""
+@pytest.mark.parametrize("maps", ["1", "0"], ids=["mapped", "read"])
+def test_a_corrupt_chunk_read_in_part_is_named(maps, mesh42, tmp_path, preadv, monkeypatch):
+    """A slice that needs half of the corrupt chunk: the same error as a whole read, from a
+    mapping of the file or read into a buffer."""
+    monkeypatch.setenv(mapped.ENV, maps)
     x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
     jaxckpt.save(tmp_path / "c", {"w": sharded(x, mesh42, ("data",))})
     flipped, _ = flip_a_chunk_byte(tmp_path / "c")
     target = {"w": NamedSharding(jax.make_mesh((8, 1), ("data", "model")), P("data"))}
     with pytest.raises(errors.ChecksumError, match=r"leaf 'w': chunk 'w/c/\d/0'") as e:
         jaxckpt.restore(tmp_path / "c", target=target)
-    assert f"{flipped} (bytes " in str(e.value) and preadv.calls > 0
+    assert f"{flipped} (bytes " in str(e.value)
+    assert (preadv.calls > 0) == (maps == "0" or not mapped.enabled(str(tmp_path)))
 
 
-def test_edge_chunks_read_in_part_match_tensorstore(tmp_path, preadv):
+@pytest.mark.parametrize("maps", [False, True], ids=["read", "mapped"])
+def test_edge_chunks_read_in_part_match_tensorstore(maps, tmp_path, preadv):
     """An array whose chunks do not divide it (an Orbax checkpoint's may not): zarr stores
     the edge chunks padded; slices that end in them read them directly, exactly as
     TensorStore reads them."""
@@ -269,7 +278,7 @@ def test_edge_chunks_read_in_part_match_tensorstore(tmp_path, preadv):
     slices[3] = ((39, 40), (69, 70))
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     assert set(plans) == set(slices) and all(p.parts and not p.chunks for p in plans.values())
-    reader = direct.Reader()
+    reader = direct.Reader(maps=maps)
     try:
         for k, index in slices.items():
             got = reader.start(plans[k]).result()
@@ -278,8 +287,9 @@ def test_edge_chunks_read_in_part_match_tensorstore(tmp_path, preadv):
             assert_same_bits(x[tuple(slice(a, b) for a, b in index)], got, str(index))
     finally:
         reader.close()
-    # each chunk read once, however many of the slices need a part of it
-    assert preadv.calls == len({part.key for p in plans.values() for part in p.parts}) == 9
+    # each chunk read once, however many of the slices need a part of it (mapped: none)
+    chunks = len({part.key for p in plans.values() for part in p.parts})
+    assert chunks == 9 and preadv.calls == (0 if maps else chunks)
 
 
 def test_a_truncated_data_file_is_named(mesh42, tmp_path, preadv):
@@ -724,27 +734,31 @@ def _shared_chunks(tmp_path) -> tuple[np.ndarray, Location, dict, chunk_plan.Lay
     return x, db, slices, lay
 
 
+@pytest.mark.parametrize("maps", [False, True], ids=["read", "mapped"])
 @pytest.mark.parametrize("keep", ["all", "one", "none"])
-def test_a_chunk_several_slices_need_is_read_once(keep, tmp_path, preadv, monkeypatch):
+def test_a_chunk_several_slices_need_is_read_once(keep, maps, tmp_path, preadv, monkeypatch):
     """Each chunk is read and checked once for the slices that need a part of it, and let go
     after the last; past ``KEEP_BYTES`` each slice reads it again (room for one chunk:
     some are kept, some read twice; none is left behind). The bytes are exact either
-    way."""
+    way, and where the reader ``maps`` the files, none is read with ``preadv``."""
     chunk = 32 * 32 * 4 + 4
     limit = {"all": direct.KEEP_BYTES, "one": chunk, "none": 0}[keep]
     monkeypatch.setattr(direct, "KEEP_BYTES", limit)
     x, db, slices, lay = _shared_chunks(tmp_path)
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     assert all(part.users == 2 for p in plans.values() for part in p.parts)
-    reader = direct.Reader()
+    reader = direct.Reader(maps=maps)
     try:
         futures = {k: reader.start(plans[k]) for k in slices}
         for k, index in slices.items():
             assert_same_bits(x[tuple(slice(a, b) for a, b in index)], futures[k].result(), str(k))
         assert reader._kept == {} and reader._kept_bytes == 0
+        assert not reader._spare or not maps  # a mapping is never kept as a buffer
     finally:
         reader.close()
-    if keep == "all":
+    if maps:
+        assert preadv.bytes == 0
+    elif keep == "all":
         assert preadv.bytes == 4 * chunk
     elif keep == "one":
         assert 4 * chunk <= preadv.bytes <= 8 * chunk
@@ -752,14 +766,15 @@ def test_a_chunk_several_slices_need_is_read_once(keep, tmp_path, preadv, monkey
         assert preadv.bytes == 8 * chunk
 
 
-def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(tmp_path, preadv):
+@pytest.mark.parametrize("maps", [False, True], ids=["read", "mapped"])
+def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(maps, tmp_path, preadv):
     """The slices that share a corrupt chunk each raise Corrupt naming it (none waits
     forever for the read that failed); the others read exactly."""
     x, db, slices, lay = _shared_chunks(tmp_path)
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     bad = next(part for part in plans[0].parts if part.key == "x/c/0/0")
     flip_byte(bad.at.file, bad.at.start + 100, 0x01)
-    reader = direct.Reader()
+    reader = direct.Reader(maps=maps)
     try:
         futures = {k: reader.start(plans[k]) for k in slices}
         for k in (0, 1):  # columns 0-31: chunk (0, 0)
@@ -797,6 +812,67 @@ def test_a_slice_that_fails_gives_up_the_shared_chunks_it_never_came_for(tmp_pat
         assert reader._kept == {} and reader._kept_bytes == 0
     finally:
         reader.close()
+
+
+def test_a_data_file_cut_short_is_named_through_the_mapping(tmp_path):
+    """A chunk read in part from a mapping of a file that ends before it (cut after the
+    plan): a StorageError naming the file and the chunk, never a SIGBUS."""
+    x, db, slices, lay = _shared_chunks(tmp_path)
+    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
+    last = max((part for p in plans.values() for part in p.parts), key=lambda q: q.at.start)
+    os.truncate(last.at.file, last.at.start + 10)
+    reader = direct.Reader(maps=True)
+    try:
+        failed = []
+        for k in slices:
+            with contextlib.suppress(errors.StorageError):
+                reader.start(plans[k]).result(timeout=30)
+                continue
+            failed.append(k)
+        assert failed and all(last.key in {q.key for q in plans[k].parts} for k in failed)
+        with pytest.raises(errors.StorageError, match=rf"{last.at.file} ends at byte .*truncated"):
+            reader.start(plans[failed[0]]).result(timeout=30)
+    finally:
+        reader.close()
+
+
+def test_chunks_used_from_a_mapping_leave_the_processs_rss(tmp_path, monkeypatch):
+    """A reader that maps the files unmaps the chunks it used (``USED_BYTES`` at a time): a
+    1 GiB-ish restore onto another mesh must not hold the files' pages as well as the
+    result. Measured from outside: the process's ``RssFile`` (``/proc/self/status``)."""
+    monkeypatch.setattr(direct, "USED_BYTES", 1 << 20)
+    db = location(str(tmp_path / "db"))
+    x = random_bits((1024, 2048), np.dtype(np.float32), np.random.default_rng(5))  # 8 MiB
+    meta = arrays.zarr_metadata(x.shape, "float32", (256, 2048), None)  # 2 MiB chunks
+    spec = {"driver": "zarr3", "kvstore": arrays.kvstore_spec(db), "path": "x/"}
+    ts.open(
+        {**spec, "metadata": meta, "create": True}, context=arrays.new_context()
+    ).result().write(x).result()
+    lay = chunk_plan.layout(ts.open(spec, context=arrays.new_context()).result())
+    assert lay is not None
+    slices = {k: ((0, 1024), (512 * k, 512 * (k + 1))) for k in range(4)}  # every chunk cut
+    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
+    assert all(p.parts and not p.chunks for p in plans.values())
+    out = {k: np.empty(plans[k].shape, plans[k].dtype) for k in slices}  # faulted in before
+    for buf in out.values():
+        buf.fill(0)
+    reader = direct.Reader(threads=1, maps=True)
+    try:
+        before = _rss_file()
+        for k in slices:
+            reader.start(plans[k], out[k]).result(timeout=30)
+        held = _rss_file() - before
+    finally:
+        reader.close()
+    for k, index in slices.items():
+        assert_same_bits(x[tuple(slice(a, b) for a, b in index)], out[k], str(k))
+    assert held < 3 << 20, f"{held} bytes of the file's pages still mapped (of {x.nbytes})"
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        line = next(ln for ln in f if ln.startswith("RssFile:"))
+    return int(line.split()[1]) * 1024
 
 
 # --- each leaf's layout from the B-tree walk, no TensorStore open ------------------------------

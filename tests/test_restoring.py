@@ -308,9 +308,11 @@ def test_chunk_bytes_bound_what_a_thin_slice_restore_reads(
     and keeps it for the other slices that need a part of it (``direct.KEEP_BYTES``); where
     it can't keep them each device reads whole shards (8x what it needs: a chunk is read
     whole to check its CRC32C, by TensorStore too): the case ``chunk_bytes`` is for, which
-    bounds that to about 2x."""
-    from jaxckpt._src import direct
+    bounds that to about 2x. (Read, not mapped: ``JAXCKPT_MAP=0``; a mapping's page
+    faults are no reads a process's ``rchar`` counts.)"""
+    from jaxckpt._src import direct, mapped
 
+    monkeypatch.setenv(mapped.ENV, "0")
     if not keep:
         monkeypatch.setattr(direct, "KEEP_BYTES", 0)
     x = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)

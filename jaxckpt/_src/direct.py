@@ -8,10 +8,11 @@ contiguous region of the slice being read, its bytes can go where they belong in
 reads them. Chunks adjacent in a data file are read in one ``preadv``, their 4-byte CRC
 trailers into a scratch array; each piece is checksummed right after it arrives, while it
 is still in the CPU's cache. A slice that cuts through chunks (a restore onto another mesh)
-or ends in an edge chunk zarr padded is read chunk by chunk instead: each whole chunk into
-a scratch buffer of the reading thread, checksummed, and the part the slice needs copied
-into place (a chunk must be read whole to check it; TensorStore reads it whole too); a chunk
-that several slices need a part of is read and checked once for all of them. As a slice's
+or ends in an edge chunk zarr padded is read chunk by chunk instead: each whole chunk
+checksummed where it lies in a mapping of its data file (or, where the files may not be
+mapped, read into a scratch buffer of the reading thread first), and the part the slice
+needs copied into place (a chunk must be read whole to check it; TensorStore reads it whole
+too); a chunk that several slices need a part of is checked once for all of them. As a slice's
 read is issued, the kernel is asked to read its chunks ahead (``residency``).
 ``JAXCKPT_DIRECT_READ=0`` turns the path off (for benchmarks and debugging).
 """
@@ -48,6 +49,9 @@ BATCH_BYTES = 1 << 20
 one thread, chunks back to back in a file in one ``preadv`` across slices: a task and a
 wake-up of a thread for each one cost more than reading it (2000 leaves of 16 KiB)."""
 SMALL_BYTES = 256 << 10
+USED_BYTES = 32 << 20
+"""A reader thread unmaps the chunks it used from the files' mappings (``_used``) once it
+has this many bytes of them: the process's RSS holds at most that much more per thread."""
 _IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 GAP_BYTES = 4096  # ``ocdbt_write.ALIGN``: the most zero bytes it writes before a chunk
 
@@ -76,14 +80,22 @@ class Reader:
     """Reads ``SliceRead``s on a few threads; ``close`` stops them and closes the files."""
 
     def __init__(
-        self, threads: int | None = None, keep_bytes: int | None = None, prefetch: bool = True
+        self,
+        threads: int | None = None,
+        keep_bytes: int | None = None,
+        prefetch: bool = True,
+        maps: bool = False,
     ) -> None:
         """``keep_bytes``: at most this many bytes of chunks kept for the slices that share
         them (default ``KEEP_BYTES``; a restore passes the smaller of that and its budget).
         ``prefetch``: ask the kernel to read ahead (``_prefetch``); a restore that found its
-        files in the page cache (``residency.from_disk``) saves the probes."""
+        files in the page cache (``residency.from_disk``) saves the probes. ``maps``: the
+        files may be mapped (``mapped.enabled``): a chunk a slice needs a part of is then
+        checked and copied from a mapping of its file, not read into a buffer first."""
         threads = threads or reader_threads()
         self._prefetching = prefetch
+        self._maps = maps
+        self._mappings: dict[str, np.ndarray] = {}  # data files mapped whole (``_mapping``)
         self._keep_limit = KEEP_BYTES if keep_bytes is None else keep_bytes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="jaxckpt-direct")
         self._fds: dict[str, int] = {}
@@ -275,9 +287,22 @@ class Reader:
         self._spare.clear()
         self._advised.clear()
         self._sizes.clear()
+        self._mappings.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+    def _mapping(self, path: str) -> np.ndarray:
+        """All of data file ``path`` as one mapping (``mapped.region``, not faulted in),
+        kept until ``close``: one ``mmap`` a file, not one and an ``munmap`` a chunk."""
+        with self._lock:
+            got = self._mappings.get(path)
+        if got is None:
+            fd = self._fd(path)
+            got = mapped.region(fd, 0, os.fstat(fd).st_size, populate=False)
+            with self._lock:
+                got = self._mappings.setdefault(path, got)
+        return got
 
     def _fd(self, path: str) -> int:
         with self._lock:
@@ -332,8 +357,8 @@ class Reader:
 
     def _read_part(self, p: ChunkPart, bufs: list[np.ndarray]) -> None:
         """Copies the part of chunk ``p`` the slice needs into each of ``bufs``, from the
-        chunk read whole and checked: by this thread into its scratch buffer, or, where
-        other slices need a part of it too, once for all of them (``_shared``)."""
+        chunk checked whole: mapped or read by this thread (``_chunk``), or, where other
+        slices need a part of it too, once for all of them (``_shared``)."""
         if p.users > 1:
             kept = self._shared(p)
             if kept is not None:
@@ -343,19 +368,49 @@ class Reader:
                 finally:
                     self._done_with(p.key, entry)
                 return
-        scratch: np.ndarray | None = getattr(self._scratch, "buf", None)
-        if scratch is None or len(scratch) < p.nbytes + TRAILER:
-            scratch = self._scratch.buf = np.empty(p.nbytes + TRAILER, np.uint8)
-        self._read_chunk(p, scratch)
-        _copy_part(p, scratch, bufs)
+        data = self._chunk(p)
+        try:
+            _copy_part(p, data, bufs)
+        finally:
+            if data.base is not None:
+                self._used(data)
 
-    def _read_chunk(self, p: ChunkPart, into: np.ndarray) -> None:
-        """Chunk ``p`` whole, with its trailer, into ``into``; raises Corrupt unless its
-        CRC32C matches."""
-        view = into[: p.nbytes + TRAILER].data
-        _preadv_all(self._fd(p.at.file), [view], p.at.start, [ChunkRead(p.key, p.at, 0, p.nbytes)])
-        if crc32c.crc32c(view[: p.nbytes]) != int.from_bytes(view[p.nbytes :], "little"):
+    def _chunk(self, p: ChunkPart, spare: bool = False) -> np.ndarray:
+        """Chunk ``p`` whole with its trailer, its CRC32C checked (else Corrupt): where the
+        reader ``maps``, a view of its data file's mapping (``_mapping``), faulted in
+        first (the page cache's pages: nothing copied before the part is); else read
+        into a buffer: a kept chunk's (``spare``) or this thread's scratch buffer. (A
+        (2, 4) restore of the (4, 2) 1 GB state, 16 alternating pairs: 0.54 against 0.58
+        s, 0.87 against 0.95 CPU s.)"""
+        size = p.nbytes + TRAILER
+        if self._maps and not p.at.inline:
+            try:
+                data = self._mapping(p.at.file)[p.at.start : p.at.start + size]
+                if len(data) == size:
+                    mapped.fault_in(data)
+            except OSError as e:
+                raise StorageError(f"reading {p.at.file} for chunk {p.key!r}: {e}") from e
+            if len(data) < size:
+                raise StorageError(
+                    f"the data file {p.at.file} ends at byte {p.at.start + len(data)}, before "
+                    f"the bytes {p.at.start}-{p.at.stop - 1} the OCDBT B-tree gives chunk "
+                    f"{p.key!r}: the file was truncated; restore another step or re-save"
+                )
+        else:
+            if spare:
+                with self._lock:
+                    data = self._spare_for(size)
+            else:
+                data = getattr(self._scratch, "buf", None)
+                if data is None or len(data) < size:
+                    data = self._scratch.buf = np.empty(size, np.uint8)
+            view = data[:size].data
+            _preadv_all(
+                self._fd(p.at.file), [view], p.at.start, [ChunkRead(p.key, p.at, 0, p.nbytes)]
+            )
+        if crc32c.crc32c(data[: p.nbytes]) != int.from_bytes(data[p.nbytes : size], "little"):
             raise Corrupt(p.key, p.at)
+        return data
 
     def _shared(self, p: ChunkPart) -> tuple[np.ndarray, _Kept] | None:
         """Chunk ``p`` read and checked once for the ``p.users`` slices that need it: the
@@ -373,12 +428,10 @@ class Reader:
                 entry = self._kept[p.key] = _Kept(left, p.nbytes)
                 self._kept_bytes += p.nbytes
                 entry.ready.acquire()  # held until the bytes are in and checked
-                data = self._spare_for(p.nbytes + TRAILER)
         assert entry is not None
         if mine:
             try:
-                self._read_chunk(p, data)
-                entry.data = data
+                data = entry.data = self._chunk(p, spare=True)
             except BaseException as e:
                 entry.error = e
                 self._done_with(p.key, entry)
@@ -396,14 +449,32 @@ class Reader:
 
     def _done_with(self, key: str, entry: _Kept) -> None:
         """One user of a kept chunk less; the last one lets it go."""
+        gone = None
         with self._lock:
             entry.left -= 1
             if entry.left <= 0 and self._kept.get(key) is entry:
                 del self._kept[key]
                 self._kept_bytes -= entry.nbytes
-                if entry.data is not None:
-                    self._spare.append(entry.data)
-                entry.data = None
+                gone, entry.data = entry.data, None
+                if gone is not None and gone.base is None:  # a buffer, not a mapping
+                    self._spare.append(gone)
+                    gone = None
+        if gone is not None:
+            self._used(gone)
+
+    def _used(self, view: np.ndarray) -> None:
+        """A chunk's view of a file's mapping that is used up: its pages are unmapped
+        (``mapped.let_go``) once this thread has ``USED_BYTES`` of them, in one call for
+        each stretch of adjacent chunks (an unmapping interrupts every core that runs the
+        process: one for each chunk cost all the mapping saved)."""
+        local = self._scratch
+        used = getattr(local, "used", None)
+        if used is None:
+            used = local.used = []
+        used.append(view)
+        if sum(v.nbytes for v in used) >= USED_BYTES:
+            local.used = []
+            mapped.let_go(used)
 
     def _spare_for(self, size: int) -> np.ndarray:
         """A buffer of at least ``size`` bytes for a kept chunk: one a released chunk left

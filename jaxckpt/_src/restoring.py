@@ -160,6 +160,7 @@ def _read_all(
             direct.Reader(
                 keep_bytes=min(direct.KEEP_BYTES, budget),
                 prefetch=on_disk is not False,
+                maps=source is None and mapped.enabled(db.url),
             )
         ) as direct_reader,
         contextlib.closing(InFlight[Any](budget, threads=_place_threads(reading))) as reads,

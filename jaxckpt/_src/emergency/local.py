@@ -340,7 +340,7 @@ def read_slices(
     )
     reads: list[tuple[SliceKey, np.ndarray | None, Any]] = []
     bad: list[tuple[SliceKey, str]] = []
-    with contextlib.closing(direct.Reader()) as reader:
+    with contextlib.closing(direct.Reader(maps=mapped.enabled(db.url))) as reader:
         for key in keys:
             plan, shape = plans.get(key), extent(key.box)
             if plan is not None and key in mapping:
