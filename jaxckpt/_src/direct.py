@@ -401,14 +401,15 @@ class Reader:
                 with self._lock:
                     data = self._spare_for(size)
             else:
-                data = getattr(self._scratch, "buf", None)
-                if data is None or len(data) < size:
-                    data = self._scratch.buf = np.empty(size, np.uint8)
+                scratch: np.ndarray | None = getattr(self._scratch, "buf", None)
+                if scratch is None or len(scratch) < size:
+                    scratch = self._scratch.buf = np.empty(size, np.uint8)
+                data = scratch
             view = data[:size].data
             _preadv_all(
                 self._fd(p.at.file), [view], p.at.start, [ChunkRead(p.key, p.at, 0, p.nbytes)]
             )
-        if crc32c.crc32c(data[: p.nbytes]) != int.from_bytes(data[p.nbytes : size], "little"):
+        if crc32c.crc32c(data[: p.nbytes].data) != int.from_bytes(data[p.nbytes : size], "little"):
             raise Corrupt(p.key, p.at)
         return data
 
