@@ -836,6 +836,29 @@ def test_a_data_file_cut_short_is_named_through_the_mapping(tmp_path):
         reader.close()
 
 
+def test_a_data_file_cut_short_after_it_was_mapped_is_named(tmp_path):
+    """The file shrinks after the reader mapped it: faulting the chunk in fails
+    (``MADV_POPULATE_READ``), and the read raises a StorageError naming the file and the
+    chunk, where touching the mapping would have stopped the process with SIGBUS."""
+    x, db, slices, lay = _shared_chunks(tmp_path)
+    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
+    parts = sorted(
+        {q.at.start: q for p in plans.values() for q in p.parts}.values(), key=lambda q: q.at.start
+    )
+    first, last = parts[0], parts[-1]
+    reader = direct.Reader(threads=1, maps=True)
+    try:
+        k0 = next(k for k in slices if first.key in {q.key for q in plans[k].parts})
+        reader.start(plans[k0]).result(timeout=30)  # the file is mapped now, whole
+        assert last.at.file in reader._mappings
+        os.truncate(last.at.file, last.at.start - last.at.start % 4096)
+        k1 = next(k for k in slices if last.key in {q.key for q in plans[k].parts})
+        with pytest.raises(errors.StorageError, match=rf"{last.at.file} for chunk {last.key!r}"):
+            reader.start(plans[k1]).result(timeout=30)
+    finally:
+        reader.close()
+
+
 def test_chunks_used_from_a_mapping_leave_the_processs_rss(tmp_path, monkeypatch):
     """A reader that maps the files unmaps the chunks it used (``USED_BYTES`` at a time): a
     1 GiB-ish restore onto another mesh must not hold the files' pages as well as the

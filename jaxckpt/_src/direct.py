@@ -364,6 +364,8 @@ class Reader:
             if kept is not None:
                 data, entry = kept
                 try:
+                    if data.base is not None:  # a mapping, kept since it was checked:
+                        _fault_in(p, data)  # a file cut short since raises, no SIGBUS
                     _copy_part(p, data, bufs)
                 finally:
                     self._done_with(p.key, entry)
@@ -386,11 +388,11 @@ class Reader:
         if self._maps and not p.at.inline:
             try:
                 data = self._mapping(p.at.file)[p.at.start : p.at.start + size]
-                if len(data) == size:
-                    mapped.fault_in(data)
             except OSError as e:
-                raise StorageError(f"reading {p.at.file} for chunk {p.key!r}: {e}") from e
-            if len(data) < size:
+                raise StorageError(f"mapping {p.at.file} for chunk {p.key!r}: {e}") from e
+            if len(data) == size:
+                _fault_in(p, data)
+            else:
                 raise StorageError(
                     f"the data file {p.at.file} ends at byte {p.at.start + len(data)}, before "
                     f"the bytes {p.at.start}-{p.at.stop - 1} the OCDBT B-tree gives chunk "
@@ -584,6 +586,16 @@ class _Kept:
         self.ready = threading.Lock()
         self.data: np.ndarray | None = None
         self.error: BaseException | None = None
+
+
+def _fault_in(p: ChunkPart, data: np.ndarray) -> None:
+    """Chunk ``p``'s pages of its file's mapping (``data``) faulted in (``mapped.fault_in``):
+    a page the file no longer has, or can't read, raises StorageError here instead of
+    stopping the process with SIGBUS when it is touched."""
+    try:
+        mapped.fault_in(data)
+    except OSError as e:
+        raise StorageError(f"reading {p.at.file} for chunk {p.key!r}: {e}") from e
 
 
 def _copy_part(p: ChunkPart, chunk: np.ndarray, bufs: list[np.ndarray]) -> None:
