@@ -836,25 +836,29 @@ def test_a_data_file_cut_short_is_named_through_the_mapping(tmp_path):
         reader.close()
 
 
-def test_a_data_file_cut_short_after_it_was_mapped_is_named(tmp_path):
-    """The file shrinks after the reader mapped it: faulting the chunk in fails
-    (``MADV_POPULATE_READ``), and the read raises a StorageError naming the file and the
-    chunk, where touching the mapping would have stopped the process with SIGBUS."""
+@pytest.mark.parametrize("kept", [False, True], ids=["fresh", "kept"])
+def test_a_data_file_cut_short_after_it_was_mapped_is_named(kept, tmp_path):
+    """The file shrinks after the reader mapped it: a chunk then faulted in fails
+    (``MADV_POPULATE_READ``), one checked and kept for another slice is found cut short
+    (``fstat``); either way the read raises a StorageError naming the file and the chunk,
+    where touching the mapping would have stopped the process with SIGBUS."""
     x, db, slices, lay = _shared_chunks(tmp_path)
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
-    parts = sorted(
-        {q.at.start: q for p in plans.values() for q in p.parts}.values(), key=lambda q: q.at.start
-    )
-    first, last = parts[0], parts[-1]
     reader = direct.Reader(threads=1, maps=True)
     try:
-        k0 = next(k for k in slices if first.key in {q.key for q in plans[k].parts})
-        reader.start(plans[k0]).result(timeout=30)  # the file is mapped now, whole
-        assert last.at.file in reader._mappings
-        os.truncate(last.at.file, last.at.start - last.at.start % 4096)
-        k1 = next(k for k in slices if last.key in {q.key for q in plans[k].parts})
-        with pytest.raises(errors.StorageError, match=rf"{last.at.file} for chunk {last.key!r}"):
-            reader.start(plans[k1]).result(timeout=30)
+        reader.start(plans[0]).result(timeout=30)  # its chunks mapped, checked, kept for 1
+        held = {q.key for q in plans[0].parts}
+        assert set(reader._kept) == held and {q.key for q in plans[1].parts} == held
+        other = 1 if kept else 2  # slice 1 needs the kept chunks, 2 two it reads first
+        cut = max(plans[other].parts, key=lambda q: q.at.start)  # the later in its file
+        assert all(q.at.file == cut.at.file for q in plans[other].parts)
+        end = cut.at.start - cut.at.start % 4096
+        os.truncate(cut.at.file, end)
+        gone = {q.key for q in plans[other].parts if q.at.stop > end}  # (a page may hold two)
+        why = "truncated during the restore" if kept else "Bad address"
+        with pytest.raises(errors.StorageError, match=why) as e:
+            reader.start(plans[other]).result(timeout=30)
+        assert cut.at.file in str(e.value) and any(repr(k) in str(e.value) for k in gone)
     finally:
         reader.close()
 
