@@ -65,12 +65,20 @@ def _chunk_values(path) -> list[arrays.ChunkBytes]:
     return [v for v in arrays.chunk_bytes(kv.base, db, keys).values() if not v.inline]
 
 
+@pytest.mark.parametrize("maps", ["mapped", "read"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_hostile_values_restore_bit_exactly(dtype, x64, preadv, mesh42, tmp_path):
+def test_hostile_values_restore_bit_exactly(
+    dtype, maps, x64, preadv, mesh42, tmp_path, monkeypatch
+):
     """Random bit patterns of every dtype: onto the saved mesh (whole shards, read directly
     where the dtype's bytes are stored as they are), and onto meshes that read two chunks
     into one slice or cut through chunks (each chunk read whole once, each slice's half
-    copied out of it)."""
+    copied out of it: from a mapping of the file, wherever this kernel maps, whatever the
+    filesystem under the test; or read, ``JAXCKPT_MAP=0``)."""
+    if maps == "mapped":
+        monkeypatch.setattr(mapped, "enabled", lambda path: mapped._kernel())
+    else:
+        monkeypatch.setenv(mapped.ENV, "0")
     x = random_bits((256, 64), dtype, np.random.default_rng(7))
     tree = {"x": sharded(x, mesh42, ("data",)), "n": x[:64]}
     jaxckpt.save(tmp_path / "c", tree)

@@ -114,11 +114,12 @@ def _bitcast_all(
             raise ValueError(f"{x.dtype} cannot move between devices; move it through the host")
         if x.dtype != dtype:
             todo.append(i)
-    signatures = collections.Counter(_signature(arrays[i], dtypes[i]) for i in todo)
+    signature = {i: (arrays[i].shape, arrays[i].dtype, dtypes[i], arrays[i].sharding) for i in todo}
+    shared = collections.Counter(signature.values())
     groups: dict[tuple, list[int]] = {}
     for i in todo:
         x, dtype = arrays[i], dtypes[i]
-        if signatures[_signature(x, dtype)] > 1:
+        if shared[signature[i]] > 1:
             out[i] = _bitcast_one(dtype, x.sharding, donate)(x)
         else:
             groups.setdefault(_devices(x.sharding), []).append(i)
@@ -129,10 +130,6 @@ def _bitcast_all(
         for i, y in zip(group, fn([arrays[i] for i in group]), strict=True):
             out[i] = y
     return out
-
-
-def _signature(x: jax.Array, dtype: np.dtype | None) -> tuple:
-    return x.shape, x.dtype, dtype, x.sharding
 
 
 def _devices(sharding: jax.sharding.Sharding) -> tuple:

@@ -384,11 +384,7 @@ class Reader:
         saved."""
         size = os.fstat(self._fd(p.at.file)).st_size
         if size < p.at.stop:
-            raise StorageError(
-                f"the data file {p.at.file} ends at byte {size}, before the bytes "
-                f"{p.at.start}-{p.at.stop - 1} the OCDBT B-tree gives chunk {p.key!r}: the "
-                "file was truncated during the restore; restore another step or re-save"
-            )
+            raise _cut_short(p.at, size, repr(p.key), p.at.stop, " during the restore")
 
     def _chunk(self, p: ChunkPart, spare: bool = False) -> np.ndarray:
         """Chunk ``p`` whole with its trailer, its CRC32C checked (else Corrupt): where the
@@ -403,14 +399,9 @@ class Reader:
                 data = self._mapping(p.at.file)[p.at.start : p.at.start + size]
             except OSError as e:
                 raise StorageError(f"mapping {p.at.file} for chunk {p.key!r}: {e}") from e
-            if len(data) == size:
-                _fault_in(p, data)
-            else:
-                raise StorageError(
-                    f"the data file {p.at.file} ends at byte {p.at.start + len(data)}, before "
-                    f"the bytes {p.at.start}-{p.at.stop - 1} the OCDBT B-tree gives chunk "
-                    f"{p.key!r}: the file was truncated; restore another step or re-save"
-                )
+            if len(data) < size:
+                raise _cut_short(p.at, p.at.start + len(data), repr(p.key), p.at.stop)
+            _fault_in(p, data)
         else:
             if spare:
                 with self._lock:
@@ -484,13 +475,13 @@ class Reader:
         each stretch of adjacent chunks (an unmapping interrupts every core that runs the
         process: one for each chunk cost all the mapping saved)."""
         local = self._scratch
-        used = getattr(local, "used", None)
-        if used is None:
-            used = local.used = []
-        used.append(view)
-        if sum(v.nbytes for v in used) >= USED_BYTES:
-            local.used = []
-            mapped.let_go(used)
+        if not hasattr(local, "used"):
+            local.used, local.used_bytes = [], 0
+        local.used.append(view)
+        local.used_bytes += view.nbytes
+        if local.used_bytes >= USED_BYTES:
+            mapped.let_go(local.used)
+            local.used, local.used_bytes = [], 0
 
     def _spare_for(self, size: int) -> np.ndarray:
         """A buffer of at least ``size`` bytes for a kept chunk: one a released chunk left
@@ -599,6 +590,18 @@ class _Kept:
         self.ready = threading.Lock()
         self.data: np.ndarray | None = None
         self.error: BaseException | None = None
+
+
+def _cut_short(
+    first: arrays.ChunkBytes, ends: int, chunks: str, stop: int, when: str = ""
+) -> StorageError:
+    """A data file that ends at byte ``ends``, before the bytes the B-tree gives ``chunks``
+    (from ``first``'s start to ``stop``)."""
+    return StorageError(
+        f"the data file {first.file} ends at byte {ends}, before the bytes {first.start}-"
+        f"{stop - 1} the OCDBT B-tree gives chunk {chunks}: the file was truncated{when}; "
+        "restore another step or re-save"
+    )
 
 
 def _fault_in(p: ChunkPart, data: np.ndarray) -> None:
@@ -733,12 +736,7 @@ def _preadv_all(fd: int, views: list[memoryview], pos: int, run: list[ChunkRead]
         except OSError as e:
             raise StorageError(f"reading {run[0].at.file} at byte {pos} failed: {e}") from e
         if n == 0:
-            first, last = run[0].at, run[-1].at
-            raise StorageError(
-                f"the data file {first.file} ends at byte {pos}, before the bytes "
-                f"{first.start}-{last.stop - 1} the OCDBT B-tree gives chunk {run[0].key!r} and "
-                f"those after it: the file was truncated; restore another step or re-save"
-            )
+            raise _cut_short(run[0].at, pos, f"{run[0].key!r} and those after it", run[-1].at.stop)
         pos += n
         while at < len(views) and n >= len(views[at]):
             n -= len(views[at])
