@@ -858,11 +858,13 @@ def test_a_data_file_cut_short_after_it_was_mapped_is_named(kept, tmp_path):
         held = {q.key for q in plans[0].parts}
         assert set(reader._kept) == held and {q.key for q in plans[1].parts} == held
         other = 1 if kept else 2  # slice 1 needs the kept chunks, 2 two it reads first
+        # (TensorStore's writer may put the chunks in one data file or in several)
         cut = max(plans[other].parts, key=lambda q: q.at.start)  # the later in its file
-        assert all(q.at.file == cut.at.file for q in plans[other].parts)
         end = cut.at.start - cut.at.start % 4096
         os.truncate(cut.at.file, end)
-        gone = {q.key for q in plans[other].parts if q.at.stop > end}  # (a page may hold two)
+        gone = {  # (a page may hold two)
+            q.key for q in plans[other].parts if q.at.file == cut.at.file and q.at.stop > end
+        }
         why = "truncated during the restore" if kept else "Bad address"
         with pytest.raises(errors.StorageError, match=why) as e:
             reader.start(plans[other]).result(timeout=30)
