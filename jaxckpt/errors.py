@@ -54,6 +54,15 @@ class StorageError(CheckpointError, OSError):
     """Reading or writing the underlying storage failed."""
 
 
+class DirectoryInUseError(CheckpointError):
+    """Another job holds the writer's lease on the run directory (or took it over from this
+    manager). ``holder``: its record (host, pid, job, since), when known."""
+
+    def __init__(self, message: str, holder: object = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 class BackgroundSaveError(CheckpointError):
     """A save that ran in the background failed; raised at the next call."""
 

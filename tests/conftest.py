@@ -73,8 +73,9 @@ class Calls:
 
 
 def listing(directory) -> list[str]:
-    """A manager directory's entries, less its run log (``runlog/``, format 1.6)."""
-    return sorted(n for n in os.listdir(directory) if n != "runlog")
+    """A manager directory's entries, less its run log (``runlog/``, format 1.6) and the
+    writer's lease of an open manager (``.jaxckpt-lease``)."""
+    return sorted(n for n in os.listdir(directory) if n not in ("runlog", ".jaxckpt-lease"))
 
 
 def sharded(x, mesh, spec):

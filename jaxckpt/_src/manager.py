@@ -22,15 +22,17 @@ from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ManifestError,
+    StorageError,
 )
-from . import gc_pause, monitoring, multihost, readers, saving, steps
+from . import gc_pause, lease, monitoring, multihost, preemption, readers, saving, steps
 from .cadence import Blocking, Cadence, start_run
-from .manifest import read_manifest
-from .options import Options
+from .manifest import MANIFEST_FILE, read_manifest
+from .options import Options, signal_numbers
 from .restoring import restore
 from .runlog import RunLog
 from .staging import HostCopies, Staged
-from .storage import Location, location
+from .storage import Location, location, storage_error
 from .writer import Writer
 
 __all__ = ["BackgroundSaveError", "CheckpointManager"]
@@ -51,13 +53,37 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, options: Options | None = None):
         self.directory: Location = location(directory)
-        self.options = options or Options()
-        if self.options.create:
-            self.directory.makedirs()
-        elif self.directory.is_local and not os.path.isdir(self.directory.url):
+        self.options = opts = options or Options()
+        if opts.create and not opts.read_only:
+            try:
+                self.directory.makedirs()
+            except OSError as e:
+                raise storage_error(e, self.directory, "creating the run directory") from e
+        if self.directory.is_local and not os.path.isdir(self.directory.url):
             raise CheckpointNotFoundError(
                 f"{self.directory.url} does not exist; create it or pass Options(create=True)"
             )
+        # one writing job per directory (lease.py); a read-only one lists and restores
+        self._lease: lease.Lease | None = None
+        self._read_only = "Options(read_only=True)" if opts.read_only else None
+        if not opts.read_only:
+            verdict = lease.for_job(
+                self.directory,
+                stale_s=opts.lease_stale_s,
+                take_over=opts.take_over_lease,
+                timeout_s=opts.timeout_s,
+            )
+            self._lease, self._read_only = verdict.lease, verdict.read_only
+            if self._read_only:
+                log.warning("jaxckpt: %s; this manager lists and restores only", self._read_only)
+        self._preemption: preemption.Watch | None = None
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            raise
+
+    def _start(self) -> None:
         self._host = HostCopies()
         self._writer = Writer("jaxckpt-writer", self.options.timeout_s)
         # this process's figures (jaxckpt.Figures): the last committed save's phases,
@@ -67,8 +93,9 @@ class CheckpointManager:
         self.last_restore_figures: monitoring.Figures | None = None
         self._closed = self._failed = False
         self._metrics: dict[int, dict | None] = {}
+        self._broken: set[int] = set()  # marked steps without a manifest, warned about
         self._restored_step: int | None = None
-        if self.options.cleanup_tmp and multihost.process_index() == 0:
+        if self.options.cleanup_tmp and not self._read_only and multihost.process_index() == 0:
             # Leftovers of interrupted saves; a save still in progress (another manager on
             # this directory) is left alone: its writer holds the lock on its owner file
             # (see ``storage.being_written``).
@@ -77,7 +104,9 @@ class CheckpointManager:
         # the run log (a figure of each save and restore; jaxckpt.goodput reads it) and the
         # save interval, fixed or chosen from what the log and this job measure
         opts = self.options
-        self._log, history = start_run([self.directory], ["dir"], opts.heartbeat_s, opts.run_log)
+        self._log, history = start_run(
+            [self.directory], ["dir"], opts.heartbeat_s, opts.run_log and not self._read_only
+        )
         self._cadence = Cadence(
             "dir",
             opts.save_interval_steps,
@@ -104,10 +133,24 @@ class CheckpointManager:
         return steps.step_dir(self.directory, step, self.options.step_digits)
 
     def reload(self) -> None:
-        """Re-reads the directory: sees steps another process committed or deleted."""
-        self._metrics = {
-            s: self._metrics.get(s, _NOT_READ) for s in steps.committed(self.directory)
-        }
+        """Re-reads the directory: sees steps another process committed or deleted.
+
+        A step marked committed without its manifest (an older version's lost save, another
+        tool's crash, a hand's deletion) is left out with a warning naming it, so the run
+        goes on from the newest step that reads; ``jaxckpt ls`` shows it."""
+        scan = steps.scan(self.directory, require=MANIFEST_FILE)
+        unseen = sorted(set(scan.broken) - self._broken)
+        if unseen:
+            log.warning(
+                "jaxckpt: %s: step(s) %s hold COMMITTED but no %s; skipped (the newest step "
+                "that reads is used). Delete them: rm -r %s",
+                self.directory.url,
+                unseen,
+                MANIFEST_FILE,
+                " ".join(self.step_path(s).url for s in unseen),
+            )
+        self._broken |= set(unseen)
+        self._metrics = {s: self._metrics.get(s, _NOT_READ) for s in scan.committed}
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -156,13 +199,23 @@ class CheckpointManager:
         return self._cadence.due(step) and step not in self._metrics
 
     def reached_preemption(self, step: int) -> bool:
-        """True at the step all processes agreed on after one got a preemption notice.
+        """True at the step every process stops at after any process got a preemption
+        notice (SIGTERM, or ``Options.preemption_signals``), with one process as with many.
 
-        Call it every step (same steps on every process); when True, save that step with
-        ``force=True`` and exit. Uses JAX's preemption sync point (SIGTERM); always False
-        in a single-process job.
+        Call it every step, with the same steps on every process; when True, save that step
+        with ``force=True`` (a save still in flight gets ``Options.preemption_grace_s`` to
+        finish, then is cancelled), ``wait_until_finished()``, and exit 0: the next job
+        resumes there. The first call installs the signal handler (chained to one already
+        installed in Python; the previous one is put back on ``close``), so a job that never
+        calls it keeps the default SIGTERM. See ``jaxckpt._src.preemption``.
         """
-        return multihost.reached_preemption(step)
+        if self._preemption is None:
+            self._preemption = preemption.Watch(
+                preemption.name_for(self.directory),
+                signal_numbers(self.options.preemption_signals),
+                self.options.timeout_s,
+            )
+        return self._preemption.reached(step)
 
     # --- save ----------------------------------------------------------------------------
 
@@ -189,6 +242,9 @@ class CheckpointManager:
         metadata = saving.renamed_metadata(custom_metadata, metadata)
         if self._closed:
             raise CheckpointError(f"the manager of {self.directory.url} is closed")
+        self.check_writable()
+        if force and self._preemption is not None and self._preemption.stopping:
+            self._make_way(self.options.preemption_grace_s)
         self._writer.raise_error()
         self._reached = max(step, self._reached or step)
         if self._log is not None:
@@ -230,6 +286,28 @@ class CheckpointManager:
         self.last_save_blocking_s = clock.done().phases["blocking"]
         self._cadence.saved(step, self.last_save_blocking_s)
         return True
+
+    def check_writable(self) -> None:
+        """Raises StorageError if this manager may not save (read-only), DirectoryInUseError
+        if another job took its directory over."""
+        if self._read_only:
+            raise StorageError(
+                f"{self.directory.url}: this manager is read-only ({self._read_only}), so it "
+                "lists and restores only; save to a writable directory"
+            )
+        if self._lease is not None:
+            self._lease.check()
+
+    def _make_way(self, grace_s: float) -> None:
+        """Gives a save in flight ``grace_s`` to finish, then cancels it (a preemption)."""
+        if not self._writer.idle_within(grace_s):
+            log.warning(
+                "jaxckpt: preemption: the save in flight to %s did not finish within %gs "
+                "(preemption_grace_s); cancelling it",
+                self.directory.url,
+                grace_s,
+            )
+            self.cancel()
 
     def _over_budget(self, staged: Staged) -> bool:
         budget = self.options.staging_budget_bytes
@@ -320,7 +398,7 @@ class CheckpointManager:
     ) -> Any:
         """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`."""
         self.wait_until_finished()
-        step = self._step_or_latest(step)
+        step = self._step_or_latest(step) if step is not None else self._newest_readable()
         started = time.perf_counter()
         out = restore(
             self.step_path(step).url,
@@ -335,6 +413,17 @@ class CheckpointManager:
         if self._log is not None:
             self._log.append("restore", step, tier=self._tier, seconds=seconds)
         return out
+
+    def _newest_readable(self) -> int:
+        """The newest step whose manifest reads; the ones that do not are skipped with a
+        warning (every process reads the same files, so all choose the same step)."""
+        for step in reversed(self.all_steps()):
+            try:
+                read_manifest(self.step_path(step))
+                return step
+            except ManifestError as e:
+                log.warning("jaxckpt: skipping step %d, its manifest does not read: %s", step, e)
+        return self._step_or_latest(None)
 
     def _step_or_latest(self, step: int | None) -> int:
         if step is None:
@@ -383,8 +472,18 @@ class CheckpointManager:
         try:
             self._writer.close(self.directory.url)
         finally:
-            if self._log is not None and self._owns_log:
-                self._log.close(self._reached, clean=not self._failed)
+            try:
+                if self._log is not None and self._owns_log:
+                    self._log.close(self._reached, clean=not self._failed)
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        """Frees the lease and the signal handlers (after the last save of this manager)."""
+        if self._preemption is not None:
+            self._preemption.close()
+        if self._lease is not None:
+            self._lease.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

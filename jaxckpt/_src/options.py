@@ -94,8 +94,14 @@ class Options:
     heartbeat_s: float = 30.0
     drop_page_cache: bool = False
     direct_io: bool | None = None
+    read_only: bool = False
+    lease_stale_s: float = 120.0
+    take_over_lease: bool = False
+    preemption_signals: tuple[str | int, ...] = ("SIGTERM",)
+    preemption_grace_s: float = 20.0
 
     def __post_init__(self) -> None:
+        _preemption(self)
         _interval(self, "save_interval_steps", "min_interval_steps", "max_interval_steps")
         _at_least(self, 0, "heartbeat_s")
         _at_least(
@@ -160,6 +166,9 @@ class EmergencyOptions:
     direct_io: write both tiers' local files with O_DIRECT (see ``Options``). None (the
         default): the remote tier as ``Options`` does, the local tier through the page cache
         (a process restarted on its host reads its step back from memory).
+    lease_stale_s / take_over_lease: the writer's lease on both tiers (see ``Options``;
+        each process takes its own local directory's).
+    preemption_signals / preemption_grace_s: see ``Options`` and ``reached_preemption``.
     """
 
     local_interval_steps: int | Literal["auto"] = 10
@@ -180,8 +189,13 @@ class EmergencyOptions:
     heartbeat_s: float = 30.0
     drop_page_cache: bool = False
     direct_io: bool | None = None
+    lease_stale_s: float = 120.0
+    take_over_lease: bool = False
+    preemption_signals: tuple[str | int, ...] = ("SIGTERM",)
+    preemption_grace_s: float = 20.0
 
     def __post_init__(self) -> None:
+        _preemption(self)
         _interval(self, "local_interval_steps", "min_interval_steps", "max_interval_steps")
         _at_least(self, 0, "heartbeat_s")
         _interval(
@@ -196,6 +210,33 @@ class EmergencyOptions:
         doc = option_file(path)
         known_options(cls, doc, where=os.fspath(path))
         return cls(**{**doc, **overrides})
+
+
+def _preemption(options: Any) -> None:
+    """Checks the lease and preemption fields shared by both option classes."""
+    if not options.lease_stale_s > 0:
+        raise OptionsError(f"lease_stale_s must be > 0 seconds, got {options.lease_stale_s!r}")
+    if not options.preemption_grace_s >= 0:
+        raise OptionsError(
+            f"preemption_grace_s must be >= 0 seconds, got {options.preemption_grace_s!r}"
+        )
+    object.__setattr__(options, "preemption_signals", tuple(options.preemption_signals))
+    signal_numbers(options.preemption_signals)
+
+
+def signal_numbers(names: tuple[str | int, ...]) -> tuple[int, ...]:
+    """``("SIGTERM", 10)`` -> their numbers; an unknown name is an OptionsError."""
+    import signal
+
+    out = []
+    for name in names:
+        try:
+            out.append(int(signal.Signals[name] if isinstance(name, str) else signal.Signals(name)))
+        except (KeyError, ValueError):
+            raise OptionsError(
+                f"preemption_signals: {name!r} is not a signal; use names like 'SIGTERM'"
+            ) from None
+    return tuple(out)
 
 
 def _at_least(options: Any, least: int, *names: str, none: bool = False) -> None:

@@ -8,6 +8,7 @@ have no rename, so there the commit marker written last is the truth.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -106,11 +107,18 @@ class Location:
                 return sorted(os.listdir(self.url))
             except (FileNotFoundError, NotADirectoryError):
                 return []
-        # Object stores have no directories and TensorStore's list has no delimiter: this lists
-        # every key under the prefix (one ListObjectsV2 request per 1000 keys), never keys
-        # outside it. A step holds a handful of objects, so a run of N steps costs ~N * 10 keys.
-        keys = _kv(self).list().result()
-        return sorted({name for k in keys if (name := k.decode().split("/", 1)[0])})
+        return sorted({name for k in self.list_keys() if (name := k.split("/", 1)[0])})
+
+    def list_keys(self) -> list[str]:
+        """Every key under this object-store prefix, relative to it (local: []).
+
+        Object stores have no directories and TensorStore's list has no delimiter: this lists
+        every key under the prefix (one ListObjectsV2 request per 1000 keys), never keys
+        outside it. A step holds a handful of objects, so a run of N steps costs ~N * 10 keys.
+        """
+        if self.is_local:
+            return []
+        return [k.decode() for k in _kv(self).list().result()]
 
     def delete_file(self, name: str) -> None:
         if self.is_local:
@@ -193,6 +201,30 @@ def being_written(loc: Location, other_host_grace_s: float) -> bool:
         return False
 
 
+_ERRNO_MEANS = {
+    errno.EROFS: "the filesystem is mounted read-only; save to a writable directory, or "
+    "open the manager with Options(read_only=True) to list and restore only",
+    errno.ENOSPC: "no space left on the device; free space (mgr.delete(step), a smaller "
+    "max_to_keep) or save elsewhere",
+    errno.EDQUOT: "the disk quota is exceeded; free space or raise the quota",
+    errno.EACCES: "permission denied; give this user write access to the directory",
+    errno.EPERM: "operation not permitted; give this user write access to the directory",
+}
+
+
+def storage_error(e: OSError, where: Location | str, doing: str) -> StorageError:
+    """A :class:`StorageError` for ``e`` raised while ``doing`` in ``where``: it names the
+    checkpoint directory (not a hidden file of jaxckpt's) and says what the errno means and
+    what to do. Other errors keep their own text."""
+    url = where.url if isinstance(where, Location) else where
+    means = _ERRNO_MEANS.get(e.errno or 0)
+    code = f"[Errno {e.errno}] " if e.errno else ""
+    text = means or (e.strerror or str(e))
+    out = StorageError(f"{doing} {url} failed: {code}{text}")
+    out.errno = e.errno
+    return out
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -202,7 +234,10 @@ def fsync_dir(path: str) -> None:
 
 
 def rename_dir(src: Location, dst: Location) -> None:
-    """Atomically moves a local directory and makes the move durable."""
+    """Atomically moves a local directory and makes the move durable.
+
+    Never replaces a directory that holds anything: rename(2) fails with EEXIST or
+    ENOTEMPTY then (POSIX), a check the kernel makes atomically with the move."""
     os.rename(src.url, dst.url)
     fsync_dir(dst.parent().url)
 

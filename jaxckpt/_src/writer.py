@@ -210,6 +210,10 @@ class Writer:
         ``timeout_s`` to fail on their own."""
         return self._wait_for(lambda: all(j.cancelled for j in self._jobs), 2 * self.timeout_s)
 
+    def idle_within(self, timeout_s: float) -> bool:
+        """Whether the jobs in flight (not cancelled) end within ``timeout_s``."""
+        return self._wait_for(lambda: all(j.cancelled for j in self._jobs), timeout_s)
+
     def cancel(self, timeout_s: float) -> bool:
         """Cancels the jobs in flight and waits up to ``timeout_s`` for the running one to
         stop; True if one was cancelled (it never commits, even if it still runs after this

@@ -33,12 +33,13 @@ import jax
 from jax.sharding import Mesh
 
 from ...errors import CheckpointError, CheckpointNotFoundError
-from .. import gc_pause, multihost, steps
+from .. import gc_pause, lease, multihost, steps
 from .. import per_process as pp
 from ..cadence import Blocking, Cadence, start_run
 from ..manager import CANCEL_TIMEOUT_S, CheckpointManager
 from ..monitoring import Figures, Stopwatch
-from ..options import EmergencyOptions, Options
+from ..options import EmergencyOptions, Options, signal_numbers
+from ..preemption import Watch, name_for
 from ..storage import location
 from ..writer import Writer
 from . import restore as local_restore
@@ -83,6 +84,24 @@ class EmergencyCheckpointManager:
                 f"local_directory must be a local path, got {self.local_directory.url}"
             )
         self.local_directory.makedirs()
+        # each process's own local directory gets its own writer's lease (lease.py)
+        self._lease = lease.for_job(
+            self.local_directory,
+            stale_s=opts.lease_stale_s,
+            take_over=opts.take_over_lease,
+            timeout_s=opts.timeout_s,
+            per_process=True,
+        ).lease
+        self._preemption: Watch | None = None
+        try:
+            self._start(remote_directory)
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
+
+    def _start(self, remote_directory: str | os.PathLike) -> None:
+        opts = self.options
         steps.clean_leftovers(self.local_directory, grace_s=opts.timeout_s)
         self.remote = CheckpointManager(
             remote_directory,
@@ -95,6 +114,9 @@ class EmergencyCheckpointManager:
                 run_log=False,  # this manager logs both tiers
                 drop_page_cache=opts.drop_page_cache,
                 direct_io=opts.direct_io,
+                lease_stale_s=opts.lease_stale_s,
+                take_over_lease=opts.take_over_lease,
+                preemption_grace_s=opts.preemption_grace_s,
             ),
         )
         # the run log, in both tiers' directories (a replaced host keeps the remote one),
@@ -164,7 +186,18 @@ class EmergencyCheckpointManager:
         )
 
     def reached_preemption(self, step: int) -> bool:
-        return multihost.reached_preemption(step)
+        """True at the step every process stops at after any process got a preemption
+        notice; see :meth:`CheckpointManager.reached_preemption`. Then ``save(step, state,
+        force=True)`` writes the local tier only (the fastest), a remote save in flight gets
+        ``preemption_grace_s`` to finish before it is cancelled; ``wait_until_finished()``
+        and exit 0."""
+        if self._preemption is None:
+            self._preemption = Watch(
+                name_for(self.remote.directory),
+                signal_numbers(self.options.preemption_signals),
+                self.options.timeout_s,
+            )
+        return self._preemption.reached(step)
 
     # --- save ----------------------------------------------------------------------------
 
@@ -190,12 +223,19 @@ class EmergencyCheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
+        if self._lease is not None:
+            self._lease.check()
         self._writer.raise_error()
         self._reached = max(step, self._reached or step)
         if self._log is not None:
             self._log.heartbeat(step)
         do_local, do_remote = self.should_save(step)
         do_local, do_remote = do_local or force, do_remote or force
+        if force and self._preemption is not None and self._preemption.stopping:
+            # the notice leaves seconds: the local tier only; a remote save in flight gets
+            # the grace to finish, then is cancelled
+            do_local, do_remote = True, False
+            self.remote._make_way(self.options.preemption_grace_s)
         if not (do_local or do_remote):
             return False
         record = pp.encode(per_process, where=f"{self.local_directory.url} step {step}")
@@ -416,9 +456,15 @@ class EmergencyCheckpointManager:
         try:
             self._writer.close(self.local_directory.url)
         finally:
-            self.remote.close()
-            if self._log is not None:
-                self._log.close(self._reached, clean=not self._failed)
+            try:
+                self.remote.close()
+                if self._log is not None:
+                    self._log.close(self._reached, clean=not self._failed)
+            finally:
+                if self._preemption is not None:
+                    self._preemption.close()
+                if self._lease is not None:
+                    self._lease.release()
 
     def __enter__(self) -> EmergencyCheckpointManager:
         return self

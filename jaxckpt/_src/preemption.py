@@ -1,0 +1,169 @@
+"""Preemption notices: a signal handler that records the notice, and the step at which every
+process of the job saves and stops.
+
+Every cloud, SLURM and Kubernetes announce a preemption with SIGTERM and kill the job some
+seconds later (about 30 on GKE, 120 on AWS spot). A manager's ``reached_preemption(step)``
+installs :class:`Watch` on its first call (so a job that never asks keeps the default
+SIGTERM, which ends it), chaining any Python handler the user or a framework installed, and
+puts the previous handler back on ``close``.
+
+With one process the notice is the answer: ``reached(step)`` is True from the first step
+after the signal. With several, the process that got the signal announces it through the
+``jax.distributed`` key-value store (the managers use it anyway; JAX's own preemption service
+is not needed and may be off); a watcher thread in every process sees the announcement.
+Each process then publishes the step it is at, waits (at most ``timeout_s``) for every
+process's, and all stop at the largest: every process answers True at that same step, and
+no process has passed it (each published the step it was at). Without a notice a call costs
+two flag reads: no key-value traffic per step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+from ..errors import CoordinationError
+from . import multihost
+from .storage import Location
+
+log = logging.getLogger("jaxckpt")
+
+_POLL_S = 1.0  # how often a watcher thread looks for another process's notice
+
+
+def name_for(directory: Location) -> str:
+    """The key-value prefix of the preemption watch of a manager of ``directory``: the same
+    on every process (the shared directory), and unlike any other manager's."""
+    return f"jaxckpt/preemption/{hashlib.sha256(directory.url.encode()).hexdigest()[:12]}"
+
+
+class Watch:
+    """Watches for a preemption notice (``signals``) and agrees on the step to stop at.
+
+    ``name`` must be the same on every process (``multihost.unique_name``)."""
+
+    def __init__(self, name: str, signals: Sequence[int], timeout_s: float) -> None:
+        self.name, self.signals, self.timeout_s = name, tuple(signals), timeout_s
+        self.noticed: int | None = None  # the signal this process got
+        self._remote = threading.Event()  # another process announced one
+        self._announced = False
+        self._stop_at: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._install()
+        if multihost.process_count() > 1:
+            self._watcher = threading.Thread(
+                target=self._watch, name="jaxckpt-preemption", daemon=True
+            )
+            self._watcher.start()
+
+    # --- the notice ----------------------------------------------------------------------
+
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning(
+                "jaxckpt: reached_preemption() first called off the main thread: no handler "
+                "for %s installed (Python allows them on the main thread only); only other "
+                "processes' notices are seen",
+                self._names(),
+            )
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def _names(self) -> str:
+        return ", ".join(signal.Signals(s).name for s in self.signals)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.noticed is None:
+            self.noticed = signum
+        previous = self._previous.get(signum)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)  # chained: the user's or a framework's own handler
+
+    def notify(self, signum: int = signal.SIGTERM) -> None:
+        """Records a notice as the handler would (a scheduler's API, tests)."""
+        if self.noticed is None:
+            self.noticed = signum
+
+    def _watch(self) -> None:
+        client = multihost._client()
+        key = f"{self.name}/notice"
+        while not self._closed.is_set():
+            try:
+                client.blocking_key_value_get(key, int(_POLL_S * 1000))
+            except Exception:  # DEADLINE_EXCEEDED: no notice yet (or the service went away)
+                continue
+            self._remote.set()
+            return
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the step to stop at is known (``reached`` answered after a notice)."""
+        return self._stop_at is not None
+
+    # --- the step ------------------------------------------------------------------------
+
+    def reached(self, step: int) -> bool:
+        """True at the step every process stops at (see the module); False before it."""
+        if self._stop_at is not None:
+            return step >= self._stop_at
+        if self.noticed is None and not self._remote.is_set():
+            return False
+        if multihost.process_count() == 1:
+            self._stop_at = step
+            log.warning("jaxckpt: preemption notice (%s): stopping at step %d", self._names(), step)
+            return True
+        client = multihost._client()
+        if self.noticed is not None and not self._announced:
+            client.key_value_set(f"{self.name}/notice", str(multihost.process_index()), True)
+            self._announced = True
+        self._stop_at = self._agree(client, step)
+        log.warning(
+            "jaxckpt: preemption notice (%s): every process stops at step %d",
+            signal.Signals(self.noticed).name if self.noticed else "from another process",
+            self._stop_at,
+        )
+        return step >= self._stop_at
+
+    def _agree(self, client: Any, step: int) -> int:
+        """Publishes ``step``; the largest step every process published."""
+        client.key_value_set(f"{self.name}/at/{multihost.process_index()}", str(step))
+        deadline = time.monotonic() + self.timeout_s
+        at, missing = [], []
+        for p in range(multihost.process_count()):
+            left = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                at.append(int(client.blocking_key_value_get(f"{self.name}/at/{p}", left)))
+            except Exception:
+                missing.append(p)
+        if missing:
+            raise CoordinationError(
+                f"preemption notice: process(es) {missing} of {multihost.process_count()} did "
+                f"not report the step they reached within {self.timeout_s:g}s (this is process "
+                f"{multihost.process_index()}); they died or do not call reached_preemption() "
+                "every step. Save what this process can and exit"
+            )
+        return max(at)
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Puts the previous handlers back (where they are still ours) and stops watching."""
+        self._closed.set()
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                if signal.getsignal(sig) == self._handler:
+                    # None: a handler installed outside Python (JAX's C++ notifier), which
+                    # cannot be put back; the default at least ends the process again
+                    signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2 * _POLL_S)
