@@ -134,6 +134,8 @@ def init() -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if os.environ.get("JAXCKPT_TEST_NO_PREEMPTION_SERVICE"):
+        jax.config.update("jax_enable_preemption_service", False)
     if "JAXCKPT_COORD" in os.environ:
         jax.distributed.initialize(
             coordinator_address=os.environ["JAXCKPT_COORD"],

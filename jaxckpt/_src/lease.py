@@ -6,15 +6,18 @@ The lease is a small JSON record, ``<directory>/.jaxckpt-lease``, naming its hol
 pid, job id, since when, last renewed):
 
 * local and shared filesystems: the holder keeps an ``flock`` on the file, which the kernel
-  drops when the process dies (even by SIGKILL), so a dead holder's lease is free at once.
-  flock does not reach across hosts on every shared filesystem, so a record of another host
-  that was renewed within ``stale_s`` also counts as held.
+  drops when the process dies (even by SIGKILL), so a dead holder's lease on this host is
+  free at once; releasing deletes the file.
 * object stores (``s3://``, ``gs://``): the record is created with a conditional write
-  (only if absent, or only if unchanged since it was read as stale or released: S3's
-  If-None-Match / If-Match, which TensorStore sends from 0.1.72), so two managers racing
-  for it cannot both win; releasing writes a record that says released (S3 has no
-  conditional delete); the holder renews it with the same kind of write
-  every ``stale_s / 4``, and a record older than ``stale_s`` may be taken over.
+  (only if absent, or only if unchanged since it was read: S3's If-None-Match / If-Match,
+  which TensorStore sends from 0.1.72), so two managers racing for it cannot both win;
+  releasing writes a record that says released (S3 has no conditional delete).
+
+The holder rewrites its record every ``stale_s / 6`` (the heartbeat). A record of another
+host (flock does not reach across hosts on every shared filesystem) or on an object store
+that was renewed within ``stale_s`` is watched for up to 2.5 heartbeats: renewed meanwhile,
+its holder is alive and the lease is refused; not, it is dead (a crashed job restarted on
+other hosts) and the lease is taken over with a warning. An older record is taken at once.
 
 A second manager that finds the lease held refuses with :class:`DirectoryInUseError` naming
 the holder. ``take_over=True`` takes a lease whose record still looks live (its holder is
@@ -34,6 +37,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import tensorstore as ts
@@ -160,7 +164,7 @@ class Lease:
                 log.warning("jaxckpt: renewing the lease of %s failed: %s", self.directory.url, e)
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.stale_s / 4):
+        while not self._stop.wait(heartbeat_s(self.stale_s)):
             self.renew()
 
     def release(self) -> None:
@@ -211,7 +215,7 @@ def _acquire_file(directory: Location, me: Holder, stale_s: float, take_over: bo
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise _in_use(
-                    directory, Holder.parse(_read_fd(fd)), "it holds the lock on " + path, _WAIT
+                    directory, _record_of_locker(fd), "it holds the lock on " + path, _WAIT
                 ) from None
             try:  # a holder releasing deletes the file: this lock may be on a deleted one
                 current = os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -220,7 +224,14 @@ def _acquire_file(directory: Location, me: Holder, stale_s: float, take_over: bo
             if not current:
                 os.close(fd)
                 continue
-            _check_record(directory, Holder.parse(_read_fd(fd)), me, stale_s, take_over)
+            _check_record(
+                directory,
+                Holder.parse(_read_fd(fd)),
+                me,
+                stale_s,
+                take_over,
+                lambda: Holder.parse(_read_fd(fd)),
+            )
             _write_fd(fd, me.to_bytes())
         except BaseException:
             os.close(fd)
@@ -228,22 +239,40 @@ def _acquire_file(directory: Location, me: Holder, stale_s: float, take_over: bo
         return Lease(directory, me, stale_s, fd, b"")
 
 
+def heartbeat_s(stale_s: float) -> float:
+    """How often a holder renews its record."""
+    return stale_s / 6
+
+
 def _check_record(
-    directory: Location, old: Holder | None, me: Holder, stale_s: float, take_over: bool
+    directory: Location,
+    old: Holder | None,
+    me: Holder,
+    stale_s: float,
+    take_over: bool,
+    read: Callable[[], Holder | None],
 ) -> None:
-    """Refuses a record that still looks live (see the module); logs a takeover."""
+    """Refuses a record that is still being renewed (see the module); logs a takeover.
+    ``read`` reads the record again."""
     if old is None or old.released:
         return
     age = time.time() - old.renewed
     if old.host != me.host and age < stale_s and not take_over:
-        raise _in_use(
-            directory,
-            old,
-            f"its lease was renewed {age:.0f} s ago, from another host (it goes stale after "
-            f"{stale_s:g} s without renewal)",
-            f"{_WAIT}; if that job is gone, wait {stale_s - age:.0f} s or pass "
-            "Options(take_over_lease=True)",
-        )
+        deadline = time.monotonic() + min(stale_s - age, 2.5 * heartbeat_s(stale_s))
+        while time.monotonic() < deadline:
+            time.sleep(min(0.2, heartbeat_s(stale_s) / 4))
+            now = read()
+            if now is not None and now != old and not now.released:
+                raise _in_use(
+                    directory,
+                    now,
+                    "its holder renews its lease (a heartbeat every "
+                    f"{heartbeat_s(stale_s):g} s)",
+                    f"{_WAIT}; if that job is gone and this is wrong, pass "
+                    "Options(take_over_lease=True)",
+                )
+            if now is not None and now.released:
+                return  # (None: read while being rewritten, or deleted: watch on)
     log.warning(
         "jaxckpt: taking over the writer's lease of %s from %s, which did not release it "
         "(it died or was killed)",
@@ -257,18 +286,10 @@ def _acquire_object(directory: Location, me: Holder, stale_s: float, take_over: 
     try:
         got = kv.read(LEASE_FILE).result()
         old = Holder.parse(bytes(got.value)) if got.state == "value" else None
-        if got.state == "value" and old is not None and not old.released:
-            age = time.time() - old.renewed
-            if age < stale_s and not take_over:
-                raise _in_use(
-                    directory,
-                    old,
-                    f"its lease object was renewed {age:.0f} s ago (it goes stale after "
-                    f"{stale_s:g} s without renewal)",
-                    f"{_WAIT}; if that job is gone, wait {stale_s - age:.0f} s or pass "
-                    "Options(take_over_lease=True)",
-                )
-            _check_record(directory, old, replace(me, host=""), stale_s, True)
+        # no flock on an object store: every live-looking record is watched for renewals
+        _check_record(
+            directory, old, replace(me, host=""), stale_s, take_over, lambda: _read_holder(kv)
+        )
         # only if the object is still what was just read: the generation of a key read as
         # missing means "only if still absent" (S3: If-None-Match; TensorStore >= 0.1.72)
         condition = got.stamp.generation
@@ -294,6 +315,7 @@ class Verdict:
 
     lease: Lease | None
     read_only: str | None = None
+    errno: int | None = None  # of the refusal that made it read-only
 
 
 _rounds: dict[str, int] = {}
@@ -334,8 +356,13 @@ def for_job(
         text = json.dumps(outcome)
         outcome = json.loads(multihost.decided(name, "", lambda _: text, timeout_s))
     if outcome.get("kind") == "error":
-        raise (DirectoryInUseError if outcome["in_use"] else StorageError)(outcome["text"])
-    return Verdict(lease, outcome.get("text") if outcome.get("kind") == "read_only" else None)
+        if not outcome["in_use"]:
+            raise StorageError(outcome["text"])
+        held = outcome.get("holder")
+        raise DirectoryInUseError(outcome["text"], Holder(**held) if held else None)
+    if outcome.get("kind") == "read_only":
+        return Verdict(None, outcome["text"], outcome.get("errno"))
+    return Verdict(lease)
 
 
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
@@ -345,10 +372,11 @@ def _try(directory: Location, stale_s: float, take_over: bool) -> tuple[Lease | 
     try:
         return acquire(directory, stale_s=stale_s, take_over=take_over), {}
     except DirectoryInUseError as e:
-        return None, {"kind": "error", "in_use": True, "text": str(e)}
+        held = asdict(e.holder) if isinstance(e.holder, Holder) else None
+        return None, {"kind": "error", "in_use": True, "text": str(e), "holder": held}
     except StorageError as e:
         if e.errno in _READ_ONLY_ERRNOS:
-            return None, {"kind": "read_only", "text": str(e)}
+            return None, {"kind": "read_only", "text": str(e), "errno": e.errno}
         return None, {"kind": "error", "in_use": False, "text": str(e)}
 
 
@@ -366,6 +394,16 @@ def holder(directory: Location) -> Holder | None:
     """The record of the lease on ``directory`` (None: none, or unreadable)."""
     data = directory.read_bytes(LEASE_FILE)
     return Holder.parse(data) if data else None
+
+
+def _record_of_locker(fd: int) -> Holder | None:
+    """The record of the process holding the lock: it writes it right after locking, so
+    an empty file is read again for up to a second."""
+    for _ in range(50):
+        if (got := Holder.parse(_read_fd(fd))) is not None:
+            return got
+        time.sleep(0.02)
+    return None
 
 
 def _read_fd(fd: int) -> bytes:

@@ -65,7 +65,8 @@ class CheckpointManager:
             )
         # one writing job per directory (lease.py); a read-only one lists and restores
         self._lease: lease.Lease | None = None
-        self._read_only = "Options(read_only=True)" if opts.read_only else None
+        self._read_only = "it was opened with Options(read_only=True)" if opts.read_only else None
+        self._read_only_errno: int | None = None
         if not opts.read_only:
             verdict = lease.for_job(
                 self.directory,
@@ -74,6 +75,7 @@ class CheckpointManager:
                 timeout_s=opts.timeout_s,
             )
             self._lease, self._read_only = verdict.lease, verdict.read_only
+            self._read_only_errno = verdict.errno
             if self._read_only:
                 log.warning("jaxckpt: %s; this manager lists and restores only", self._read_only)
         self._preemption: preemption.Watch | None = None
@@ -291,10 +293,12 @@ class CheckpointManager:
         """Raises StorageError if this manager may not save (read-only), DirectoryInUseError
         if another job took its directory over."""
         if self._read_only:
-            raise StorageError(
-                f"{self.directory.url}: this manager is read-only ({self._read_only}), so it "
-                "lists and restores only; save to a writable directory"
+            error = StorageError(
+                f"{self.directory.url}: this manager refuses to save, it lists and restores "
+                f"only: {self._read_only}"
             )
+            error.errno = self._read_only_errno
+            raise error
         if self._lease is not None:
             self._lease.check()
 
@@ -421,7 +425,7 @@ class CheckpointManager:
             try:
                 read_manifest(self.step_path(step))
                 return step
-            except ManifestError as e:
+            except (ManifestError, CheckpointNotFoundError) as e:
                 log.warning("jaxckpt: skipping step %d, its manifest does not read: %s", step, e)
         return self._step_or_latest(None)
 

@@ -95,7 +95,7 @@ class Options:
     drop_page_cache: bool = False
     direct_io: bool | None = None
     read_only: bool = False
-    lease_stale_s: float = 120.0
+    lease_stale_s: float = 60.0
     take_over_lease: bool = False
     preemption_signals: tuple[str | int, ...] = ("SIGTERM",)
     preemption_grace_s: float = 20.0
@@ -189,7 +189,7 @@ class EmergencyOptions:
     heartbeat_s: float = 30.0
     drop_page_cache: bool = False
     direct_io: bool | None = None
-    lease_stale_s: float = 120.0
+    lease_stale_s: float = 60.0
     take_over_lease: bool = False
     preemption_signals: tuple[str | int, ...] = ("SIGTERM",)
     preemption_grace_s: float = 20.0

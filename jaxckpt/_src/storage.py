@@ -202,8 +202,7 @@ def being_written(loc: Location, other_host_grace_s: float) -> bool:
 
 
 _ERRNO_MEANS = {
-    errno.EROFS: "the filesystem is mounted read-only; save to a writable directory, or "
-    "open the manager with Options(read_only=True) to list and restore only",
+    errno.EROFS: "the filesystem is mounted read-only; save to a writable directory",
     errno.ENOSPC: "no space left on the device; free space (mgr.delete(step), a smaller "
     "max_to_keep) or save elsewhere",
     errno.EDQUOT: "the disk quota is exceeded; free space or raise the quota",

@@ -24,6 +24,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxckpt  # noqa: E402
 from jaxckpt._src import multihost  # noqa: E402
 
+if os.environ.get("JAXCKPT_TEST_HOSTS") == "separate":  # simulated machines
+    os.environ["JAXCKPT_HOST"] = f"host{jax.process_index()}"
+
 SPECS = {"w": P("data", "model"), "b": P("model")}
 
 
@@ -85,13 +88,15 @@ def main(mode: str, directory: str, arg: str | None) -> None:
         assert mgr.latest_step() == int(arg), mgr.all_steps()
         check(mgr.restore(), int(arg))
         mgr.close()
-    elif mode == "preempt":
+    elif mode == "preempt":  # saves every 5 steps; the notice's step with force=True
         for step in range(1, 100_000):
             if mgr.reached_preemption(step):
                 mgr.save(step, state(mesh, step), force=True)
                 mgr.close()
                 print("preempted at", step, flush=True)
                 return
+            if step % 5 == 0:
+                mgr.save(step, state(mesh, step))
             if step == 3:
                 print("ready", flush=True)
             time.sleep(0.02)

@@ -102,7 +102,11 @@ def ls(args: argparse.Namespace) -> int:
             size = sum(r.nbytes for r in doc.leaves)
             print(f"{int(name):>10}  {'-':<25} {_size(size):>12}  {'local':<7} -")
             continue
-        m = read_manifest(loc)
+        try:
+            m = read_manifest(loc)
+        except (errors.ManifestError, errors.CheckpointNotFoundError) as e:  # managers skip it: say so, list the rest
+            print(f"{int(name):>10}  {'-':<25} {'-':>12}  {'-':<7} (broken: {_one_line(e)})")
+            continue
         size = sum(r.nbytes for r in m.leaves)
         print(
             f"{int(name):>10}  {m.created:<25} {_size(size):>12}  {'remote':<7} {m.metrics or '-'}"
