@@ -88,6 +88,11 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
                 print(f"[p{pid}] host failure at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             state, loss = train_step(state, *global_batch(next(it), mesh))  # step becomes step
+            if mgr.reached_preemption(step):  # SIGTERM to any process: all stop at this step
+                mgr.save(step, state, force=True, per_process=it.get_state())  # local tier
+                mgr.wait_until_finished()
+                print(f"[p{pid}] preempted: saved step {step}", flush=True)
+                return
             saved = mgr.save(step, state, per_process=it.get_state())
             if saved and step % LOCAL_EVERY == 0:
                 print(

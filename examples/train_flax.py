@@ -3,6 +3,8 @@
     python examples/train_flax.py --dir /tmp/run --steps 200 --save-every 50
     python examples/train_flax.py --dir /tmp/run --steps 400 --save-every 50 --resume
 
+A SIGTERM (``kill <pid>``, or ``--term-at STEP``) saves the step reached and exits 0.
+
 Batches come from a Grain pipeline on each process (synthetic records, shuffled with a
 seed, sharded by process, batched). Each save also keeps every process's iterator position
 (``per_process=it.get_state()``), so a resumed run feeds the batches an uninterrupted one
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--resume", action="store_true", help="continue from the newest step")
     ap.add_argument("--kill-at", type=int, help="SIGKILL this process after saving this step")
+    ap.add_argument("--term-at", type=int, help="SIGTERM (a preemption notice) at this step")
     ap.add_argument("--log", help="append one JSON line per step (step, loss) to this file")
     ap.add_argument("--coordinator", help="host:port of process 0 (multi-process runs)")
     ap.add_argument("--num-processes", type=int, default=1)
@@ -136,6 +139,13 @@ def main() -> None:
             if log:
                 log.write(json.dumps({"step": step, "loss": float(loss)}) + "\n")
                 log.flush()
+            if args.term_at is not None and int(state.step) == args.term_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends
+            if mgr.reached_preemption(int(state.step)):  # SIGTERM: the same step everywhere
+                mgr.save(int(state.step), state, force=True, per_process=it.get_state())
+                mgr.wait_until_finished()
+                print(f"preempted: saved step {int(state.step)}; resume with --resume")
+                return  # exit 0; the manager closes (and puts SIGTERM's handler back)
             mgr.save(
                 int(state.step), state, metrics={"loss": float(loss)}, per_process=it.get_state()
             )

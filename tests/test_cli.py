@@ -261,3 +261,14 @@ def test_ls_reads_local_steps_and_names_a_damaged_local_json(mesh42, tmp_path):
     res = cli("ls", tmp_path / "l")
     assert res.returncode == 2, res.stderr
     assert "local.json" in res.stderr and "leaves" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_ls_shows_a_committed_step_without_its_manifest(mesh42, tmp_path):
+    with jaxckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, _state(mesh42))
+    (tmp_path / "run" / "00000002").mkdir()
+    (tmp_path / "run" / "00000002" / "COMMITTED").touch()
+    res = cli("ls", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    (broken,) = [ln for ln in res.stdout.splitlines() if ln.split()[0] == "2"]
+    assert "broken" in broken and "manifest.json is missing" in broken, res.stdout

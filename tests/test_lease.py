@@ -10,12 +10,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import assert_tree_equal, listing
 
 import jaxckpt
 from jaxckpt import errors
 from jaxckpt._src import lease
 from jaxckpt._src.storage import location
-from tests.conftest import assert_tree_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -273,3 +273,20 @@ def test_two_jobs_saving_one_step_at_once_never_lose_it(tmp_path):
             elif not r.get("saved"):  # the other job committed step 7 first, then closed
                 assert r["error"] == "CheckpointExistsError", r
     assert refused > 0  # the jobs did overlap
+
+
+def test_every_process_of_a_second_job_is_refused(tmp_path):
+    """Multi-process: process 0 takes the lease, the others learn the verdict, so a whole
+    second job stops at construction, every process naming the holder."""
+    sys.path.insert(0, HERE)
+    import multiproc
+
+    loop = os.path.join(HERE, "workers", "manager_loop.py")
+    with jaxckpt.CheckpointManager(tmp_path / "run"):
+        res = multiproc.run(loop, 2, args=["save", str(tmp_path / "run"), "2"], timeout_s=120)
+    assert res.returncodes == [1, 1], res.outputs
+    for out in res.outputs:
+        assert "DirectoryInUseError" in out and f"pid {os.getpid()}" in out, out
+    assert listing(tmp_path / "run") == []  # nothing written, the lease released
+    res = multiproc.run(loop, 2, args=["save", str(tmp_path / "run"), "2"], timeout_s=120)
+    res.check()

@@ -347,6 +347,15 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
     digest = [line for line in straight.stdout.splitlines() if "digest" in line]
     assert digest and digest == [line for line in resumed.stdout.splitlines() if "digest" in line]
 
+    # SIGTERM at step 7 (saves every 3): the job saves step 7 itself and exits 0
+    termed = run(start(tmp_path / "c", tmp_path / "c.log", "--term-at", "7"))
+    assert termed.returncode == 0, termed.stderr
+    assert "preempted: saved step 7" in termed.stdout
+    resumed = run(start(tmp_path / "c", tmp_path / "c.log", "--resume"))
+    assert resumed.returncode == 0 and "resumed from step 7" in resumed.stdout, resumed.stderr
+    assert losses(tmp_path / "a.log") == losses(tmp_path / "c.log")
+    assert digest == [line for line in resumed.stdout.splitlines() if "digest" in line]
+
 
 def test_manager_on_s3(s3_url, mesh42):
     """Save, list, restore and retention against the local S3 server."""
@@ -492,3 +501,27 @@ def test_random_bits_of_every_dtype_through_a_manager(mesh42, tmp_path):
             mgr.save(1, state)
             mgr.wait_until_finished()
             assert_tree_equal(mgr.restore(1, target=state), state)
+
+
+def test_a_committed_step_without_its_manifest_is_skipped_with_a_warning(mesh42, tmp_path, caplog):
+    """What the old commit race left (COMMITTED alone), an older version's crash or a hand:
+    the run goes on from the newest step that reads, and the warning names the step."""
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, _state(mesh42, 1))
+        mgr.save(2, _state(mesh42, 2))
+    os.remove(tmp_path / "00000002" / "manifest.json")
+    shutil.rmtree(tmp_path / "00000002" / "arrays")
+    (tmp_path / "00000003").mkdir()
+    (tmp_path / "00000003" / "COMMITTED").touch()
+    (tmp_path / "00000004").mkdir()  # a manifest that does not parse
+    (tmp_path / "00000004" / "manifest.json").write_text('{"format_version": ')
+    (tmp_path / "00000004" / "COMMITTED").touch()
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        assert "00000002" in caplog.text and "00000003" in caplog.text
+        assert "no manifest.json" in caplog.text
+        assert mgr.all_steps() == [1, 4]
+        assert_tree_equal(mgr.restore(target=_state(mesh42, 0)), _state(mesh42, 1))
+        assert "skipping step 4" in caplog.text
+        mgr.save(5, _state(mesh42, 5))  # and the run goes on
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        assert_tree_equal(mgr.restore(target=_state(mesh42, 0)), _state(mesh42, 5))

@@ -83,3 +83,68 @@ def test_clean_leftovers_removes_a_claim_killed_before_its_rename(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         [".init-elsewhere-7-d", f".init-{host}-{os.getpid()}-c"]
     )
+
+
+def test_a_publish_never_replaces_a_directory_another_save_holds(tmp_path):
+    """The issue's loss: the second publish used to remove the first save's renamed step
+    (before its marker) and its own rename then failed, leaving COMMITTED alone."""
+    root = location(tmp_path)
+    first = root.join("00000007.tmp-a")
+    fd = steps.claim(first)
+    first.write_bytes("manifest.json", b"first")
+    os.rename(first.url, root.join("00000007").url)  # renamed, marker not yet written
+    try:
+        second = _dir(root, "00000007.tmp-b")
+        with pytest.raises(errors.CheckpointExistsError, match="written by another save"):
+            steps.publish(second, root.join("00000007"))
+    finally:
+        release_owner_lock(fd)
+    assert root.join("00000007").read_bytes("manifest.json") == b"first"
+
+
+def test_racing_saves_of_one_path_never_mix_or_lose_a_reported_save(tmp_path):
+    """20 trials of two standalone saves of one path at the same moment (no manager, no
+    lease: only the commit protects them): every time one or both fail cleanly, the path
+    holds exactly the values of a save that returned, and nothing else is left."""
+    import threading
+
+    import numpy as np
+
+    import jaxckpt
+
+    for trial in range(20):
+        path = tmp_path / f"{trial}"
+        go = threading.Barrier(2)
+        outcome: dict[int, object] = {}
+
+        def save(j: int, path=path, go=go, outcome=outcome, trial=trial) -> None:
+            values = {"w": np.full((64, 16), j * 1000 + trial, np.float32)}
+            go.wait()
+            try:
+                jaxckpt.save(path, values)
+                outcome[j] = "saved"
+            except errors.CheckpointExistsError as e:
+                outcome[j] = e
+
+        threads = [threading.Thread(target=save, args=(j,)) for j in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        saved = [j for j, o in outcome.items() if o == "saved"]
+        assert len(saved) == 1, outcome
+        got = jaxckpt.restore(path)["w"]
+        assert np.all(got == saved[0] * 1000 + trial)
+        assert os.listdir(tmp_path / f"{trial}") and not [
+            n for n in os.listdir(tmp_path) if n.startswith(f"{trial}.tmp-")
+        ]
+
+
+def test_scan_tells_committed_steps_from_marked_ones_without_their_file(tmp_path):
+    root = location(tmp_path)
+    good = _dir(root, "00000001", marker=True)
+    good.write_bytes("manifest.json", b"{}")
+    _dir(root, "00000002", marker=True)  # COMMITTED, no manifest: an older version's loss
+    _dir(root, "00000003")  # unmarked leftover
+    assert steps.scan(root, "manifest.json") == steps.Scan(committed=[1], broken=[2])
+    assert steps.committed(root) == [1, 2]  # without a required file: the markers alone

@@ -230,7 +230,7 @@ def _acquire_file(directory: Location, me: Holder, stale_s: float, take_over: bo
                 me,
                 stale_s,
                 take_over,
-                lambda: Holder.parse(_read_fd(fd)),
+                lambda fd=fd: Holder.parse(_read_fd(fd)),  # type: ignore[misc]
             )
             _write_fd(fd, me.to_bytes())
         except BaseException:
@@ -266,8 +266,7 @@ def _check_record(
                 raise _in_use(
                     directory,
                     now,
-                    "its holder renews its lease (a heartbeat every "
-                    f"{heartbeat_s(stale_s):g} s)",
+                    f"its holder renews its lease (a heartbeat every {heartbeat_s(stale_s):g} s)",
                     f"{_WAIT}; if that job is gone and this is wrong, pass "
                     "Options(take_over_lease=True)",
                 )

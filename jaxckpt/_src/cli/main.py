@@ -104,7 +104,10 @@ def ls(args: argparse.Namespace) -> int:
             continue
         try:
             m = read_manifest(loc)
-        except (errors.ManifestError, errors.CheckpointNotFoundError) as e:  # managers skip it: say so, list the rest
+        except (
+            errors.ManifestError,
+            errors.CheckpointNotFoundError,
+        ) as e:  # managers skip it: say so, list the rest
             print(f"{int(name):>10}  {'-':<25} {'-':>12}  {'-':<7} (broken: {_one_line(e)})")
             continue
         size = sum(r.nbytes for r in m.leaves)
