@@ -38,7 +38,8 @@ import struct
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
 
 _CHUNK = 64 << 10
 _MAX_HEAD = 64 << 10  # a request or response head longer than this is refused
@@ -131,16 +132,26 @@ class _Message:
 
     def body(self, reader: _Reader, *, request: bool, head_request: bool = False):
         """The message's body, raw, as pieces (request: framing by its headers only)."""
-        if not request:
-            status = int(self.first.split()[1])
-            if head_request or status in (204, 304) or 100 <= status < 200:
-                return iter(())
+        no_body = head_request or self.status in (204, 304) or 100 <= self.status < 200
+        if not request and no_body:
+            return iter(())
         if (self.get("transfer-encoding") or "").lower().endswith("chunked"):
             return reader.chunked()
         length = self.get("content-length")
         if length is not None:
             return reader.exactly(int(length))
         return iter(()) if request else reader.until_closed()
+
+    @property
+    def status(self) -> int:
+        """A response's status code."""
+        return int(self.first.split()[1])
+
+    def framed(self, request: _Message) -> bool:
+        """Whether a response's end is known without the connection's close."""
+        if request.first.upper().startswith("HEAD ") or self.status in (204, 304):
+            return True
+        return self.get("content-length") is not None or bool(self.get("transfer-encoding"))
 
     def keeps_alive(self) -> bool:
         conn = (self.get("connection") or "").lower()
@@ -177,7 +188,16 @@ def _reset(sock: socket.socket) -> None:
 
 
 class FaultProxy:
-    """Forwards HTTP/1.1 requests to ``target``, failing some of them (see the module)."""
+    """Forwards HTTP/1.1 requests to ``target``, failing some of them (see the module).
+
+    ``midway_conditional=False`` drops a conditional request (``If-Match``,
+    ``If-None-Match``) only before it is forwarded, never after the server acted on it:
+    what a client can retry blindly. ``decide(method, path, headers)``, if given, is asked
+    first for every request and may return a fault kind ("503", "drop_before",
+    "drop_midway", "slow") to inject that fault on purpose (None: the dice decide).
+    """
+
+    KINDS = ("503", "drop_before", "drop_midway", "slow")
 
     def __init__(
         self,
@@ -188,6 +208,8 @@ class FaultProxy:
         p_slow: float = 0.0,
         slow_s: float = 0.5,
         seed: int = 0,
+        midway_conditional: bool = True,
+        decide: Callable[[str, str, dict[str, str]], str | None] | None = None,
         max_connections: int = 64,
         idle_s: float = 60.0,
         lifetime_s: float = 900.0,
@@ -196,10 +218,12 @@ class FaultProxy:
             raise ValueError("p_503 + p_drop + p_slow must be within [0, 1]")
         self.target = target
         self.p_503, self.p_drop, self.p_slow, self.slow_s = p_503, p_drop, p_slow, slow_s
+        self.midway_conditional, self.decide = midway_conditional, decide
         self.idle_s = idle_s
-        self.injected: Counter[str] = Counter({"503": 0, "drop_before": 0, "drop_midway": 0})
-        self.injected["slow"] = 0
+        self.injected: Counter[str] = Counter(dict.fromkeys(self.KINDS, 0))
         self.requests = 0
+        # the last requests: (request line, its If-* headers, the fault injected or None)
+        self.log: deque[tuple[str, str, str | None]] = deque(maxlen=10_000)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -236,22 +260,21 @@ class FaultProxy:
         finally:
             self.close()  # the lifetime is over (or it was closed): stop everything
 
-    def _connect(self) -> tuple[socket.socket, _Reader]:
-        server = socket.create_connection(self.target, timeout=self.idle_s)
+    def _track(self, sock: socket.socket | None, keep: bool) -> None:
+        if sock is None:
+            return
         with self._lock:
-            self._sockets.add(server)
-        return server, _Reader(server)
-
-    def _forget(self, *socks: socket.socket | None) -> None:
-        with self._lock:
-            for s in socks:
-                if s is not None:
-                    self._sockets.discard(s)
+            if keep:
+                self._sockets.add(sock)
+            else:
+                self._sockets.discard(sock)
+        if not keep:
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def _serve(self, client: socket.socket) -> None:
         reader = _Reader(client)
-        server: socket.socket | None = None
-        upstream: _Reader | None = None
+        upstream: _Upstream | None = None
         try:
             while not self._closed.is_set():
                 try:
@@ -259,32 +282,24 @@ class FaultProxy:
                 except _Closed:
                     return
                 if (request.get("expect") or "").lower() == "100-continue":
-                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")  # body first, then fate
                 body = b"".join(request.body(reader, request=True))
-                fault, where = self._fate()
+                fault = self._fate(request)
                 if fault == "503":
                     resource = request.first.split(" ")[1] if " " in request.first else "/"
                     client.sendall(slow_down(uuid.uuid4().hex[:16].upper(), resource))
                     if not request.keeps_alive():
                         return
                     continue
-                if fault == "drop" and where == "before":
+                if fault == "drop_before":
                     _reset(client)
                     return
-                if server is None:
-                    server, upstream = self._connect()
-                server.sendall(request.without("expect") + body)
-                assert upstream is not None
-                head_raw = upstream.head()
-                response = _Message(head_raw)
-                while response.first.split()[1].startswith("1"):  # 1xx: not for the client
-                    head_raw = upstream.head()
-                    response = _Message(head_raw)
-                is_head = request.first.upper().startswith("HEAD ")
-                pieces = response.body(upstream, request=False, head_request=is_head)
+                if upstream is None:
+                    upstream = _Upstream(self)
+                head_raw, response, pieces = upstream.exchange(request, body)
                 if fault == "slow":
                     time.sleep(self._delay())
-                if fault == "drop":  # the server acted; its answer is cut short
+                if fault == "drop_midway":  # the server acted; its answer is cut short
                     whole = head_raw + b"".join(pieces)
                     client.sendall(whole[: self._cut(len(head_raw), len(whole))])
                     _reset(client)
@@ -294,40 +309,42 @@ class FaultProxy:
                     client.sendall(piece)
                 if not (request.keeps_alive() and response.keeps_alive()):
                     return
-                if response.get("content-length") is None and not (
-                    response.get("transfer-encoding") or is_head
-                ):
+                if not response.framed(request):
                     return  # a body delimited by the close: the connection is spent
         except (OSError, ValueError, _Closed):
             return  # a peer went away or spoke nonsense: this connection ends
         finally:
-            self._forget(client, server)
-            for s in (client, server):
-                if s is not None:
-                    with contextlib.suppress(OSError):
-                        s.close()
+            if upstream is not None:
+                upstream.close()
+            self._track(client, keep=False)
             self._slots.release()
 
     # --- the dice ------------------------------------------------------------------------
 
-    def _fate(self) -> tuple[str | None, str]:
-        """This request's fault: "503", "drop" (before or midway), "slow", or None."""
+    def _fate(self, request: _Message) -> str | None:
+        """This request's fault (one of ``KINDS``) or None; counted and logged."""
+        method, _, rest = request.first.partition(" ")
+        path = rest.rpartition(" ")[0]
+        conditions = {k.lower(): v for k, v in request.headers if k.lower().startswith("if-")}
+        fault = self.decide(method, path, dict(request.headers)) if self.decide else None
         with self._lock:
             self.requests += 1
-            x = self._rng.random()
-            where = "before" if self._rng.random() < 0.5 else "midway"
-            if x < self.p_503:
-                self.injected["503"] += 1
-                return "503", ""
-            x -= self.p_503
-            if x < self.p_drop:
-                self.injected[f"drop_{where}"] += 1
-                return "drop", where
-            x -= self.p_drop
-            if x < self.p_slow:
-                self.injected["slow"] += 1
-                return "slow", ""
-            return None, ""
+            x, midway = self._rng.random(), self._rng.random() < 0.5
+            if fault is None:
+                if x < self.p_503:
+                    fault = "503"
+                elif x < self.p_503 + self.p_drop:
+                    fault = "drop_midway" if midway else "drop_before"
+                    if conditions and not self.midway_conditional:
+                        fault = "drop_before"
+                elif x < self.p_503 + self.p_drop + self.p_slow:
+                    fault = "slow"
+            if fault is not None:
+                self.injected[fault] += 1
+            self.log.append(
+                (request.first, " ".join(f"{k}: {v}" for k, v in conditions.items()), fault)
+            )
+        return fault
 
     def _delay(self) -> float:
         with self._lock:
@@ -364,3 +381,48 @@ class FaultProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Upstream:
+    """One client connection's keep-alive connection to the target."""
+
+    def __init__(self, proxy: FaultProxy) -> None:
+        self.proxy = proxy
+        self.sock: socket.socket | None = None
+        self.reader: _Reader | None = None
+        self.used = False
+
+    def exchange(self, request: _Message, body: bytes):
+        """Sends ``request`` (``Expect`` stripped) and reads the response's head: (raw head,
+        parsed head, the body's pieces to read). A reused connection the server closed
+        meanwhile (its keep-alive ran out) is replaced once, before any byte came back."""
+        for attempt in (0, 1):
+            if self.sock is None:
+                self.sock = socket.create_connection(self.proxy.target, timeout=self.proxy.idle_s)
+                self.proxy._track(self.sock, keep=True)
+                self.reader, self.used = _Reader(self.sock), False
+            assert self.reader is not None
+            try:
+                self.sock.sendall(request.without("expect") + body)
+                head_raw = self.reader.head()
+            except (_Closed, ConnectionError):
+                if not self.used or attempt:
+                    raise
+                self.close()
+                continue
+            self.used = True
+            response = _Message(head_raw)
+            while response.status // 100 == 1:  # 1xx: none asked for; not for the client
+                head_raw = self.reader.head()
+                response = _Message(head_raw)
+            is_head = request.first.upper().startswith("HEAD ")
+            return (
+                head_raw,
+                response,
+                response.body(self.reader, request=False, head_request=is_head),
+            )
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.proxy._track(self.sock, keep=False)
+        self.sock = self.reader = None

@@ -72,13 +72,14 @@ def test_a_killed_holder_frees_the_lease_at_once(tmp_path):
 def _record(path, host: str, age_s: float) -> None:
     now = time.time()
     doc = {"host": host, "pid": 4242, "job": "job-7", "since": now - age_s, "renewed": now - age_s}
+    doc["stale_s"] = 3.0  # its holder's lease_stale_s: a heartbeat every 0.5 s
     (path / lease.LEASE_FILE).write_text(json.dumps(doc))
 
 
 def test_a_renewed_record_of_another_host_is_refused_a_silent_one_taken_over(tmp_path, caplog):
     """flock may not reach across hosts: a record of another host that its holder keeps
     renewing is refused; one nobody renews (a crashed job) is taken after 2.5 heartbeats."""
-    opts = jaxckpt.Options(lease_stale_s=3.0)  # a heartbeat every 0.5 s
+    opts = jaxckpt.Options()
     stop = threading.Event()
 
     def holder_on_another_host() -> None:

@@ -160,7 +160,11 @@ def test_best_mode_max(tmp_path):
 
 
 def test_delete_and_reload(tmp_path):
-    with jaxckpt.CheckpointManager(tmp_path) as mgr, jaxckpt.CheckpointManager(tmp_path) as other:
+    reader = jaxckpt.Options(read_only=True)  # a second writer would be refused (the lease)
+    with (
+        jaxckpt.CheckpointManager(tmp_path) as mgr,
+        jaxckpt.CheckpointManager(tmp_path, reader) as other,
+    ):
         mgr.save(1, {"a": 1})
         mgr.save(2, {"a": 2})
         mgr.delete(1)
@@ -369,7 +373,12 @@ def test_manager_on_s3(s3_url, mesh42):
     with jaxckpt.CheckpointManager(s3_url, opts) as mgr:
         assert mgr.all_steps() == [2, 3]
         assert_tree_equal(mgr.restore(2, target=_state(mesh42, 0)), _state(mesh42, 2))
-        assert sorted(mgr.directory.list_children()) == ["00000002", "00000003", "runlog"]
+        assert sorted(mgr.directory.list_children()) == [
+            ".jaxckpt-lease",  # the lease object, held now (it says released once closed)
+            "00000002",
+            "00000003",
+            "runlog",
+        ]
 
 
 @pytest.mark.slow
@@ -391,10 +400,13 @@ def test_interrupted_saves_on_s3_never_show(s3_url):
         time.sleep(rng.uniform(0.0, 0.5))
         proc.kill()
         proc.wait()
+        # the killed job's lease is taken over after 2.5 of its heartbeats (0.5 s)
         with jaxckpt.CheckpointManager(s3_url, jaxckpt.Options(max_to_keep=3)) as mgr:
             newest = mgr.latest_step()
             assert newest is not None
-            committed = [n for n in mgr.directory.list_children() if n != "runlog"]
+            committed = [
+                n for n in mgr.directory.list_children() if n not in ("runlog", ".jaxckpt-lease")
+            ]
             assert all(name.isdigit() for name in committed)
             assert [int(n) for n in committed] == mgr.all_steps()
             assert_tree_equal(mgr.restore(), expected(newest) | {"step": newest})
@@ -420,10 +432,13 @@ def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
 
 
 def test_second_manager_leaves_a_save_in_progress_alone(mesh42, tmp_path):
-    """Opening another manager (an evaluator) while a save writes must not delete it."""
+    """Opening another manager (an evaluator, read-only: a second writer is refused) while a
+    save writes must not delete it."""
     with jaxckpt.CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"w": sharded(np.ones((2048, 1024), np.float32), mesh42, ("data",))})
-        with jaxckpt.CheckpointManager(tmp_path) as evaluator:
+        with pytest.raises(errors.DirectoryInUseError):
+            jaxckpt.CheckpointManager(tmp_path)
+        with jaxckpt.CheckpointManager(tmp_path, jaxckpt.Options(read_only=True)) as evaluator:
             assert evaluator.all_steps() in ([], [1])
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1]

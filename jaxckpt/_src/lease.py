@@ -15,7 +15,7 @@ pid, job id, since when, last renewed):
 
 The holder rewrites its record every ``stale_s / 6`` (the heartbeat). A record of another
 host (flock does not reach across hosts on every shared filesystem) or on an object store
-that was renewed within ``stale_s`` is watched for up to 2.5 heartbeats: renewed meanwhile,
+that was renewed within its holder's ``stale_s`` is watched for up to 2.5 of its heartbeats: renewed meanwhile,
 its holder is alive and the lease is refused; not, it is dead (a crashed job restarted on
 other hosts) and the lease is taken over with a warning. An older record is taken at once.
 
@@ -61,14 +61,15 @@ class Holder:
     since: float  # when it was taken (Unix time)
     renewed: float  # when it was last renewed (Unix time)
     released: bool = False
+    stale_s: float = 60.0  # its lease_stale_s: it renews every sixth of this
 
     @staticmethod
-    def me() -> Holder:
+    def me(stale_s: float) -> Holder:
         from .multihost import host_name
 
         job = next((os.environ[v] for v in _JOB_VARIABLES if os.environ.get(v)), "")
         now = time.time()
-        return Holder(host_name(), os.getpid(), job, now, now)
+        return Holder(host_name(), os.getpid(), job, now, now, stale_s=stale_s)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -85,6 +86,7 @@ class Holder:
                 float(doc["since"]),
                 float(doc["renewed"]),
                 bool(doc.get("released", False)),
+                float(doc.get("stale_s", 60.0)),
             )
         except (ValueError, TypeError, KeyError):
             return None
@@ -197,7 +199,7 @@ def acquire(directory: Location, *, stale_s: float, take_over: bool = False) -> 
     """Takes the writer's lease on ``directory`` (see the module); raises
     DirectoryInUseError if another job holds it, StorageError if the storage refuses
     (read-only, permissions: ``StorageError.errno`` says which)."""
-    me = Holder.me()
+    me = Holder.me(stale_s)
     if directory.is_local:
         return _acquire_file(directory, me, stale_s, take_over)
     return _acquire_object(directory, me, stale_s, take_over)
@@ -228,7 +230,6 @@ def _acquire_file(directory: Location, me: Holder, stale_s: float, take_over: bo
                 directory,
                 Holder.parse(_read_fd(fd)),
                 me,
-                stale_s,
                 take_over,
                 lambda fd=fd: Holder.parse(_read_fd(fd)),  # type: ignore[misc]
             )
@@ -248,7 +249,6 @@ def _check_record(
     directory: Location,
     old: Holder | None,
     me: Holder,
-    stale_s: float,
     take_over: bool,
     read: Callable[[], Holder | None],
 ) -> None:
@@ -256,7 +256,7 @@ def _check_record(
     ``read`` reads the record again."""
     if old is None or old.released:
         return
-    age = time.time() - old.renewed
+    age, stale_s = time.time() - old.renewed, old.stale_s  # by the holder's own heartbeat
     if old.host != me.host and age < stale_s and not take_over:
         deadline = time.monotonic() + min(stale_s - age, 2.5 * heartbeat_s(stale_s))
         while time.monotonic() < deadline:
@@ -286,9 +286,7 @@ def _acquire_object(directory: Location, me: Holder, stale_s: float, take_over: 
         got = kv.read(LEASE_FILE).result()
         old = Holder.parse(bytes(got.value)) if got.state == "value" else None
         # no flock on an object store: every live-looking record is watched for renewals
-        _check_record(
-            directory, old, replace(me, host=""), stale_s, take_over, lambda: _read_holder(kv)
-        )
+        _check_record(directory, old, replace(me, host=""), take_over, lambda: _read_holder(kv))
         # only if the object is still what was just read: the generation of a key read as
         # missing means "only if still absent" (S3: If-None-Match; TensorStore >= 0.1.72)
         condition = got.stamp.generation

@@ -102,6 +102,11 @@ def _client() -> Any:  # jaxlib's DistributedRuntimeClient (its _jax module has 
     return client
 
 
+def client() -> Any:
+    """The coordination service's client (key-value calls other modules make themselves)."""
+    return _client()
+
+
 def unique_name(prefix: str) -> str:
     """A name that is the same on every process for the n-th call with this prefix."""
     return f"jaxckpt/{prefix}/{next(_counter)}"

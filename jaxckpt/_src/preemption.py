@@ -94,7 +94,7 @@ class Watch:
             self.noticed = signum
 
     def _watch(self) -> None:
-        client = multihost._client()
+        client = multihost.client()
         key = f"{self.name}/notice"
         while not self._closed.is_set():
             try:
@@ -121,7 +121,7 @@ class Watch:
             self._stop_at = step
             log.warning("jaxckpt: preemption notice (%s): stopping at step %d", self._names(), step)
             return True
-        client = multihost._client()
+        client = multihost.client()
         if self.noticed is not None and not self._announced:
             client.key_value_set(f"{self.name}/notice", str(multihost.process_index()), True)
             self._announced = True
