@@ -22,7 +22,7 @@ from .sharding import spec_from_json
 from .storage import Location, location
 
 FORMAT_NAME = "jaxckpt"
-FORMAT_VERSION = (1, 8)  # (major, minor): a reader accepts any minor of its own major
+FORMAT_VERSION = (1, 9)  # (major, minor): a reader accepts any minor of its own major
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMITTED"
 ARRAYS_DIR = "arrays"
