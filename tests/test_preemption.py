@@ -107,3 +107,25 @@ def test_sigterm_saves_a_one_process_job_which_resumes_there(tmp_path):
         with jaxckpt.CheckpointManager(d, jaxckpt.Options(read_only=True)) as mgr:
             assert mgr.latest_step() == step
         resumed_from = step
+
+
+def test_the_emergency_manager_saves_the_local_tier_on_the_notice(tmp_path):
+    """After the notice, force=True writes the fastest tier only; the remote save in flight
+    gets preemption_grace_s and is cancelled after it (here 0 s: at once)."""
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=100,
+        remote_interval_steps=100,
+        preemption_signals=("SIGUSR1",),
+        preemption_grace_s=0.0,
+    )
+    state = {"w": np.random.default_rng(0).integers(0, 2**32, (256, 256), np.uint32)}
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "local", tmp_path / "remote", opts) as m:
+        assert m.save(100, state)  # both tiers: the remote one may still be in flight
+        assert not m.reached_preemption(101)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert m.reached_preemption(102)
+        assert m.save(102, state, force=True)
+        m.wait_until_finished()
+        assert m.local_steps() == [100, 102]
+        assert 102 not in m.remote.all_steps()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
