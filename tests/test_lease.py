@@ -292,3 +292,15 @@ def test_every_process_of_a_second_job_is_refused(tmp_path):
     assert listing(tmp_path / "run") == []  # nothing written, the lease released
     res = multiproc.run(loop, 2, args=["save", str(tmp_path / "run"), "2"], timeout_s=120)
     res.check()
+
+
+def test_a_takeover_from_another_host_is_noticed_by_the_holder(tmp_path):
+    """On a shared filesystem whose flock stays on each host, a job on another host that
+    takes the lease over (take_over_lease) rewrites the record: the holder stops saving."""
+    with jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait_until_finished()
+        _record(tmp_path, "other-host", age_s=0)  # what the other host's manager wrote
+        mgr._lease.renew()
+        with pytest.raises(errors.DirectoryInUseError, match="taken over by host other-host"):
+            mgr.save(2, _state(2))

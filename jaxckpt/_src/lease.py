@@ -148,6 +148,14 @@ class Lease:
                     if os.stat(path).st_ino != os.fstat(self._fd).st_ino:
                         self._lost = f"{path} was replaced"
                         return
+                    now = Holder.parse(_read_fd(self._fd))  # (another host's takeover)
+                    if now is not None and (now.host, now.pid, now.since) != (
+                        holder.host,
+                        holder.pid,
+                        holder.since,
+                    ):
+                        self._lost = f"taken over by {now.describe()}"
+                        return
                     _write_fd(self._fd, holder.to_bytes())
                 else:
                     stamp = (

@@ -377,17 +377,3 @@ def _disagreement(got: list[dict], what: str) -> str | None:
         "was written. Every process must call save with the same step/path and the same tree "
         "structure, shapes and dtypes"
     )
-
-
-def reached_preemption(step: int) -> bool:
-    """True on every process at the same ``step`` after any process got SIGTERM.
-
-    Uses JAX's preemption sync manager (on by default in ``jax.distributed.initialize``):
-    call it every step, from the same step on every process. False with one process.
-    """
-    if process_count() == 1:
-        return False
-    from jax.experimental import multihost_utils
-
-    with _timed("kv"):
-        return bool(multihost_utils.reached_preemption_sync_point(step))
