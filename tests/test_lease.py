@@ -180,7 +180,8 @@ def test_a_read_only_directory_lists_and_restores_and_refuses_a_save(tmp_path):
 def test_s3_two_managers_one_lease(s3_url):
     """On an object store the lease is a conditional write: the second manager is refused,
     the released record is taken, a stale one taken over."""
-    opts = jaxckpt.Options(async_save=False, run_log=False)
+    # a heartbeat every 0.5 s: a manager that finds the lease renewed watches it that long
+    opts = jaxckpt.Options(async_save=False, run_log=False, lease_stale_s=3)
     with jaxckpt.CheckpointManager(s3_url, opts) as first:
         first.save(1, _state(1))
         with pytest.raises(errors.DirectoryInUseError, match=f"pid {os.getpid()}"):
@@ -189,7 +190,7 @@ def test_s3_two_managers_one_lease(s3_url):
     with jaxckpt.CheckpointManager(s3_url, opts) as second:
         assert second.all_steps() == [1]
         # another job takes it over (its holder looked gone): this one notices and stops
-        thief = lease.acquire(location(s3_url), stale_s=120, take_over=True)
+        thief = lease.acquire(location(s3_url), stale_s=3, take_over=True)
         second._lease.renew()
         with pytest.raises(errors.DirectoryInUseError, match="lost its writer's lease"):
             second.save(2, _state(2))
@@ -206,7 +207,7 @@ def test_s3_racing_for_the_lease_one_wins(s3_url):
         def start(loc=loc, go=go, won=won, refused=refused) -> None:
             go.wait()
             try:
-                won.append(lease.acquire(loc, stale_s=120))
+                won.append(lease.acquire(loc, stale_s=3))
             except errors.DirectoryInUseError as e:
                 refused.append(e)
 

@@ -351,14 +351,13 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
     digest = [line for line in straight.stdout.splitlines() if "digest" in line]
     assert digest and digest == [line for line in resumed.stdout.splitlines() if "digest" in line]
 
-    # SIGTERM at step 7 (saves every 3): the job saves step 7 itself and exits 0
+    # SIGTERM at step 7 (saves every 3): the example saves step 7 itself and exits 0 (the
+    # resume from such a step: test_preemption.py)
     termed = run(start(tmp_path / "c", tmp_path / "c.log", "--term-at", "7"))
     assert termed.returncode == 0, termed.stderr
     assert "preempted: saved step 7" in termed.stdout
-    resumed = run(start(tmp_path / "c", tmp_path / "c.log", "--resume"))
-    assert resumed.returncode == 0 and "resumed from step 7" in resumed.stdout, resumed.stderr
-    assert losses(tmp_path / "a.log") == losses(tmp_path / "c.log")
-    assert digest == [line for line in resumed.stdout.splitlines() if "digest" in line]
+    with jaxckpt.CheckpointManager(tmp_path / "c", jaxckpt.Options(read_only=True)) as mgr:
+        assert mgr.latest_step() == 7
 
 
 def test_manager_on_s3(s3_url, mesh42):
