@@ -31,7 +31,7 @@ def test_a_second_manager_is_refused_naming_the_holder(tmp_path):
             jaxckpt.CheckpointManager(tmp_path)
         text = str(got.value)
         assert str(tmp_path) in text and f"pid {os.getpid()}" in text
-        assert f"host {socket.gethostname()}" in text and "Wait for that job" in text
+        assert f"host {socket.gethostname()}" in text and "another manager of this process" in text
         assert got.value.holder.pid == os.getpid()
         # a reader needs no lease: it lists and restores while the writer runs
         first.wait_until_finished()
@@ -40,6 +40,8 @@ def test_a_second_manager_is_refused_naming_the_holder(tmp_path):
             assert_tree_equal(reader.restore(), _state(1))
             with pytest.raises(errors.StorageError, match="read_only=True"):
                 reader.save(2, _state(2))
+            with pytest.raises(errors.StorageError, match="read_only=True"):
+                reader.delete(1)
     # released on close: the file is gone and the next job takes the lease
     assert not os.path.exists(tmp_path / lease.LEASE_FILE)
     with jaxckpt.CheckpointManager(tmp_path) as again:

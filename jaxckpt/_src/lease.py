@@ -224,8 +224,16 @@ def _acquire_file(directory: Location, me: Holder, stale_s: float, take_over: bo
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                held = _record_of_locker(fd)
+                mine = held is not None and (held.host, held.pid) == (me.host, me.pid)
                 raise _in_use(
-                    directory, _record_of_locker(fd), "it holds the lock on " + path, _WAIT
+                    directory,
+                    held,
+                    "it holds the lock on " + path,
+                    "This is another manager of this process: close it first (mgr.close(), "
+                    "or open managers in a with block)"
+                    if mine
+                    else _WAIT,
                 ) from None
             try:  # a holder releasing deletes the file: this lock may be on a deleted one
                 current = os.stat(path).st_ino == os.fstat(fd).st_ino

@@ -386,6 +386,7 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Deletes a committed step (its marker first, so a half-deleted step is invisible)."""
         self._require(step)
+        self.check_writable()
         self.wait_until_finished()
         self._delete(step)
 

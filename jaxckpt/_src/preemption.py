@@ -34,7 +34,9 @@ from .storage import Location
 
 log = logging.getLogger("jaxckpt")
 
-_POLL_S = 1.0  # how often a watcher thread looks for another process's notice
+# a watcher thread's wait for another process's notice: one key-value call this often per
+# process (it returns as soon as the key is set: the notice is seen at once)
+_POLL_S = 30.0
 
 
 def name_for(directory: Location) -> str:
@@ -164,6 +166,4 @@ class Watch:
                     # None: a handler installed outside Python (JAX's C++ notifier), which
                     # cannot be put back; the default at least ends the process again
                     signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        self._previous.clear()
-        if self._watcher is not None:
-            self._watcher.join(timeout=2 * _POLL_S)
+        self._previous.clear()  # (a watcher thread ends with its current wait: a daemon)
