@@ -163,10 +163,11 @@ class Lease:
                         .write(LEASE_FILE, holder.to_bytes(), if_equal=self._generation)
                         .result()
                     )
-                    if not stamp.generation:
+                    generation = stamp.generation or _ours(self.directory, holder)
+                    if not generation:
                         self._lost = _lost_to(self.directory)
                         return
-                    self._generation = stamp.generation
+                    self._generation = generation
                 self.holder = holder
             except FileNotFoundError:
                 self._lost = f"{self.directory.url}/{LEASE_FILE} was deleted"
@@ -311,14 +312,25 @@ def _acquire_object(directory: Location, me: Holder, stale_s: float, take_over: 
         raise
     except Exception as e:
         raise StorageError(f"taking the writer's lease on {directory.url} failed: {e}") from e
-    if not stamp.generation:  # another manager wrote it in between: it won
+    generation = stamp.generation or _ours(directory, me)
+    if not generation:  # another manager wrote it in between: it won
         raise _in_use(
             directory,
             _read_holder(kv),
             "it took the lease object a moment before this manager",
             _WAIT,
         )
-    return Lease(directory, me, stale_s, None, stamp.generation)
+    return Lease(directory, me, stale_s, None, generation)
+
+
+def _ours(directory: Location, record: Holder) -> bytes:
+    """After a conditional write that reports its condition failed: the object's generation
+    if it holds exactly ``record`` (the write was applied, its answer lost on the way, and
+    TensorStore's retry found the object changed: by this very write), else b""."""
+    got = _kv(directory).read(LEASE_FILE).result()
+    if got.state == "value" and Holder.parse(bytes(got.value)) == record:
+        return bytes(got.stamp.generation)
+    return b""
 
 
 @dataclass(frozen=True)

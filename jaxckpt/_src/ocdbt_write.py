@@ -47,7 +47,7 @@ from ..errors import StorageError
 from . import arrays, boxes, chunk_plan, page_cache, staging
 from .arrays import DATA_FILES_PER_PROCESS, MIN_DATA_FILE_BYTES, ArrayWrite
 from .boxes import Index, extent
-from .storage import Location, fsync_dir
+from .storage import Location, fsync_dir, storage_error
 
 log = logging.getLogger("jaxckpt")
 
@@ -508,7 +508,7 @@ def write(
     try:
         _write(db, *planned, page_cache.direct_io(db.url, direct_io), drop_page_cache)
     except OSError as e:
-        raise StorageError(f"writing arrays into {db.url} failed: {e}") from e
+        raise storage_error(e, db, "writing arrays into") from e
 
 
 def _ours(db: Location, writes: Sequence[ArrayWrite]) -> tuple[list, list[_File], Ref, str] | None:

@@ -32,7 +32,7 @@ from . import per_process as pp
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
 from .staging import HostCopies, Staged, StagedLeaf, describe, snapshot
-from .storage import Location, location
+from .storage import Location, location, storage_error
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -209,12 +209,15 @@ def commit(
                     # the cancelled save of this step may have written here after process 0
                     # cleared the step's objects: a leftover database would refuse ``create``
                     db.remove()
-            ocdbt_write.write(
-                db,
-                writes,
-                direct_io=prepared.direct_io,
-                drop_page_cache=prepared.drop_page_cache,
-            )
+            try:
+                ocdbt_write.write(
+                    db,
+                    writes,
+                    direct_io=prepared.direct_io,
+                    drop_page_cache=prepared.drop_page_cache,
+                )
+            except OSError as e:  # a StorageError too: named by the step, not its work dir
+                raise storage_error(e, loc, "saving") from e
             if cancel is not None:
                 cancel.check()
             if prepared.record is not None:

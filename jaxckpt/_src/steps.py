@@ -53,8 +53,9 @@ def claim(work: Location) -> int | None:
     owner = f"{socket.gethostname()}-{os.getpid()}"
     hidden = work.parent().join(f"{_CLAIM}{owner}-{uuid.uuid4().hex[:8]}")
     os.makedirs(hidden.url)
-    fd = hold_owner_lock(hidden)
+    fd = None
     try:
+        fd = hold_owner_lock(hidden)
         os.rename(hidden.url, work.url)
     except BaseException:
         release_owner_lock(fd)

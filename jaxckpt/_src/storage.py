@@ -166,8 +166,12 @@ def hold_owner_lock(loc: Location) -> int | None:
     if not loc.is_local:
         return None
     fd = os.open(os.path.join(loc.url, OWNER_FILE), os.O_CREAT | os.O_RDWR, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{socket.gethostname()} {os.getpid()}".encode())
+    except BaseException:  # (a full disk refuses even these few bytes)
+        os.close(fd)
+        raise
     return fd
 
 
