@@ -49,10 +49,10 @@ def o_direct_opens(monkeypatch) -> list[str]:
     opened: list[str] = []
     real = os.open
 
-    def recording(path, flags, *rest):
+    def recording(path, flags, *args, **kwargs):  # (shutil.rmtree passes dir_fd=)
         if flags & getattr(os, "O_DIRECT", 0):
             opened.append(str(path))
-        return real(path, flags, *rest)
+        return real(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", recording)
     return opened

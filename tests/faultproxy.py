@@ -14,8 +14,12 @@ and, request by request (keep-alive connections carry several), with a seeded
 
 TensorStore retries 503s and broken connections itself, so a client that works through
 this proxy is one that survives those faults, with nothing of ours mocked. ``injected``
-counts the faults by kind (``"503"``, ``"drop_before"``, ``"drop_midway"``, ``"slow"``);
-``requests`` the requests seen.
+counts the faults by kind (``"503"``, ``"drop_before"``, ``"drop_midway"``, ``"slow"``),
+``requests`` the requests seen, ``log`` the last ones (request line, ``If-*`` headers,
+fault). A conditional write (``If-Match`` / ``If-None-Match``) whose answer is lost after
+the server applied it cannot be retried blindly: ``midway_conditional=False`` drops such
+requests only before they are forwarded. ``decide`` injects a chosen fault into chosen
+requests (deterministic tests).
 
 ``Expect: 100-continue`` (libcurl sends it before larger uploads) is answered by the proxy
 itself and stripped from the forwarded request, so that a request's body is always read
@@ -132,8 +136,7 @@ class _Message:
 
     def body(self, reader: _Reader, *, request: bool, head_request: bool = False):
         """The message's body, raw, as pieces (request: framing by its headers only)."""
-        no_body = head_request or self.status in (204, 304) or 100 <= self.status < 200
-        if not request and no_body:
+        if not request and (head_request or self.status in (204, 304) or self.status < 200):
             return iter(())
         if (self.get("transfer-encoding") or "").lower().endswith("chunked"):
             return reader.chunked()

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from ...errors import CheckpointError, CheckpointNotFoundError
+from ...errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .. import gc_pause, lease, multihost, steps
 from .. import per_process as pp
 from ..cadence import Blocking, Cadence, start_run
@@ -85,13 +85,15 @@ class EmergencyCheckpointManager:
             )
         self.local_directory.makedirs()
         # each process's own local directory gets its own writer's lease (lease.py)
-        self._lease = lease.for_job(
+        verdict = lease.for_job(
             self.local_directory,
             stale_s=opts.lease_stale_s,
             take_over=opts.take_over_lease,
             timeout_s=opts.timeout_s,
             per_process=True,
-        ).lease
+        )
+        self._lease, self._read_only = verdict.lease, verdict.read_only
+        self._read_only_errno = verdict.errno
         self._preemption: Watch | None = None
         try:
             self._start(remote_directory)
@@ -102,7 +104,8 @@ class EmergencyCheckpointManager:
 
     def _start(self, remote_directory: str | os.PathLike) -> None:
         opts = self.options
-        steps.clean_leftovers(self.local_directory, grace_s=opts.timeout_s)
+        if not self._read_only:
+            steps.clean_leftovers(self.local_directory, grace_s=opts.timeout_s)
         self.remote = CheckpointManager(
             remote_directory,
             Options(
@@ -223,6 +226,13 @@ class EmergencyCheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
+        if self._read_only:
+            error = StorageError(
+                f"{self.local_directory.url}: this emergency manager refuses to save, its "
+                f"local tier is read-only: {self._read_only}"
+            )
+            error.errno = self._read_only_errno
+            raise error
         if self._lease is not None:
             self._lease.check()
         self._writer.raise_error()
