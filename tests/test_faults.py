@@ -397,7 +397,7 @@ def test_s3_a_lost_answer_to_a_lease_heartbeat_keeps_the_lease(s3_url, monkeypat
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         with jaxckpt.CheckpointManager(s3_url, jaxckpt.Options(async_save=False)) as mgr:
             mgr.save(1, values(1, rows=64))
-            mgr._lease.renew()  # the heartbeat, now rather than in 10 s
+            mgr._verdict.lease.renew()  # the heartbeat, now rather than in 10 s
             assert decide.hits
             mgr.save(2, values(2, rows=64))
             assert mgr.all_steps() == [1, 2]

@@ -131,25 +131,29 @@ def test_two_managers_racing_for_one_directory_one_wins(tmp_path):
     """20 trials of two managers started at once (threads: separate open files, so flock
     tells them apart as it does two processes): exactly one holds the lease each time."""
     for trial in range(20):
-        d = tmp_path / str(trial)
-        d.mkdir()
-        go = threading.Barrier(2)
-        won, refused = [], []
+        (tmp_path / str(trial)).mkdir()
+        _race_for(location(tmp_path / str(trial)), stale_s=120)
 
-        def start(d=d, go=go, won=won, refused=refused) -> None:
-            go.wait()
-            try:
-                won.append(lease.acquire(location(d), stale_s=120))
-            except errors.DirectoryInUseError as e:
-                refused.append(e)
 
-        threads = [threading.Thread(target=start) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(won) == 1 and len(refused) == 1, (trial, won, refused)
-        won[0].release()
+def _race_for(directory, stale_s: float) -> None:
+    """Two threads take the lease on ``directory`` at once: exactly one wins."""
+    go = threading.Barrier(2)
+    won, refused = [], []
+
+    def start() -> None:
+        go.wait()
+        try:
+            won.append(lease.acquire(directory, stale_s=stale_s))
+        except errors.DirectoryInUseError as e:
+            refused.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(refused) == 1, (directory, won, refused)
+    won[0].release()
 
 
 def test_a_read_only_directory_lists_and_restores_and_refuses_a_save(tmp_path):
@@ -193,7 +197,7 @@ def test_s3_two_managers_one_lease(s3_url):
         assert second.all_steps() == [1]
         # another job takes it over (its holder looked gone): this one notices and stops
         thief = lease.acquire(location(s3_url), stale_s=3, take_over=True)
-        second._lease.renew()
+        second._verdict.lease.renew()
         with pytest.raises(errors.DirectoryInUseError, match="lost its writer's lease"):
             second.save(2, _state(2))
         thief.release()
@@ -202,24 +206,7 @@ def test_s3_two_managers_one_lease(s3_url):
 def test_s3_racing_for_the_lease_one_wins(s3_url):
     """Ten rounds of two threads creating the lease object at once: one winner each."""
     for trial in range(10):
-        loc = location(f"{s3_url}/{trial}")
-        go = threading.Barrier(2)
-        won, refused = [], []
-
-        def start(loc=loc, go=go, won=won, refused=refused) -> None:
-            go.wait()
-            try:
-                won.append(lease.acquire(loc, stale_s=3))
-            except errors.DirectoryInUseError as e:
-                refused.append(e)
-
-        threads = [threading.Thread(target=start) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(won) == 1 and len(refused) == 1, (trial, won, refused)
-        won[0].release()
+        _race_for(location(f"{s3_url}/{trial}"), stale_s=3)
 
 
 TWO_JOBS = os.path.join(HERE, "workers", "two_jobs.py")
@@ -304,6 +291,6 @@ def test_a_takeover_from_another_host_is_noticed_by_the_holder(tmp_path):
         mgr.save(1, _state(1))
         mgr.wait_until_finished()
         _record(tmp_path, "other-host", age_s=0)  # what the other host's manager wrote
-        mgr._lease.renew()
+        mgr._verdict.lease.renew()
         with pytest.raises(errors.DirectoryInUseError, match="taken over by host other-host"):
             mgr.save(2, _state(2))

@@ -342,6 +342,23 @@ class Verdict:
     read_only: str | None = None
     errno: int | None = None  # of the refusal that made it read-only
 
+    def check(self, where: str) -> None:
+        """Raises StorageError if a manager with this verdict may not save (read-only),
+        DirectoryInUseError if another job took its lease over."""
+        if self.read_only:
+            error = StorageError(
+                f"{where}: this manager refuses to save, it lists and restores only: "
+                f"{self.read_only}"
+            )
+            error.errno = self.errno
+            raise error
+        if self.lease is not None:
+            self.lease.check()
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
 
 _rounds: dict[str, int] = {}
 

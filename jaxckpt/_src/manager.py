@@ -23,7 +23,6 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ManifestError,
-    StorageError,
 )
 from . import gc_pause, lease, monitoring, multihost, preemption, readers, saving, steps
 from .cadence import Blocking, Cadence, start_run
@@ -64,20 +63,18 @@ class CheckpointManager:
                 f"{self.directory.url} does not exist; create it or pass Options(create=True)"
             )
         # one writing job per directory (lease.py); a read-only one lists and restores
-        self._lease: lease.Lease | None = None
-        self._read_only = "it was opened with Options(read_only=True)" if opts.read_only else None
-        self._read_only_errno: int | None = None
+        self._verdict = lease.Verdict(None, "it was opened with Options(read_only=True)")
         if not opts.read_only:
-            verdict = lease.for_job(
+            self._verdict = lease.for_job(
                 self.directory,
                 stale_s=opts.lease_stale_s,
                 take_over=opts.take_over_lease,
                 timeout_s=opts.timeout_s,
             )
-            self._lease, self._read_only = verdict.lease, verdict.read_only
-            self._read_only_errno = verdict.errno
-            if self._read_only:
-                log.warning("jaxckpt: %s; this manager lists and restores only", self._read_only)
+            if self._verdict.read_only:
+                log.warning(
+                    "jaxckpt: %s; this manager lists and restores only", self._verdict.read_only
+                )
         self._preemption: preemption.Watch | None = None
         try:
             self._start()
@@ -97,7 +94,8 @@ class CheckpointManager:
         self._metrics: dict[int, dict | None] = {}
         self._broken: set[int] = set()  # marked steps without a manifest, warned about
         self._restored_step: int | None = None
-        if self.options.cleanup_tmp and not self._read_only and multihost.process_index() == 0:
+        read_only = self._verdict.read_only
+        if self.options.cleanup_tmp and not read_only and multihost.process_index() == 0:
             # Leftovers of interrupted saves; a save still in progress (another manager on
             # this directory) is left alone: its writer holds the lock on its owner file
             # (see ``storage.being_written``).
@@ -107,7 +105,7 @@ class CheckpointManager:
         # save interval, fixed or chosen from what the log and this job measure
         opts = self.options
         self._log, history = start_run(
-            [self.directory], ["dir"], opts.heartbeat_s, opts.run_log and not self._read_only
+            [self.directory], ["dir"], opts.heartbeat_s, opts.run_log and not read_only
         )
         self._cadence = Cadence(
             "dir",
@@ -292,15 +290,7 @@ class CheckpointManager:
     def check_writable(self) -> None:
         """Raises StorageError if this manager may not save (read-only), DirectoryInUseError
         if another job took its directory over."""
-        if self._read_only:
-            error = StorageError(
-                f"{self.directory.url}: this manager refuses to save, it lists and restores "
-                f"only: {self._read_only}"
-            )
-            error.errno = self._read_only_errno
-            raise error
-        if self._lease is not None:
-            self._lease.check()
+        self._verdict.check(self.directory.url)
 
     def _make_way(self, grace_s: float) -> None:
         """Gives a save in flight ``grace_s`` to finish, then cancels it (a preemption)."""
@@ -487,8 +477,7 @@ class CheckpointManager:
         """Frees the lease and the signal handlers (after the last save of this manager)."""
         if self._preemption is not None:
             self._preemption.close()
-        if self._lease is not None:
-            self._lease.release()
+        self._verdict.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

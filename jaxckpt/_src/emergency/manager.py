@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from ...errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ...errors import CheckpointError, CheckpointNotFoundError
 from .. import gc_pause, lease, multihost, steps
 from .. import per_process as pp
 from ..cadence import Blocking, Cadence, start_run
@@ -85,26 +85,23 @@ class EmergencyCheckpointManager:
             )
         self.local_directory.makedirs()
         # each process's own local directory gets its own writer's lease (lease.py)
-        verdict = lease.for_job(
+        self._verdict = lease.for_job(
             self.local_directory,
             stale_s=opts.lease_stale_s,
             take_over=opts.take_over_lease,
             timeout_s=opts.timeout_s,
             per_process=True,
         )
-        self._lease, self._read_only = verdict.lease, verdict.read_only
-        self._read_only_errno = verdict.errno
         self._preemption: Watch | None = None
         try:
             self._start(remote_directory)
         except BaseException:
-            if self._lease is not None:
-                self._lease.release()
+            self._verdict.release()
             raise
 
     def _start(self, remote_directory: str | os.PathLike) -> None:
         opts = self.options
-        if not self._read_only:
+        if not self._verdict.read_only:
             steps.clean_leftovers(self.local_directory, grace_s=opts.timeout_s)
         self.remote = CheckpointManager(
             remote_directory,
@@ -226,15 +223,7 @@ class EmergencyCheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"the emergency manager of {self.local_directory.url} is closed")
-        if self._read_only:
-            error = StorageError(
-                f"{self.local_directory.url}: this emergency manager refuses to save, its "
-                f"local tier is read-only: {self._read_only}"
-            )
-            error.errno = self._read_only_errno
-            raise error
-        if self._lease is not None:
-            self._lease.check()
+        self._verdict.check(self.local_directory.url)
         self._writer.raise_error()
         self._reached = max(step, self._reached or step)
         if self._log is not None:
@@ -473,8 +462,7 @@ class EmergencyCheckpointManager:
             finally:
                 if self._preemption is not None:
                     self._preemption.close()
-                if self._lease is not None:
-                    self._lease.release()
+                self._verdict.release()
 
     def __enter__(self) -> EmergencyCheckpointManager:
         return self
