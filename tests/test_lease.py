@@ -75,7 +75,11 @@ def _record(path, host: str, age_s: float) -> None:
     now = time.time()
     doc = {"host": host, "pid": 4242, "job": "job-7", "since": now - age_s, "renewed": now - age_s}
     doc["stale_s"] = 3.0  # its holder's lease_stale_s: a heartbeat every 0.5 s
-    (path / lease.LEASE_FILE).write_text(json.dumps(doc))
+    fd = os.open(path / lease.LEASE_FILE, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:  # as a holder writes it: in place, padded (never seen empty)
+        os.pwrite(fd, json.dumps(doc).encode().ljust(lease.RECORD_BYTES), 0)
+    finally:
+        os.close(fd)
 
 
 def test_a_renewed_record_of_another_host_is_refused_a_silent_one_taken_over(tmp_path, caplog):

@@ -449,12 +449,18 @@ def _record_of_locker(fd: int) -> Holder | None:
 
 
 def _read_fd(fd: int) -> bytes:
-    return os.pread(fd, 4096, 0)
+    return os.pread(fd, RECORD_BYTES, 0)
+
+
+RECORD_BYTES = 1024  # a record is padded with spaces to this size (JSON allows them)
 
 
 def _write_fd(fd: int, data: bytes) -> None:
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+    """Rewrites the record in place with one write of a fixed size: a reader never sees
+    the file empty or half old, as it could between a truncate and a write."""
+    if len(data) > RECORD_BYTES:
+        raise ValueError(f"a lease record of {len(data)} bytes (at most {RECORD_BYTES})")
+    os.pwrite(fd, data.ljust(RECORD_BYTES), 0)
     os.fsync(fd)
 
 

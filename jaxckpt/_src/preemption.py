@@ -19,6 +19,7 @@ two flag reads: no key-value traffic per step.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import signal
@@ -35,8 +36,21 @@ from .storage import Location
 log = logging.getLogger("jaxckpt")
 
 # a watcher thread's wait for another process's notice: one key-value call this often per
-# process (it returns as soon as the key is set: the notice is seen at once)
-_POLL_S = 30.0
+# process (it returns as soon as its key is set: a notice, or its own close)
+_POLL_S = 300.0
+
+
+_made: dict[str, int] = {}  # watches made per name, in this process
+_live: set[Watch] = set()  # watches with a watcher thread, not closed
+_hooked = False  # whether _close_all is registered with atexit
+
+
+def _close_all() -> None:
+    """Stops the watcher threads of managers never closed, before jax.distributed's own
+    exit hook shuts its client down: registered with the first watcher, so after that hook
+    (jax.distributed is initialized by then), and run before it."""
+    for watch in list(_live):
+        watch.close()
 
 
 def name_for(directory: Location) -> str:
@@ -51,6 +65,10 @@ class Watch:
     ``name`` must be the same on every process (``multihost.unique_name``)."""
 
     def __init__(self, name: str, signals: Sequence[int], timeout_s: float) -> None:
+        # a new name for each watch of one directory in a job (the same on every process:
+        # they make the same calls), so none sees an earlier watch's keys
+        _made[name] = n = _made.get(name, 0) + 1
+        name = f"{name}/{n}"
         self.name, self.signals, self.timeout_s = name, tuple(signals), timeout_s
         self.noticed: int | None = None  # the signal this process got
         self._remote = threading.Event()  # another process announced one
@@ -64,7 +82,12 @@ class Watch:
             self._watcher = threading.Thread(
                 target=self._watch, name="jaxckpt-preemption", daemon=True
             )
+            global _hooked
+            if not _hooked:
+                atexit.register(_close_all)
+                _hooked = True
             self._watcher.start()
+            _live.add(self)
 
     # --- the notice ----------------------------------------------------------------------
 
@@ -95,15 +118,20 @@ class Watch:
         if self.noticed is None:
             self.noticed = signum
 
+    def _wake_key(self, process: int) -> str:
+        """The key process ``process``'s watcher waits on: ``notice`` or ``closed``."""
+        return f"{self.name}/wake/{process}"
+
     def _watch(self) -> None:
         client = multihost.client()
-        key = f"{self.name}/notice"
+        key = self._wake_key(multihost.process_index())
         while not self._closed.is_set():
             try:
-                client.blocking_key_value_get(key, int(_POLL_S * 1000))
+                why = client.blocking_key_value_get(key, int(_POLL_S * 1000))
             except Exception:  # DEADLINE_EXCEEDED: no notice yet (or the service went away)
                 continue
-            self._remote.set()
+            if why == "notice":
+                self._remote.set()
             return
 
     @property
@@ -125,7 +153,8 @@ class Watch:
             return True
         client = multihost.client()
         if self.noticed is not None and not self._announced:
-            client.key_value_set(f"{self.name}/notice", str(multihost.process_index()), True)
+            for p in range(multihost.process_count()):  # once: wakes every watcher
+                client.key_value_set(self._wake_key(p), "notice", True)
             self._announced = True
         self._stop_at = self._agree(client, step)
         log.warning(
@@ -159,11 +188,23 @@ class Watch:
 
     def close(self) -> None:
         """Puts the previous handlers back (where they are still ours) and stops watching."""
+        if self._closed.is_set():
+            return
         self._closed.set()
+        _live.discard(self)
+        if self._watcher is not None and self._watcher.is_alive():
+            # its key-value wait must end before jax.distributed shuts down (else an abort)
+            try:
+                multihost.client().key_value_set(
+                    self._wake_key(multihost.process_index()), "closed", True
+                )
+                self._watcher.join(timeout=5.0)
+            except Exception as e:  # the service is gone: so is the wait
+                log.info("jaxckpt: stopping the preemption watcher: %s", e)
         if threading.current_thread() is threading.main_thread():
             for sig, previous in self._previous.items():
                 if signal.getsignal(sig) == self._handler:
                     # None: a handler installed outside Python (JAX's C++ notifier), which
                     # cannot be put back; the default at least ends the process again
                     signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        self._previous.clear()  # (a watcher thread ends with its current wait: a daemon)
+        self._previous.clear()
