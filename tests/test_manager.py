@@ -399,7 +399,7 @@ def test_interrupted_saves_on_s3_never_show(s3_url):
         time.sleep(rng.uniform(0.0, 0.5))
         proc.kill()
         proc.wait()
-        # the killed job's lease is taken over after 2.5 of its heartbeats (0.5 s)
+        # the killed job's lease is taken over after 2.5 of its heartbeats (0.2 s each)
         with jaxckpt.CheckpointManager(s3_url, jaxckpt.Options(max_to_keep=3)) as mgr:
             newest = mgr.latest_step()
             assert newest is not None

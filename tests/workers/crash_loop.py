@@ -29,8 +29,8 @@ def expected(step: int) -> dict:
 def main(directory: str) -> None:
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     specs = {"w": P("data", "model"), "b": P("model")}
-    # a short lease: the test's next manager takes it over 1.25 s after this job is killed
-    mgr = jaxckpt.CheckpointManager(directory, jaxckpt.Options(max_to_keep=3, lease_stale_s=3))
+    # a short lease: the test's next manager takes it over 0.5 s after this job is killed
+    mgr = jaxckpt.CheckpointManager(directory, jaxckpt.Options(max_to_keep=3, lease_stale_s=1.2))
     step = (mgr.latest_step() or 0) + 1
     said = False
     while True:
