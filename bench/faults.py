@@ -78,8 +78,6 @@ STEP_BYTES = 2_400_000  # about a step's size on disk
 BUCKET = "jaxckpt-faults"
 KINDS = ("sigterm", "sigkill", "second_job", "disk_full", "read_only", "s3")
 JOB_TIMEOUT_S = 240.0  # a job that runs longer is a hang: killed, a violation
-NAN_F32 = [0x7FC00001, 0xFFC0BEEF, 0x7F800001, 0xFFBFFFFF]
-NAN_BF16 = [0x7FC1, 0xFF81, 0x7F81]
 
 
 # --- the state: a deterministic function of the step -----------------------------------------
@@ -87,21 +85,9 @@ NAN_BF16 = [0x7FC1, 0xFF81, 0x7F81]
 
 def values(step: int) -> dict:
     """The NumPy values of ``step``: every bit pattern its seed draws, NaN payloads too."""
-    import ml_dtypes
+    from hostile import step_values  # tests/, on the path through harness
 
-    rng = np.random.default_rng(step)
-    w = rng.integers(0, 2**32, (ROWS, 1024), dtype=np.uint32)
-    w[0, : len(NAN_F32)] = NAN_F32
-    bf = rng.integers(0, 2**16, (256, 256), dtype=np.uint16)
-    bf[0, : len(NAN_BF16)] = NAN_BF16
-    return {
-        "w": w.view(np.float32),
-        "bf16": bf.view(ml_dtypes.bfloat16),
-        "e4m3": rng.integers(0, 2**8, (128, 256), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn),
-        "e5m2": rng.integers(0, 2**8, (128, 256), dtype=np.uint8).view(ml_dtypes.float8_e5m2),
-        "host": rng.integers(-(2**31), 2**31, (64,), dtype=np.int32),
-        "step": step,
-    }
+    return step_values(step, ROWS, 1024)
 
 
 def sharded(step: int) -> dict:

@@ -115,3 +115,27 @@ def assert_same_bits(expected, actual, where: str = "") -> None:
             f"{where}: {len(bad)} of {e.size} {e.dtype} elements differ, first at flat index "
             f"{bad[0]}: {eb[bad[0]].tobytes().hex()} -> {ab[bad[0]].tobytes().hex()}"
         )
+
+
+NAN_PAYLOADS_F32 = [0x7FC00001, 0xFFC0BEEF, 0x7F800001, 0xFFBFFFFF]  # quiet and signalling
+NAN_PAYLOADS_BF16 = [0x7FC1, 0xFF81, 0x7F81]
+
+
+def step_values(step: int, rows: int, cols: int) -> dict:
+    """A training state that is a deterministic function of ``step`` (the fault tests and
+    the soak compare every restored step with it): the bit patterns ``default_rng(step)``
+    draws as a (rows, cols) float32 with NaN payloads, a bfloat16, both float8s and a
+    NumPy int32 leaf, and the step."""
+    rng = np.random.default_rng(step)
+    w = rng.integers(0, 2**32, (rows, cols), dtype=np.uint32)
+    w[0, : len(NAN_PAYLOADS_F32)] = NAN_PAYLOADS_F32
+    bf = rng.integers(0, 2**16, (256, 256), dtype=np.uint16)
+    bf[0, : len(NAN_PAYLOADS_BF16)] = NAN_PAYLOADS_BF16
+    return {
+        "w": w.view(np.float32),
+        "bf16": bf.view(ml_dtypes.bfloat16),
+        "e4m3": rng.integers(0, 2**8, (128, 256), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn),
+        "e5m2": rng.integers(0, 2**8, (128, 256), dtype=np.uint8).view(ml_dtypes.float8_e5m2),
+        "host": rng.integers(-(2**31), 2**31, (64,), dtype=np.int32),  # a NumPy leaf
+        "step": step,
+    }

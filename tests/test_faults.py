@@ -17,11 +17,11 @@ import subprocess
 from urllib.parse import urlparse
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 from conftest import assert_tree_equal
 from faultproxy import FaultProxy
+from hostile import step_values
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,26 +30,10 @@ from jaxckpt import errors
 
 # --- the state: a deterministic function of the step -----------------------------------------
 
-NAN_PAYLOADS_F32 = [0x7FC00001, 0xFFC0BEEF, 0x7F800001, 0xFFBFFFFF]  # quiet and signalling
-NAN_PAYLOADS_BF16 = [0x7FC1, 0xFF81, 0x7F81]
-
 
 def values(step: int, rows: int = 512) -> dict:
-    """NumPy values of ``step``: every bit pattern the step's seed draws, NaN payloads too.
-    ``rows`` = 512 makes about 1.3 MB."""
-    rng = np.random.default_rng(step)
-    w = rng.integers(0, 2**32, (rows, 512), dtype=np.uint32)
-    w[0, : len(NAN_PAYLOADS_F32)] = NAN_PAYLOADS_F32
-    bf = rng.integers(0, 2**16, (256, 256), dtype=np.uint16)
-    bf[0, : len(NAN_PAYLOADS_BF16)] = NAN_PAYLOADS_BF16
-    return {
-        "w": w.view(np.float32),
-        "bf16": bf.view(ml_dtypes.bfloat16),
-        "e4m3": rng.integers(0, 2**8, (128, 256), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn),
-        "e5m2": rng.integers(0, 2**8, (128, 256), dtype=np.uint8).view(ml_dtypes.float8_e5m2),
-        "host": rng.integers(-(2**31), 2**31, (64,), dtype=np.int32),  # a NumPy leaf
-        "step": step,
-    }
+    """``hostile.step_values`` of ``step``; ``rows`` = 512 makes about 1.3 MB."""
+    return step_values(step, rows, 512)
 
 
 def state(step: int, mesh, rows: int = 512) -> dict:
