@@ -115,10 +115,8 @@ _WAIT = "Wait for that job to finish or stop it, or give this job another direct
 class Lease:
     """A held lease: renewed by a daemon thread until :meth:`release`."""
 
-    def __init__(
-        self, directory: Location, holder: Holder, stale_s: float, fd: int | None, gen: bytes
-    ) -> None:
-        self.directory, self.holder, self.stale_s = directory, holder, stale_s
+    def __init__(self, directory: Location, holder: Holder, fd: int | None, gen: bytes) -> None:
+        self.directory, self.holder = directory, holder
         self._fd, self._generation = fd, gen
         self._lost: str | None = None
         self._lock = threading.Lock()
@@ -159,7 +157,7 @@ class Lease:
                     _write_fd(self._fd, holder.to_bytes())
                 else:
                     stamp = (
-                        _kv(self.directory)
+                        self.directory.open_kvstore()
                         .write(LEASE_FILE, holder.to_bytes(), if_equal=self._generation)
                         .result()
                     )
@@ -175,7 +173,7 @@ class Lease:
                 log.warning("jaxckpt: renewing the lease of %s failed: %s", self.directory.url, e)
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(heartbeat_s(self.stale_s)):
+        while not self._stop.wait(heartbeat_s(self.holder.stale_s)):
             self.renew()
 
     def release(self) -> None:
@@ -196,7 +194,7 @@ class Lease:
                     # delete is not conditional (TensorStore checks, then deletes), so it
                     # could remove a lease another job just took over
                     done = replace(self.holder, renewed=time.time(), released=True)
-                    _kv(self.directory).write(
+                    self.directory.open_kvstore().write(
                         LEASE_FILE, done.to_bytes(), if_equal=self._generation
                     ).result()
             except Exception as e:  # the lease goes stale instead
@@ -210,11 +208,11 @@ def acquire(directory: Location, *, stale_s: float, take_over: bool = False) -> 
     (read-only, permissions: ``StorageError.errno`` says which)."""
     me = Holder.me(stale_s)
     if directory.is_local:
-        return _acquire_file(directory, me, stale_s, take_over)
-    return _acquire_object(directory, me, stale_s, take_over)
+        return _acquire_file(directory, me, take_over)
+    return _acquire_object(directory, me, take_over)
 
 
-def _acquire_file(directory: Location, me: Holder, stale_s: float, take_over: bool) -> Lease:
+def _acquire_file(directory: Location, me: Holder, take_over: bool) -> Lease:
     path = os.path.join(directory.url, LEASE_FILE)
     while True:
         try:
@@ -254,7 +252,7 @@ def _acquire_file(directory: Location, me: Holder, stale_s: float, take_over: bo
         except BaseException:
             os.close(fd)
             raise
-        return Lease(directory, me, stale_s, fd, b"")
+        return Lease(directory, me, fd, b"")
 
 
 def heartbeat_s(stale_s: float) -> float:
@@ -297,8 +295,8 @@ def _check_record(
     )
 
 
-def _acquire_object(directory: Location, me: Holder, stale_s: float, take_over: bool) -> Lease:
-    kv = _kv(directory)
+def _acquire_object(directory: Location, me: Holder, take_over: bool) -> Lease:
+    kv = directory.open_kvstore()
     try:
         got = kv.read(LEASE_FILE).result()
         old = Holder.parse(bytes(got.value)) if got.state == "value" else None
@@ -320,14 +318,14 @@ def _acquire_object(directory: Location, me: Holder, stale_s: float, take_over: 
             "it took the lease object a moment before this manager",
             _WAIT,
         )
-    return Lease(directory, me, stale_s, None, generation)
+    return Lease(directory, me, None, generation)
 
 
 def _ours(directory: Location, record: Holder) -> bytes:
     """After a conditional write that reports its condition failed: the object's generation
     if it holds exactly ``record`` (the write was applied, its answer lost on the way, and
     TensorStore's retry found the object changed: by this very write), else b""."""
-    got = _kv(directory).read(LEASE_FILE).result()
+    got = directory.open_kvstore().read(LEASE_FILE).result()
     if got.state == "value" and Holder.parse(bytes(got.value)) == record:
         return bytes(got.stamp.generation)
     return b""
@@ -423,7 +421,7 @@ def _try(directory: Location, stale_s: float, take_over: bool) -> tuple[Lease | 
 
 
 def _lost_to(directory: Location) -> str:
-    holder = _read_holder(_kv(directory))
+    holder = _read_holder(directory.open_kvstore())
     return f"taken over by {holder.describe()}" if holder else "its lease object was deleted"
 
 
@@ -462,7 +460,3 @@ def _write_fd(fd: int, data: bytes) -> None:
         raise ValueError(f"a lease record of {len(data)} bytes (at most {RECORD_BYTES})")
     os.pwrite(fd, data.ljust(RECORD_BYTES), 0)
     os.fsync(fd)
-
-
-def _kv(loc: Location) -> ts.KvStore:
-    return ts.KvStore.open(loc.kvstore()).result()

@@ -391,34 +391,36 @@ class CheckpointManager:
     def restore(
         self, step: int | None = None, target: Any = None, *, mesh: jax.sharding.Mesh | None = None
     ) -> Any:
-        """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`."""
-        self.wait_until_finished()
-        step = self._step_or_latest(step) if step is not None else self._newest_readable()
-        started = time.perf_counter()
-        out = restore(
-            self.step_path(step).url,
-            target=target,
-            mesh=mesh,
-            read_budget_bytes=self.options.read_budget_bytes,
-        )
-        self.last_restore_figures = monitoring.last("restore")
-        self._restored_step = step
-        seconds = time.perf_counter() - started
-        self._cadence.restored(step, seconds)
-        if self._log is not None:
-            self._log.append("restore", step, tier=self._tier, seconds=seconds)
-        return out
+        """Restores ``step`` (default: the newest committed) like :func:`jaxckpt.restore`.
 
-    def _newest_readable(self) -> int:
-        """The newest step whose manifest reads; the ones that do not are skipped with a
-        warning (every process reads the same files, so all choose the same step)."""
-        for step in reversed(self.all_steps()):
+        By default a step whose manifest does not parse is skipped with a warning, for the
+        next older one (every process reads the same file: all choose the same step)."""
+        self.wait_until_finished()
+        tries = [self._step_or_latest(step)]
+        if step is None:
+            tries += [s for s in reversed(self.all_steps()) if s < tries[0]]
+        for s in tries:
+            started = time.perf_counter()
             try:
-                read_manifest(self.step_path(step))
-                return step
-            except (ManifestError, CheckpointNotFoundError) as e:
-                log.warning("jaxckpt: skipping step %d, its manifest does not read: %s", step, e)
-        return self._step_or_latest(None)
+                out = restore(
+                    self.step_path(s).url,
+                    target=target,
+                    mesh=mesh,
+                    read_budget_bytes=self.options.read_budget_bytes,
+                )
+            except ManifestError as e:
+                if step is not None or s == tries[-1]:
+                    raise
+                log.warning("jaxckpt: skipping step %d, its manifest does not read: %s", s, e)
+                continue
+            self.last_restore_figures = monitoring.last("restore")
+            self._restored_step = s
+            seconds = time.perf_counter() - started
+            self._cadence.restored(s, seconds)
+            if self._log is not None:
+                self._log.append("restore", s, tier=self._tier, seconds=seconds)
+            return out
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def _step_or_latest(self, step: int | None) -> int:
         if step is None:

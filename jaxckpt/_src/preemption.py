@@ -11,8 +11,10 @@ With one process the notice is the answer: ``reached(step)`` is True from the fi
 after the signal. With several, the process that got the signal announces it through the
 ``jax.distributed`` key-value store (the managers use it anyway; JAX's own preemption service
 is not needed and may be off); a watcher thread in every process sees the announcement.
-Each process then publishes the step it is at, waits (at most ``timeout_s``) for every
-process's, and all stop at the largest: every process answers True at that same step, and
+Process 0 relays a notice to every process (so a notice costs O(processes) key-value calls
+however many processes got the signal). Each process then publishes the step it is at,
+process 0 publishes the largest (``multihost.decided``, at most ``timeout_s``), and all stop
+there: every process answers True at that same step, and
 no process has passed it (each published the step it was at). Without a notice a call costs
 two flag reads: no key-value traffic per step.
 """
@@ -24,12 +26,10 @@ import hashlib
 import logging
 import signal
 import threading
-import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from ..errors import CoordinationError
 from . import multihost
 from .storage import Location
 
@@ -73,6 +73,7 @@ class Watch:
         self.noticed: int | None = None  # the signal this process got
         self._remote = threading.Event()  # another process announced one
         self._announced = False
+        self._waking, self._woken = threading.Lock(), False  # process 0: woke everyone
         self._stop_at: int | None = None
         self._previous: dict[int, Any] = {}
         self._closed = threading.Event()
@@ -131,8 +132,27 @@ class Watch:
             except Exception:  # DEADLINE_EXCEEDED: no notice yet (or the service went away)
                 continue
             if why == "notice":
+                if multihost.process_index() == 0:
+                    self._wake_everyone(client)
                 self._remote.set()
             return
+
+    def _announce(self, client: Any) -> None:
+        """Tells every process of this process's notice: process 0 wakes every watcher;
+        another process wakes process 0's, which does (one key-value call each, however
+        many processes got the signal: O(processes) in all)."""
+        if multihost.process_index() == 0:
+            self._wake_everyone(client)
+        else:
+            client.key_value_set(self._wake_key(0), "notice", True)
+
+    def _wake_everyone(self, client: Any) -> None:
+        with self._waking:
+            if self._woken:
+                return
+            self._woken = True
+        for p in range(1, multihost.process_count()):
+            client.key_value_set(self._wake_key(p), "notice", True)
 
     @property
     def stopping(self) -> bool:
@@ -151,38 +171,25 @@ class Watch:
             self._stop_at = step
             log.warning("jaxckpt: preemption notice (%s): stopping at step %d", self._names(), step)
             return True
-        client = multihost.client()
         if self.noticed is not None and not self._announced:
-            for p in range(multihost.process_count()):  # once: wakes every watcher
-                client.key_value_set(self._wake_key(p), "notice", True)
+            self._announce(multihost.client())
             self._announced = True
-        self._stop_at = self._agree(client, step)
+        # every process publishes the step it is at; all stop at the largest
+        self._stop_at = int(
+            multihost.decided(
+                f"{self.name}/at",
+                str(step),
+                lambda steps: str(max(int(s) for s in steps)),
+                self.timeout_s,
+                what="preemption notice: the step every process stops at",
+            )
+        )
         log.warning(
             "jaxckpt: preemption notice (%s): every process stops at step %d",
             signal.Signals(self.noticed).name if self.noticed else "from another process",
             self._stop_at,
         )
         return step >= self._stop_at
-
-    def _agree(self, client: Any, step: int) -> int:
-        """Publishes ``step``; the largest step every process published."""
-        client.key_value_set(f"{self.name}/at/{multihost.process_index()}", str(step))
-        deadline = time.monotonic() + self.timeout_s
-        at, missing = [], []
-        for p in range(multihost.process_count()):
-            left = max(1, int((deadline - time.monotonic()) * 1000))
-            try:
-                at.append(int(client.blocking_key_value_get(f"{self.name}/at/{p}", left)))
-            except Exception:
-                missing.append(p)
-        if missing:
-            raise CoordinationError(
-                f"preemption notice: process(es) {missing} of {multihost.process_count()} did "
-                f"not report the step they reached within {self.timeout_s:g}s (this is process "
-                f"{multihost.process_index()}); they died or do not call reached_preemption() "
-                "every step. Save what this process can and exit"
-            )
-        return max(at)
 
     # --- lifetime ------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, CheckpointExistsError, StorageError
+from ..errors import CheckpointError, CheckpointExistsError
 from .manifest import COMMIT_FILE
 from .storage import (
     OWNER_FILE,
@@ -100,9 +100,9 @@ def committing(
         final.remove()
     try:
         owner = claim(work)
-    except StorageError:
-        raise
     except OSError as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise storage_error(e, final, "saving") from e
     try:
         yield work

@@ -65,6 +65,10 @@ class Location:
             spec.update(s3_options())
         return spec
 
+    def open_kvstore(self) -> ts.KvStore:
+        """This location as an open TensorStore kvstore (keys relative to it)."""
+        return ts.KvStore.open(self.kvstore()).result()
+
     # --- small files -----------------------------------------------------------------
 
     def write_bytes(self, name: str, data: bytes, *, create_dir: bool = True) -> None:
@@ -82,7 +86,7 @@ class Location:
                 os.fsync(f.fileno())
             fsync_dir(self.url)
             return
-        _kv(self).write(name, data).result()
+        self.open_kvstore().write(name, data).result()
 
     def read_bytes(self, name: str) -> bytes | None:
         """The file's contents, or None when it does not exist."""
@@ -92,7 +96,7 @@ class Location:
                     return f.read()
             except FileNotFoundError:
                 return None
-        result = _kv(self).read(name).result()
+        result = self.open_kvstore().read(name).result()
         return bytes(result.value) if result.state == "value" else None
 
     def exists(self, name: str) -> bool:
@@ -118,14 +122,14 @@ class Location:
         """
         if self.is_local:
             return []
-        return [k.decode() for k in _kv(self).list().result()]
+        return [k.decode() for k in self.open_kvstore().list().result()]
 
     def delete_file(self, name: str) -> None:
         if self.is_local:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.url, name))
             return
-        _kv(self).delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+        self.open_kvstore().delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
 
     def remove(self) -> None:
         """Deletes this directory / prefix and everything under it."""
@@ -134,7 +138,7 @@ class Location:
             return
         if not urlparse(self.url).path.strip("/"):
             raise StorageError(f"refusing to delete {self.url}: it is a whole bucket")
-        _kv(self).delete_range(ts.KvStore.KeyRange()).result()
+        self.open_kvstore().delete_range(ts.KvStore.KeyRange()).result()
 
     def makedirs(self) -> None:
         if self.is_local:
@@ -243,10 +247,6 @@ def rename_dir(src: Location, dst: Location) -> None:
     ENOTEMPTY then (POSIX), a check the kernel makes atomically with the move."""
     os.rename(src.url, dst.url)
     fsync_dir(dst.parent().url)
-
-
-def _kv(loc: Location) -> ts.KvStore:
-    return ts.KvStore.open(loc.kvstore()).result()
 
 
 def s3_options(environ: Mapping[str, str] | None = None) -> dict:

@@ -102,12 +102,9 @@ def ls(args: argparse.Namespace) -> int:
             size = sum(r.nbytes for r in doc.leaves)
             print(f"{int(name):>10}  {'-':<25} {_size(size):>12}  {'local':<7} -")
             continue
-        try:
+        try:  # a step the managers skip: say so, and list the rest
             m = read_manifest(loc)
-        except (
-            errors.ManifestError,
-            errors.CheckpointNotFoundError,
-        ) as e:  # managers skip it: say so, list the rest
+        except (errors.ManifestError, errors.CheckpointNotFoundError) as e:
             print(f"{int(name):>10}  {'-':<25} {'-':>12}  {'-':<7} (broken: {_one_line(e)})")
             continue
         size = sum(r.nbytes for r in m.leaves)
