@@ -811,6 +811,8 @@ class Soak:
             from jaxckpt._src.storage import location
 
             return steps.committed(location(run.dir))
+        if not run.dir.startswith("s3://") and not os.path.isdir(run.dir):
+            return []  # no job ran there yet
         with jaxckpt.CheckpointManager(run.dir, jaxckpt.Options(read_only=True)) as mgr:
             return mgr.all_steps()
 
@@ -820,31 +822,30 @@ class Soak:
             self.violation(f"{run.dir}: preempted at step {step}, but listed {got}")
 
     def restore_all(self, run: Run, mgr, steps: list[int]) -> None:
-        for s in steps:
-            try:
-                bad = mismatch(mgr.restore(s), s)
-            except Exception as e:
-                bad = chain_text(e)[:300]
-            self.t.restored += 1
-            if bad:
-                self.t.broken += 1
-                self.violation(f"{run.dir}: listed step {s} does not restore exactly: {bad}")
-        gc.collect()
+        self.compare_steps(run, steps, lambda s: (mgr.restore(s), None), "listed step")
 
     def restore_emergency(self, run: Run, mgr, steps: list[int]) -> None:
+        def local(s: int):
+            got = mgr.restore(step=s)
+            tier = mgr.last_report.tier
+            return got, None if tier == "local" else f"restored from {tier}, not the local step"
+
+        self.compare_steps(run, steps, local, "local step")
+
+    def compare_steps(self, run: Run, steps: list[int], restore, what: str) -> None:
+        """Restores each step (``restore(s)`` -> (tree, a fault of its own or None)) and
+        compares it bit for bit with the step's values; counts the broken ones."""
         for s in steps:
             try:
-                got = mgr.restore(step=s)
-                bad = mismatch(got, s)
-                if not bad and mgr.last_report.tier != "local":
-                    bad = f"restored from {mgr.last_report.tier}, not from the local step"
+                got, bad = restore(s)
+                bad = bad or mismatch(got, s)
                 del got
             except Exception as e:
                 bad = chain_text(e)[:300]
             self.t.restored += 1
             if bad:
                 self.t.broken += 1
-                self.violation(f"{run.dir}: local step {s} does not restore exactly: {bad}")
+                self.violation(f"{run.dir}: {what} {s} does not restore exactly: {bad}")
         gc.collect()
 
     @contextlib.contextmanager

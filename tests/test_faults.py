@@ -131,6 +131,20 @@ def small_tmpfs(tmp_path):
 # --- disk full ------------------------------------------------------------------------------
 
 
+def save_until_full(mgr, make, most: int) -> tuple[list[int], tuple[int, Exception]]:
+    """Saves steps 1, 2, ... (``make(step)``, each waited for) until one fails; the steps
+    saved and (the step that failed, its error). That ``most`` steps fit is a failure."""
+    saved: list[int] = []
+    for step in range(1, most):
+        try:
+            mgr.save(step, make(step))
+            mgr.wait_until_finished()
+        except (errors.BackgroundSaveError, errors.StorageError) as e:
+            return saved, (step, e)
+        saved.append(step)
+    raise AssertionError(f"{most} steps fit on a disk meant to fill up: {saved}")
+
+
 def test_a_full_ext4_disk_fails_one_save_and_loses_nothing(ext4_disk, mesh42, o_direct_opens):
     """Steps of 2.4 MB into 30 MB of ext4 (O_DIRECT writes, the default on a disk): the save
     that does not fit raises naming ENOSPC and the run directory; the steps before it all
@@ -139,17 +153,7 @@ def test_a_full_ext4_disk_fails_one_save_and_loses_nothing(ext4_disk, mesh42, o_
     run = ext4_disk / "run"
     mgr = jaxckpt.CheckpointManager(run, jaxckpt.Options())
     try:
-        saved, failed = [], None
-        for step in range(1, 40):
-            try:
-                mgr.save(step, state(step, mesh42, rows=1024))
-                mgr.wait_until_finished()
-            except (errors.BackgroundSaveError, errors.StorageError) as e:
-                failed = (step, e)
-                break
-            saved.append(step)
-        assert failed is not None, f"40 steps of 2.4 MB fit on a 40 MB disk? {saved}"
-        step, error = failed
+        saved, (step, error) = save_until_full(mgr, lambda s: state(s, mesh42, rows=1024), 40)
         text = no_space(error)
         assert str(run) in text, text
         assert len(saved) >= 5, saved
@@ -187,17 +191,7 @@ def test_a_full_tmpfs_under_the_emergency_local_tier(small_tmpfs, tmp_path, mesh
     )
     mgr = jaxckpt.EmergencyCheckpointManager(local, tmp_path / "remote", opts)
     try:
-        saved, failed = [], None
-        for step in range(1, 20):
-            try:
-                mgr.save(step, state(step, mesh42))
-                mgr.wait_until_finished()
-            except (errors.BackgroundSaveError, errors.StorageError) as e:
-                failed = (step, e)
-                break
-            saved.append(step)
-        assert failed is not None, f"20 steps of 1.3 MB fit in 6 MB? {saved}"
-        step, error = failed
+        saved, (step, error) = save_until_full(mgr, lambda s: state(s, mesh42), 20)
         text = no_space(error)
         assert str(local) in text, text
         assert saved and mgr.local_steps() == saved
