@@ -33,7 +33,7 @@ with mixed PartitionSpecs, then, ``--repeats`` times, alternating the libraries:
   that is kept until the clock stops (a buffer per file, every page touched for the first
   time, as a restore that reads fills the arrays it returns; reading blocks into memory that
   is freed and reused would skip those page faults; a restore onto CPU devices that maps
-  whole chunks of the files, ``jaxckpt/_src/mapped.py``, skips them too), plainly and *verified* (a hardware CRC32C over every byte: the least a reader that checks
+  whole chunks of the files, ``jaxckpt/_src/io/mapped.py``, skips them too), plainly and *verified* (a hardware CRC32C over every byte: the least a reader that checks
   every byte must do); the best way is the limit. Beside them, the verified read with each
   array's replicas on the (4, 2) mesh then copied into fresh memory: onto CPU devices every
   replica is host memory a restore that reads must fill (1.41 GB for the 1 GB state's 0.96
@@ -107,9 +107,9 @@ from train_state import (  # noqa: E402, F401  (bench/verify.py and emergency.py
     width,
 )
 
-from jaxckpt._src import page_cache  # noqa: E402
-from jaxckpt._src.direct import reader_threads  # noqa: E402
-from jaxckpt._src.inflight import READ_BUDGET_BYTES, default_budget  # noqa: E402
+from jaxckpt._src.io import page_cache  # noqa: E402
+from jaxckpt._src.io.direct import reader_threads  # noqa: E402
+from jaxckpt._src.io.inflight import READ_BUDGET_BYTES, default_budget  # noqa: E402
 
 SAME_MESH = "restore same mesh (4,2)"
 COLD = "cold restore same mesh"

@@ -32,7 +32,7 @@ launcher's around kills; all ``time.time()`` of this one machine):
            rework is inside it and no unfailed tail dilutes it;
   ETTR     (step at the window's end - step at its start) x step / the window's seconds:
            each step counted once, at its pure cost.
-Predicted: ``jaxckpt._src.intervals.ettr(interval_s = steps between saves x step, save_s,
+Predicted: ``jaxckpt._src.goodput.intervals.ettr(interval_s = steps between saves x step, save_s,
 mtbf_s, restart_s)``, with means for save and restart (what the wall pays; medians printed
 too). That model (Daly's complete one) lets failures strike a restart too (its e^(R/M)
 factor); here none does, so a cycle is a run of mean M then a restart R. Passing mtbf_s = M
@@ -152,8 +152,8 @@ class Run:
 
 
 def ettr(interval_s: float, save_s: float, mtbf_s: float, restart_s: float) -> float:
-    """jaxckpt's model: ``jaxckpt._src.intervals.ettr``."""
-    from jaxckpt._src import intervals
+    """jaxckpt's model: ``jaxckpt._src.goodput.intervals.ettr``."""
+    from jaxckpt._src.goodput import intervals
 
     return intervals.ettr(interval_s, save_s, mtbf_s, restart_s)
 

@@ -53,7 +53,8 @@ import train_state as st
 from harness import GB
 
 import jaxckpt
-from jaxckpt._src import ocdbt_write, staging
+from jaxckpt._src import staging
+from jaxckpt._src.io import ocdbt_write
 
 NO_GPU = "no GPU: running on CPU, figures are not GPU figures"
 

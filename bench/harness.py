@@ -170,7 +170,7 @@ def back_free_memory(margin: int = 1 << 30) -> float:
     jaxckpt, hence jax: for the orchestrating process, not a worker before its devices."""
     import mmap
 
-    from jaxckpt._src.arrays import populate
+    from jaxckpt._src.io.arrays import populate
 
     with open("/proc/meminfo") as f:
         free = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemFree:"))

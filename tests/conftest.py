@@ -107,7 +107,7 @@ def flip_a_chunk_byte(path) -> tuple[str, int]:
     from a value the B-tree points to, found with ``tensorstore.ocdbt.dump``.)"""
     import tensorstore as ts
 
-    from jaxckpt._src import arrays
+    from jaxckpt._src.io import arrays
     from jaxckpt._src.storage import location
 
     db = arrays.database_dir(location(str(path)), None)

@@ -105,7 +105,7 @@ def mapped_from(out, root) -> list[bool]:
 def counting_maps() -> Iterator[list[int]]:
     """Counts the slices the direct reader maps (``direct.Reader.map``) while inside: the
     list's one item."""
-    from jaxckpt._src import direct
+    from jaxckpt._src.io import direct
 
     count = [0]
     real = direct.Reader._map

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._src import intervals, runlog
-from jaxckpt._src.cadence import Cadence, History
-from jaxckpt._src.runlog import Event
+from jaxckpt._src.goodput import intervals, runlog
+from jaxckpt._src.goodput.cadence import Cadence, History
+from jaxckpt._src.goodput.runlog import Event
 from jaxckpt._src.writer import Writer
 
 HERE = os.path.dirname(__file__)
@@ -81,7 +81,7 @@ def test_a_restarted_job_starts_where_the_last_one_chose():
 def test_a_replaced_host_learns_from_its_remote_log(tmp_path):
     """Its local log went with its disk; the copy in the remote directory still tells how
     often the run failed (each job's lines are in both, counted once)."""
-    from jaxckpt._src.cadence import start_run
+    from jaxckpt._src.goodput.cadence import start_run
     from jaxckpt._src.storage import location
 
     local, remote = location(tmp_path / "local"), location(tmp_path / "remote")

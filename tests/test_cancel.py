@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from slowproxy import SlowProxy
 
 import jaxckpt
-from jaxckpt._src import runlog
+from jaxckpt._src.goodput import runlog
 from jaxckpt._src.writer import Cancel
 from jaxckpt.errors import SaveCancelledError
 

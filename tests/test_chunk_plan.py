@@ -10,7 +10,7 @@ import numpy as np
 from hostile import DTYPES, direct_dtype, random_bits
 
 import jaxckpt
-from jaxckpt._src import arrays, chunk_plan
+from jaxckpt._src.io import arrays, chunk_plan
 from jaxckpt._src.storage import location
 
 

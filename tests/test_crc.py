@@ -5,7 +5,7 @@ import crc32c
 import numpy as np
 import pytest
 
-from jaxckpt._src import crc
+from jaxckpt._src.io import crc
 
 
 @pytest.mark.parametrize("seed", range(6))

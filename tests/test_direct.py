@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src import arrays, chunk_plan, direct, mapped, ocdbt_write, residency
+from jaxckpt._src.io import arrays, chunk_plan, direct, mapped, ocdbt_write, residency
 from jaxckpt._src.storage import Location, location
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")

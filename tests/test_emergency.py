@@ -17,9 +17,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src import mapped
 from jaxckpt._src.emergency import wire
 from jaxckpt._src.emergency.planner import SliceKey
+from jaxckpt._src.io import mapped
 from jaxckpt._src.options import OptionsError
 from jaxckpt.errors import CheckpointNotFoundError, DeletedArrayError, UnsupportedLeafError
 
@@ -100,7 +100,7 @@ def test_a_local_restore_opens_with_tensorstore_only_the_leaves_it_reads_with_it
     TensorStore (``arrays.open_leaf`` watched)."""
     from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
 
-    from jaxckpt._src import arrays, direct
+    from jaxckpt._src.io import arrays, direct
 
     rng = np.random.default_rng(31)
     tree = {

@@ -109,7 +109,7 @@ def test_golden_aligned_chunk_restores_bit_exactly_mapped_and_read(version, monk
     TensorStore alone (``JAXCKPT_DIRECT_READ=0``)."""
     import tensorstore as ts
 
-    from jaxckpt._src import arrays
+    from jaxckpt._src.io import arrays
 
     path = os.path.join(GOLDEN, f"v{version}", "checkpoint_aligned")
     db = arrays.database_dir(location(path), None)

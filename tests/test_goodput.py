@@ -11,8 +11,8 @@ import pytest
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src import intervals
-from jaxckpt._src.runlog import RunLog
+from jaxckpt._src.goodput import intervals
+from jaxckpt._src.goodput.runlog import RunLog
 from jaxckpt._src.storage import location
 
 BLOCK, WRITE = 2.0, 3.0  # every save blocks 2 s, then writes 3 s in the background
@@ -190,7 +190,7 @@ def test_a_with_block_left_by_an_exception_is_a_failure(tmp_path):
     logs no ``end``: the next job's start makes it a failure, for both managers."""
     import numpy as np
 
-    from jaxckpt._src import runlog
+    from jaxckpt._src.goodput import runlog
 
     state = {"w": np.arange(64, dtype=np.float32)}
     opts = jaxckpt.Options(heartbeat_s=0)

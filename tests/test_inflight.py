@@ -1,11 +1,11 @@
-"""Reads in flight under a byte budget (jaxckpt/_src/inflight.py): the budget holds, reads
+"""Reads in flight under a byte budget (jaxckpt/_src/io/inflight.py): the budget holds, reads
 are used in the order added, errors surface in order, and the default budget."""
 
 import threading
 
 import pytest
 
-from jaxckpt._src.inflight import READ_BUDGET_BYTES, InFlight, default_budget
+from jaxckpt._src.io.inflight import READ_BUDGET_BYTES, InFlight, default_budget
 
 
 class Ledger:

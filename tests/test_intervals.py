@@ -1,4 +1,4 @@
-"""The save-interval math and the "auto" chooser (jaxckpt/_src/intervals.py), and the options
+"""The save-interval math and the "auto" chooser (jaxckpt/_src/goodput/intervals.py), and the options
 that ask for it: closed forms against hand-computed values, the exact optimum against Daly's
 and Young's approximations, the chooser's bounds, the rolling measurements."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._src import intervals
-from jaxckpt._src.intervals import Costs, Measurements
+from jaxckpt._src.goodput import intervals
+from jaxckpt._src.goodput.intervals import Costs, Measurements
 from jaxckpt._src.options import is_auto
 from jaxckpt.errors import OptionsError
 

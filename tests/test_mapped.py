@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src import arrays, chunk_plan, direct, mapped
+from jaxckpt._src.io import arrays, chunk_plan, direct, mapped
 
 SPECS = [P("data"), P(), P(None, "model"), P("data", "model")]
 

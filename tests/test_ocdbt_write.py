@@ -15,7 +15,7 @@ from hostile import DTYPES, assert_same_bits, bits, random_bits
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src import arrays, ocdbt_write
+from jaxckpt._src.io import arrays, ocdbt_write
 from jaxckpt._src.storage import location
 
 

@@ -14,7 +14,7 @@ from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src import page_cache
+from jaxckpt._src.io import page_cache
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="Linux only")
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -12,8 +12,9 @@ from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt._src import arrays, placement
+from jaxckpt._src import placement
 from jaxckpt._src.boxes import extent, from_slices
+from jaxckpt._src.io import arrays
 from jaxckpt._src.placement import Placement
 
 

@@ -44,9 +44,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src import mapped, ocdbt_write, staging
+from jaxckpt._src import staging
 from jaxckpt._src import tree as tree_lib
 from jaxckpt._src.cli.verify import verify
+from jaxckpt._src.io import mapped, ocdbt_write
 
 DEVICE_DTYPES = [d for d in DTYPES if d.itemsize < 8 or d == np.dtype("complex64")]
 """Dtypes a jax.Array holds without x64 (complex64 is two float32s)."""

@@ -7,7 +7,7 @@ import os
 import iostats
 import numpy as np
 
-from jaxckpt._src import arrays, chunk_plan, residency
+from jaxckpt._src.io import arrays, chunk_plan, residency
 
 MIB = residency.ADVICE_BYTES
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src.direct import Reader
+from jaxckpt._src.io.direct import Reader
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -310,7 +310,7 @@ def test_chunk_bytes_bound_what_a_thin_slice_restore_reads(
     whole to check its CRC32C, by TensorStore too): the case ``chunk_bytes`` is for, which
     bounds that to about 2x. (Read, not mapped: ``JAXCKPT_MAP=0``; a mapping's page
     faults are no reads a process's ``rchar`` counts.)"""
-    from jaxckpt._src import direct, mapped
+    from jaxckpt._src.io import direct, mapped
 
     monkeypatch.setenv(mapped.ENV, "0")
     if not keep:
@@ -432,7 +432,8 @@ def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
     thread populates a prefix of it (``arrays.populate``: it stops when the reads are done,
     so how far it gets depends on the machine's load), and the restore is bit-exact for
     every dtype (random bits). From the page cache nothing is handed over."""
-    from jaxckpt._src import arrays, direct, restoring
+    from jaxckpt._src import restoring
+    from jaxckpt._src.io import arrays, direct
 
     rng = np.random.default_rng(21)
     specs = [P("data"), P(), P(None, "model")]

@@ -1,4 +1,4 @@
-"""The run log (jaxckpt/_src/runlog.py): real files, real object store, real SIGKILLs."""
+"""The run log (jaxckpt/_src/goodput/runlog.py): real files, real object store, real SIGKILLs."""
 
 import json
 import logging
@@ -12,7 +12,7 @@ import pytest
 
 from jaxckpt import errors
 from jaxckpt._src import steps
-from jaxckpt._src.runlog import LOG_VERSION, RunLog, previous_step, read
+from jaxckpt._src.goodput.runlog import LOG_VERSION, RunLog, previous_step, read
 from jaxckpt._src.storage import location
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "runlog_append.py")

@@ -224,7 +224,7 @@ def test_a_synchronous_save_fetches_small_shards_in_batches(monkeypatch, tmp_pat
     """A save of many small leaves through pinned memory (forced on CPU devices) copies them
     to the host a run at a time, not a call each, and writes every bit; a large leaf
     between them goes alone."""
-    from jaxckpt._src import ocdbt_write
+    from jaxckpt._src.io import ocdbt_write
 
     monkeypatch.setattr(staging, "_via_pinned", lambda data: True)
     monkeypatch.setattr(ocdbt_write, "FETCH_BYTES", 64 << 10)

@@ -25,11 +25,11 @@ from ..errors import (
     ManifestError,
 )
 from . import gc_pause, lease, monitoring, multihost, preemption, readers, saving, steps
-from .cadence import Blocking, Cadence, start_run
+from .goodput.cadence import Blocking, Cadence, start_run
+from .goodput.runlog import RunLog
 from .manifest import MANIFEST_FILE, read_manifest
 from .options import Options, signal_numbers
 from .restoring import restore
-from .runlog import RunLog
 from .staging import HostCopies, Staged
 from .storage import Location, location, storage_error
 from .writer import Writer

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["AUTO", "EmergencyOptions", "Options", "OptionsError", "is_auto"]
 
 AUTO = "auto"
-"""An interval chosen from measured costs and an MTBF (``jaxckpt._src.intervals``)."""
+"""An interval chosen from measured costs and an MTBF (``jaxckpt._src.goodput.intervals``)."""
 
 
 def is_auto(value: object) -> TypeGuard[Literal["auto"]]:

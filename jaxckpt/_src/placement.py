@@ -12,8 +12,8 @@ import jax
 import numpy as np
 from numpy.typing import DTypeLike
 
-from . import arrays
 from .boxes import Index, extent, from_slices
+from .io import arrays
 
 _ALIGN = 64  # where each copy starts in a leaf's mapping (XLA's CPU client adopts such buffers)
 

@@ -9,15 +9,15 @@ import os
 import warnings
 from typing import Any
 
-from . import orbax
 from . import per_process as pp
 from . import tree as tree_lib
 from .manifest import Manifest, array_info, read_manifest
+from .orbax import checkpoint as orbax
 from .storage import Location, location
 
 
 def any_manifest(loc: Location) -> tuple[orbax.OrbaxCheckpoint | None, Manifest]:
-    """jaxckpt's manifest, or an Orbax checkpoint described as one (``jaxckpt._src.orbax``)."""
+    """jaxckpt's manifest, or an Orbax checkpoint described as one (``jaxckpt._src.orbax.checkpoint``)."""
     item = orbax.item_dir(loc)
     if item is None:
         return None, read_manifest(loc)
@@ -27,7 +27,7 @@ def any_manifest(loc: Location) -> tuple[orbax.OrbaxCheckpoint | None, Manifest]
 
 def metadata(path: str | os.PathLike) -> Any:
     """The tree of :class:`ArrayInfo` (shape, dtype, saved mesh and spec, bytes); no data read.
-    Reads Orbax checkpoints too (``jaxckpt._src.orbax``)."""
+    Reads Orbax checkpoints too (``jaxckpt._src.orbax.checkpoint``)."""
     _, manifest = any_manifest(location(path))
     items = [(leaf.path, array_info(leaf, manifest.meshes)) for leaf in manifest.leaves]
     return tree_lib.unflatten_paths(items)

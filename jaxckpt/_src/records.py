@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from ..errors import DeletedArrayError, UnsupportedLeafError
-from . import arrays, multihost
+from . import multihost
+from .io import arrays
 from .manifest import LeafRecord, nan_bits
 from .sharding import sharding_to_json, write_split
 

@@ -27,12 +27,14 @@ import jax
 import numpy as np
 
 from ..errors import OptionsError, StorageError
-from . import arrays, chunk_plan, direct, gc_pause, mapped, multihost, orbax, read_once, residency
+from . import gc_pause, multihost, read_once
 from .boxes import Index, extent, volume, whole
-from .inflight import InFlight, default_budget
+from .io import arrays, chunk_plan, direct, mapped, residency
+from .io.inflight import InFlight, default_budget
 from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
+from .orbax import checkpoint as orbax
 from .placement import Placement, on_cpu
 from .readers import any_manifest
 from .sharding import saved_writers

@@ -27,8 +27,9 @@ from typing import Any
 import jax
 
 from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
-from . import arrays, gc_pause, multihost, ocdbt_write, steps, writer
+from . import gc_pause, multihost, steps, writer
 from . import per_process as pp
+from .io import arrays, ocdbt_write
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
 from .staging import HostCopies, Staged, StagedLeaf, describe, snapshot
@@ -291,7 +292,7 @@ def manifest_of(
     metadata: Any,
     metrics: dict | None,
 ) -> Manifest:
-    from .. import __version__  # imported here: jaxckpt/__init__ imports this module
+    from .. import __version__
 
     return Manifest(
         leaves=tuple(leaf.record for leaf in leaves),

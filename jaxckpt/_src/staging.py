@@ -22,9 +22,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import arrays, multihost
+from . import multihost
 from . import tree as tree_lib
 from .boxes import Index, volume, whole, within
+from .io import arrays
 from .manifest import LeafRecord
 from .records import check_alive, leaf_record, numpy_writer, stored_as
 from .sharding import layout, write_split

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._src import ocdbt_write  # noqa: E402
+from jaxckpt._src.io import ocdbt_write  # noqa: E402
 
 SPECS = {"w": P("data", "model"), "b": P("model"), "c": P(), "big": P("data")}  # c: 0-d
 

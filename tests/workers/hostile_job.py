@@ -47,11 +47,11 @@ SPECS = {"rep": P(None, "model"), "full": P("data", "model"), "all": P()}
 SHAPE = (32, 64)
 RANDOM = 2
 # Leaves whose slices are 2 MiB or more (8 MiB over at most 4 'model' devices): restores
-# read and replicate them in huge-page buffers (jaxckpt/_src/arrays.py: aligned_empty).
+# read and replicate them in huge-page buffers (jaxckpt/_src/io/arrays.py: aligned_empty).
 BIG = {"bfloat16": 8 << 20, "int4": 8 << 20}
 # Leaves whose restored slices are whole chunks of 256 KiB or more, one or several back to
 # back (a shard both processes hold is written in row blocks, one a process): restores onto
-# CPU devices map them from the files (jaxckpt/_src/mapped.py).
+# CPU devices map them from the files (jaxckpt/_src/io/mapped.py).
 MAPPED = {"float8_e4m3fn": 4 << 20, "bfloat16": 4 << 20}
 
 

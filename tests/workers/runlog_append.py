@@ -9,7 +9,7 @@ of padding, so a kill can land in the middle of a write that spans pages.
 import random
 import sys
 
-from jaxckpt._src.runlog import RunLog
+from jaxckpt._src.goodput.runlog import RunLog
 from jaxckpt._src.storage import location
 
 

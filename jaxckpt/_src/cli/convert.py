@@ -15,9 +15,11 @@ import jax
 import numpy as np
 
 from ...errors import CheckpointExistsError, SafetensorsError, UnsupportedLeafError
-from .. import arrays, multihost, orbax, saving, steps
+from .. import multihost, saving, steps
 from .. import tree as tree_lib
+from ..io import arrays
 from ..manifest import COMMIT_FILE, MANIFEST_FILE, LeafRecord, read_manifest
+from ..orbax import checkpoint as orbax
 from ..restoring import restore
 from ..safetensors import load as st
 from ..safetensors.format import INDEX_FILE, batches, create_files, index_json, plan, write_in_place

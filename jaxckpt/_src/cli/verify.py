@@ -18,10 +18,10 @@ from typing import Any
 
 import tensorstore as ts
 
-from .. import arrays
 from .. import per_process as pp
 from ..boxes import chunks_in, volume, whole
-from ..inflight import READ_BUDGET_BYTES, InFlight
+from ..io import arrays
+from ..io.inflight import READ_BUDGET_BYTES, InFlight
 from ..manifest import LeafRecord, Manifest, read_manifest
 from ..sharding import saved_writers
 from ..storage import Location, location

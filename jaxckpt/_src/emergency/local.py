@@ -25,9 +25,10 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
-from .. import arrays, chunk_plan, direct, mapped, ocdbt_write, steps
+from .. import steps
 from ..boxes import Index, extent, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
+from ..io import arrays, chunk_plan, direct, mapped, ocdbt_write
 from ..manifest import (
     COMMIT_FILE,
     FORMAT_VERSION,

@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from ...errors import CheckpointError, CheckpointNotFoundError
 from .. import gc_pause, lease, multihost, steps
 from .. import per_process as pp
-from ..cadence import Blocking, Cadence, start_run
+from ..goodput.cadence import Blocking, Cadence, start_run
 from ..manager import CANCEL_TIMEOUT_S, CheckpointManager
 from ..monitoring import Figures, Stopwatch
 from ..options import EmergencyOptions, Options, signal_numbers

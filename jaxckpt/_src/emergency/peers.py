@@ -25,8 +25,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
-from .. import arrays, bits, multihost
+from .. import bits, multihost
 from ..boxes import Index, extent, from_slices
+from ..io import arrays
 from .local import Slices, Writers
 from .planner import SliceKey
 

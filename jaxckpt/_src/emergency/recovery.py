@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .. import arrays
 from ..boxes import Index, extent, from_slices, intersect, whole, within
+from ..io import arrays
 from ..leaf_plan import Want, whole_on_host
 from ..placement import Placement, cpu_replicas
 from .local import Copies, Slices

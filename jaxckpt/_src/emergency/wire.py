@@ -15,8 +15,8 @@ import struct
 import jax.numpy as jnp
 import numpy as np
 
-from .. import arrays
 from ..boxes import from_text, to_text
+from ..io import arrays
 from .local import Slices, Writers
 from .planner import SliceKey
 

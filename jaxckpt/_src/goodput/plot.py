@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from ...errors import MissingDependencyError
-from .. import runlog
+from . import runlog
 from .report import goodput, number
 
 _MARKERS = {"local": "o", "remote": "s", "dir": "D"}

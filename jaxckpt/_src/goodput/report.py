@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...errors import OptionsError
-from .. import intervals, runlog
-from ..runlog import Event
+from . import intervals, runlog
+from .runlog import Event
 
 
 @dataclass(frozen=True)

@@ -17,26 +17,11 @@ import tensorstore as ts
 from ...errors import SafetensorsError, SafetensorsLeafNotFoundError, SafetensorsShapeError
 from .. import tree as tree_lib
 from ..boxes import Index, bounding, extent, volume, whole, within
-from ..inflight import READ_BUDGET_BYTES, InFlight
+from ..io.inflight import READ_BUDGET_BYTES, InFlight
 from ..placement import Placement
 from ..storage import Location, location
-from .format import (
-    INDEX_FILE,
-    TensorInfo,
-    coalesce,
-    index_files,
-    read,
-    read_header,
-)
-from .mapping import (
-    LeafMap,
-    Names,
-    Transforms,
-    dotted,
-    from_reshaped,
-    leaf_map,
-    tensor_runs,
-)
+from .format import INDEX_FILE, TensorInfo, coalesce, index_files, read, read_header
+from .mapping import LeafMap, Names, Transforms, dotted, from_reshaped, leaf_map, tensor_runs
 
 # --- metadata and load -------------------------------------------------------------------------
 

@@ -31,15 +31,7 @@ from .format import (
     plan,
     write_in_place,
 )
-from .mapping import (
-    LeafMap,
-    Names,
-    Transforms,
-    dotted,
-    leaf_map,
-    tensor_runs,
-    to_reshaped,
-)
+from .mapping import LeafMap, Names, Transforms, dotted, leaf_map, tensor_runs, to_reshaped
 
 WRITE_BLOCK_BYTES = 128 << 20  # a leaf's owned parts joined into one host block up to this
 

@@ -16,7 +16,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from ..errors import OptionsError
+from ...errors import OptionsError
 
 __all__ = [
     "Choice",

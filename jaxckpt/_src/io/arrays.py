@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ..errors import ChecksumError, StorageError
-from .boxes import Index
-from .storage import Location
+from ...errors import ChecksumError, StorageError
+from ..boxes import Index
+from ..storage import Location
 
 MIN_DATA_FILE_BYTES = 64 << 20
 DATA_FILES_PER_PROCESS = 6  # written in parallel (measured: 6 beat 1, 4 and 8 here)

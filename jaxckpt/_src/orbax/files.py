@@ -18,9 +18,9 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from ..errors import OrbaxDependencyError, OrbaxFormatError
-from .fields import MAX_NDIM, numpy_dtype
-from .storage import Location
+from ...errors import OrbaxDependencyError, OrbaxFormatError
+from ..fields import MAX_NDIM, numpy_dtype
+from ..storage import Location
 
 METADATA = "_METADATA"
 SHARDING = "_sharding"

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import RunLogError
-from .storage import Location, location
+from ...errors import RunLogError
+from ..storage import Location, location
 
 log = logging.getLogger("jaxckpt")
 

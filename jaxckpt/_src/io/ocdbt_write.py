@@ -43,11 +43,12 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-from ..errors import StorageError
-from . import arrays, boxes, chunk_plan, page_cache, staging
+from ...errors import StorageError
+from .. import boxes, staging
+from ..boxes import Index, extent
+from ..storage import Location, fsync_dir, storage_error
+from . import arrays, chunk_plan, page_cache
 from .arrays import DATA_FILES_PER_PROCESS, MIN_DATA_FILE_BYTES, ArrayWrite
-from .boxes import Index, extent
-from .storage import Location, fsync_dir, storage_error
 
 log = logging.getLogger("jaxckpt")
 

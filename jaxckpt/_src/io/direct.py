@@ -33,10 +33,10 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from ..errors import StorageError
+from ...errors import StorageError
+from ..storage import Location
 from . import arrays, crc, mapped, residency
 from .chunk_plan import TRAILER, ChunkPart, ChunkRead, SliceRead
-from .storage import Location
 
 ENV = "JAXCKPT_DIRECT_READ"
 PIECE_BYTES = 1 << 20  # read and checksummed at a time: stays in cache between the two

@@ -28,13 +28,14 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from ..errors import StorageError
-from . import arrays, boxes
-from .boxes import Index, extent
-from .storage import Location
+from ...errors import StorageError
+from .. import boxes
+from ..boxes import Index, extent
+from ..storage import Location
+from . import arrays
 
 if TYPE_CHECKING:
-    from .manifest import LeafRecord
+    from ..manifest import LeafRecord
 
 PART_CHUNK_BYTES = 64 << 20
 """The largest chunk read whole into a thread's scratch buffer when a slice needs only part

@@ -2,7 +2,7 @@
 
 A fixed interval saves the multiples of it, as always. ``"auto"`` saves every ``interval``
 steps after the last save, the interval being the one that maximizes the expected goodput
-(:mod:`jaxckpt._src.intervals`) given the step time, the save's blocking time and the
+(:mod:`jaxckpt._src.goodput.intervals`) given the step time, the save's blocking time and the
 restart cost measured here, and the job's MTBF (``mtbf_hours`` per host, divided by the
 process count; learned from the run log with that as prior). A save's cost is its blocking
 plus what its background write costs the loop (steps run slower while the tier's writer
@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import jax
 
-from ..errors import RunLogError
-from . import intervals, multihost, runlog
+from ...errors import RunLogError
+from .. import multihost
+from ..storage import Location
+from ..writer import Writer
+from . import intervals, runlog
 from .runlog import Event, RunLog
-from .storage import Location
-from .writer import Writer
 
 REDECIDE_EVERY = 8
 """Measured saves between two decisions, after those at the 1st, 2nd and 4th measured save

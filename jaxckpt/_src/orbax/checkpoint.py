@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ..errors import CheckpointNotFoundError, OrbaxFormatError
-from . import orbax_files as files
-from . import tree as tree_lib
-from .fields import MAX_NDIM, MAX_PROCESSES
-from .manifest import AXIS_TYPES, COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
-from .orbax_files import AGGREGATE, CHECKPOINT_METADATA, METADATA, SHARDING, Where
-from .storage import Location
+from ...errors import CheckpointNotFoundError, OrbaxFormatError
+from .. import tree as tree_lib
+from ..fields import MAX_NDIM, MAX_PROCESSES
+from ..manifest import AXIS_TYPES, COMMIT_FILE, MANIFEST_FILE, LeafRecord, Manifest
+from ..storage import Location
+from . import files as files
+from .files import AGGREGATE, CHECKPOINT_METADATA, METADATA, SHARDING, Where
 
 _KINDS = {"jax.Array": "array", "np.ndarray": "numpy", "scalar": "python", "None": "none"}
 

@@ -1,0 +1,1 @@
+"""Reading checkpoints written by orbax-checkpoint (README.md, docs/ORBAX.md)."""
