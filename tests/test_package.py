@@ -3,6 +3,8 @@ module's underscore names (read from the source, so a new offence fails here).""
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import jaxckpt
 
@@ -119,6 +121,53 @@ def test_no_core_module_imports_a_feature():
     assert not offences, offences
     folders = {p.name for p in (PACKAGE / "_src").iterdir() if (p / "__init__.py").exists()}
     assert folders == set(FEATURES) | set(SERVICES)
+
+
+def test_services_sit_below_the_core():
+    """A service folder imports no core module that imports it back: following imports from
+    a service never leads back into that service through the core (no cycles)."""
+    graph = _imports()
+    offences = []
+    for service in SERVICES:
+        for m in (m for m in graph if _group(m) == service):
+            seen, todo = set(), [n for n in graph[m] if _group(n) != service]
+            while todo:
+                n = todo.pop()
+                if n in seen:
+                    continue
+                seen.add(n)
+                for k in graph[n]:
+                    if _group(k) == service:
+                        offences.append(f"{m} -> {n} -> {k}")
+                    else:
+                        todo.append(k)
+    assert not offences, sorted(set(offences))[:20]
+
+
+def test_io_imports_no_jax():
+    """Nothing under ``io/`` imports jax, however deep: each of its modules imports in a
+    fresh interpreter where ``import jax`` fails (the package's own ``__init__``, which
+    imports jax for the public API, is bypassed)."""
+    code = f"""
+import importlib, importlib.abc, sys, types
+class NoJax(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "jax" or name.startswith(("jax.", "jaxlib")):
+            raise ImportError("io/ imported " + name)
+sys.meta_path.insert(0, NoJax())
+for name, where in (("jaxckpt", {str(PACKAGE)!r}), ("jaxckpt._src", {str(PACKAGE / "_src")!r})):
+    stub = types.ModuleType(name)
+    stub.__path__ = [where]
+    sys.modules[name] = stub
+import pathlib
+for p in sorted(pathlib.Path({str(PACKAGE / "_src" / "io")!r}).glob("*.py")):
+    importlib.import_module("jaxckpt._src.io" + ("" if p.stem == "__init__" else "." + p.stem))
+assert "jax" not in sys.modules
+print("ok", len(list(pathlib.Path({str(PACKAGE / "_src" / "io")!r}).glob("*.py"))))
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.startswith("ok ")
 
 
 def test_the_boundary_check_resolves_relative_imports():

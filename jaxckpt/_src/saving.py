@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
-from . import gc_pause, multihost, steps, writer
+from . import gc_pause, multihost, staging, steps, writer
 from . import per_process as pp
 from .io import arrays, ocdbt_write
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
@@ -216,6 +216,7 @@ def commit(
                     writes,
                     direct_io=prepared.direct_io,
                     drop_page_cache=prepared.drop_page_cache,
+                    fetch=staging.to_host_all,
                 )
             except OSError as e:  # a StorageError too: named by the step, not its work dir
                 raise storage_error(e, loc, "saving") from e

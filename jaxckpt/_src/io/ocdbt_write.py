@@ -44,7 +44,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import StorageError
-from .. import boxes, staging
+from .. import boxes
 from ..boxes import Index, extent
 from ..storage import Location, fsync_dir, storage_error
 from . import arrays, chunk_plan, page_cache
@@ -437,29 +437,39 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _fetched(pieces: Sequence[_Piece]) -> Iterator[tuple[_Piece, np.ndarray]]:
+Fetch = Callable[[Sequence[Callable[[], np.ndarray]]], list[np.ndarray]]
+"""Host bytes of several pieces at once: the caller's device->host copy, which may batch
+them (``staging.to_host_all``); the engine itself knows no devices."""
+
+
+def each(gets: Sequence[Callable[[], np.ndarray]]) -> list[np.ndarray]:
+    """The plain :data:`Fetch`: each piece's own call (pieces already on the host)."""
+    return [get() for get in gets]
+
+
+def _fetched(pieces: Sequence[_Piece], fetch: Fetch) -> Iterator[tuple[_Piece, np.ndarray]]:
     """Each piece with its bytes on the host, in order: a large piece alone, runs of small
-    ones (up to FETCH_BYTES) together, so that their device->host copies go in one batched
-    call (``staging.to_host_all``)."""
+    ones (up to FETCH_BYTES) together, so that their device->host copies go in one call of
+    ``fetch``."""
     run: list[_Piece] = []
     size = 0
     for piece in pieces:
         if piece.nbytes > SMALL_PIECE_BYTES or size + piece.nbytes > FETCH_BYTES:
-            yield from zip(run, staging.to_host_all([p.get for p in run]), strict=True)
+            yield from zip(run, fetch([p.get for p in run]), strict=True)
             run, size = [], 0
         if piece.nbytes > SMALL_PIECE_BYTES:
             yield piece, piece.get()
         else:
             run.append(piece)
             size += piece.nbytes
-    yield from zip(run, staging.to_host_all([p.get for p in run]), strict=True)
+    yield from zip(run, fetch([p.get for p in run]), strict=True)
 
 
-def _write_file(path: str, f: _File, direct_io: bool, drop: bool) -> None:
+def _write_file(path: str, f: _File, direct_io: bool, drop: bool, fetch: Fetch) -> None:
     sink = _Sink(path, direct_io, drop)
     try:
         sink.write(np.frombuffer(f.head, np.uint8))
-        for piece, data in _fetched(f.pieces):
+        for piece, data in _fetched(f.pieces, fetch):
             if data.shape != piece.shape:
                 raise StorageError(
                     f"leaf {piece.leaf!r}: a piece of shape {piece.shape} came to the writer "
@@ -493,9 +503,11 @@ def write(
     *,
     direct_io: bool | None = False,
     drop_page_cache: bool = False,
+    fetch: Fetch = each,
 ) -> None:
     """Writes every piece of ``writes`` into a new OCDBT database at ``db``: ourselves where
     the module's docstring says we can, else through TensorStore (``arrays.write``).
+    ``fetch`` brings pieces' bytes to the host (:data:`Fetch`; the pieces' own calls).
     ``direct_io``: our files with O_DIRECT (None: where ``db`` is on a disk filesystem,
     ``page_cache.direct_io``); True: TensorStore's have their pages dropped as they are
     written, as ``drop_page_cache`` does (``page_cache.dropping``; ours are dropped every
@@ -507,7 +519,7 @@ def write(
             arrays.write(db, writes)
         return
     try:
-        _write(db, *planned, page_cache.direct_io(db.url, direct_io), drop_page_cache)
+        _write(db, *planned, page_cache.direct_io(db.url, direct_io), drop_page_cache, fetch)
     except OSError as e:
         raise storage_error(e, db, "writing arrays into") from e
 
@@ -543,12 +555,12 @@ def _moved(v: bytes | Ref, home: int, shift: int) -> bytes | Ref:
 
 def _write(
     db: Location, entries: list[tuple[bytes, bytes | Ref]], files: list[_File], root: Ref,
-    root_file: str, direct_io: bool, drop: bool,
+    root_file: str, direct_io: bool, drop: bool, fetch: Fetch,
 ) -> None:  # fmt: skip
     os.makedirs(os.path.join(db.url, "d"), exist_ok=True)
     _in_threads(
         [
-            functools.partial(_write_file, os.path.join(db.url, f.name), f, direct_io, drop)
+            functools.partial(_write_file, os.path.join(db.url, f.name), f, direct_io, drop, fetch)
             for f in files
         ]
     )
