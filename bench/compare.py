@@ -107,7 +107,7 @@ from train_state import (  # noqa: E402, F401  (bench/verify.py and emergency.py
     width,
 )
 
-from jaxckpt._src.io import page_cache  # noqa: E402
+from jaxckpt._src.io import linux, page_cache  # noqa: E402
 from jaxckpt._src.io.direct import reader_threads  # noqa: E402
 from jaxckpt._src.io.inflight import READ_BUDGET_BYTES, default_budget  # noqa: E402
 
@@ -140,13 +140,15 @@ class Jaxckpt:
         self.lib, self.chunk_bytes, self.cache = jaxckpt, chunk_bytes, cache
 
     def save(self, path: str, tree) -> None:
-        self.lib.save(
-            path,
-            tree,
-            chunk_bytes=self.chunk_bytes,
-            drop_page_cache=self.cache == DROP,
+        """``jaxckpt.save``, with the page-cache choice a manager's ``Options`` would make."""
+        from jaxckpt._src import gc_pause, saving
+
+        writes = saving.Writes(
             direct_io={KEEP: False, DROP: False, DIRECT_IO: True}.get(self.cache),
+            drop_page_cache=self.cache == DROP,
         )
+        with gc_pause.paused():  # as jaxckpt.save does
+            saving.commit(saving.prepare(path, tree, chunk_bytes=self.chunk_bytes, writes=writes))
 
     def restore(self, path: str, target):
         return self.lib.restore(path, target)
@@ -797,7 +799,7 @@ def _report_vs_fio(args, out: dict, speed: dict) -> None:
         best = max(direct, key=lambda f: f["gbps"])
         print(f"  (save / fio's O_DIRECT sequential write, {best['engine']}: "
               f"{speed['jaxckpt']['save'] / best['gbps']:.2f}x; the save writes with O_DIRECT "
-              f"on {page_cache.filesystem(args.workdir)} by default: "
+              f"on {linux.filesystem(args.workdir)} by default: "
               f"{page_cache.direct_io(args.workdir, None)})")  # fmt: skip
 
 

@@ -23,7 +23,20 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src.io import arrays, chunk_plan, direct, mapped, ocdbt_write, residency
+from jaxckpt._src.io import (
+    arrays,
+    batch,
+    chunk_plan,
+    crc,
+    direct,
+    files,
+    layout,
+    linux,
+    mapped,
+    ocdbt_write,
+    residency,
+    spans,
+)
 from jaxckpt._src.storage import Location, location
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "save_restore.py")
@@ -53,7 +66,7 @@ class Preadv:
 
 @pytest.fixture
 def preadv(monkeypatch):
-    monkeypatch.delenv(direct.ENV, raising=False)
+    monkeypatch.delenv(linux.DIRECT_READ, raising=False)
     return Preadv(monkeypatch)
 
 
@@ -78,7 +91,7 @@ def test_hostile_values_restore_bit_exactly(
     if maps == "mapped":
         monkeypatch.setattr(mapped, "enabled", lambda path: mapped._kernel())
     else:
-        monkeypatch.setenv(mapped.ENV, "0")
+        monkeypatch.setenv(linux.MAP, "0")
     x = random_bits((256, 64), dtype, np.random.default_rng(7))
     tree = {"x": sharded(x, mesh42, ("data",)), "n": x[:64]}
     jaxckpt.save(tmp_path / "c", tree)
@@ -109,7 +122,7 @@ def test_chunks_of_a_shard_are_coalesced(preadv, mesh42, tmp_path, monkeypatch):
     """Tall shards cut into row chunks (each a contiguous run of the slice): the chunks of a
     shard that lie back to back in their data file come in one preadv of many buffers,
     their CRC trailers included (each shard read on its own: no batches of small ones)."""
-    monkeypatch.setattr(direct, "SMALL_BYTES", 0)
+    monkeypatch.setattr(direct, "SMALL_CHUNK_BYTES", 0)
     x = np.random.default_rng(0).standard_normal((4096, 32)).astype(np.float32)
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=16 << 10)
     db = arrays.database_dir(location(str(tmp_path / "c")), None)
@@ -174,7 +187,7 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
         probes[(os.readlink(f"/proc/self/fd/{fd}"), offset)] = hit = real_cached(fd, offset)
         return hit
 
-    monkeypatch.delenv(direct.ENV, raising=False)
+    monkeypatch.delenv(linux.DIRECT_READ, raising=False)
     monkeypatch.setattr(os, "posix_fadvise", recording)
     monkeypatch.setattr(residency, "new_blocks", looking)
     monkeypatch.setattr(residency, "cached", probing)
@@ -205,10 +218,10 @@ def test_each_read_asks_the_kernel_to_prefetch_its_chunks(
 def test_direct_read_can_be_switched_off(preadv, mesh42, tmp_path, monkeypatch):
     x = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
-    monkeypatch.setenv(direct.ENV, "0")
+    monkeypatch.setenv(linux.DIRECT_READ, "0")
     np.testing.assert_array_equal(np.asarray(jaxckpt.restore(tmp_path / "c")["x"]), x)
     assert preadv.calls == 0
-    monkeypatch.setenv(direct.ENV, "1")
+    monkeypatch.setenv(linux.DIRECT_READ, "1")
     np.testing.assert_array_equal(np.asarray(jaxckpt.restore(tmp_path / "c")["x"]), x)
     assert preadv.bytes == x.nbytes + 4 * 4
 
@@ -227,9 +240,9 @@ def test_small_values_inline_in_the_btree_are_read_by_tensorstore(preadv, tmp_pa
     """TensorStore stores values of up to 1 KiB inside the B-tree node (checkpoints it
     wrote); jaxckpt's own writer stores every chunk in a data file, small ones too."""
     tree = {"small": np.arange(16, dtype=np.int32), "big": np.arange(4096, dtype=np.int32)}
-    monkeypatch.setenv(ocdbt_write.ENV, "0")
+    monkeypatch.setenv(linux.DIRECT_WRITE, "0")
     jaxckpt.save(tmp_path / "ts", tree)
-    monkeypatch.delenv(ocdbt_write.ENV)
+    monkeypatch.delenv(linux.DIRECT_WRITE)
     jaxckpt.save(tmp_path / "ours", tree)
     for name, direct_bytes in [("ts", 0), ("ours", tree["small"].nbytes + 4)]:
         preadv.bytes = 0
@@ -244,7 +257,7 @@ def test_a_corrupt_chunk_raises_the_same_error_either_way(switch, mesh42, tmp_pa
     x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
     jaxckpt.save(tmp_path / "c", {"layer": {"w": sharded(x, mesh42, ("data",))}})
     flipped, offset = flip_a_chunk_byte(tmp_path / "c")
-    monkeypatch.setenv(direct.ENV, switch)
+    monkeypatch.setenv(linux.DIRECT_READ, switch)
     counter = Preadv(monkeypatch)
     with pytest.raises(errors.ChecksumError, match=r"leaf 'layer/w': chunk 'layer/w/c/\d/0'") as e:
         jaxckpt.restore(tmp_path / "c")
@@ -257,7 +270,7 @@ def test_a_corrupt_chunk_raises_the_same_error_either_way(switch, mesh42, tmp_pa
 def test_a_corrupt_chunk_read_in_part_is_named(maps, mesh42, tmp_path, preadv, monkeypatch):
     """A slice that needs half of the corrupt chunk: the same error as a whole read, from a
     mapping of the file or read into a buffer."""
-    monkeypatch.setenv(mapped.ENV, maps)
+    monkeypatch.setenv(linux.MAP, maps)
     x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
     jaxckpt.save(tmp_path / "c", {"w": sharded(x, mesh42, ("data",))})
     flipped, _ = flip_a_chunk_byte(tmp_path / "c")
@@ -366,7 +379,7 @@ def test_two_process_checkpoints_read_directly(tmp_path, preadv):
 
 
 def test_small_slices_are_read_in_batches(preadv, mesh42, tmp_path):
-    """Slices of at most ``SMALL_BYTES`` go to the threads in batches, the chunks of
+    """Slices of at most ``layout.SMALL_CHUNK_BYTES`` go to the threads in batches, the chunks of
     slices back to back in a file in one preadv: 96 leaves of random bits on (4, 2), 600
     slices of 128 to 1024 bytes, come in a few calls, every byte once, bit-exact."""
     rng = np.random.default_rng(21)
@@ -427,7 +440,7 @@ def test_a_bad_chunk_in_a_batch_fails_its_own_slice_and_no_other(damage, tmp_pat
             if k < bad or (damage == "flip" and k > bad):
                 assert f.result().tobytes() == data[k], k
             elif damage == "flip":
-                with pytest.raises(direct.Corrupt, match=f"'x/c/{k}'"):
+                with pytest.raises(crc.Corrupt, match=f"'x/c/{k}'"):
                     f.result()
             else:
                 with pytest.raises(errors.StorageError, match=f"'x/c/{k}'.*truncated"):
@@ -460,7 +473,7 @@ def test_a_sent_batch_the_closing_reader_never_ran_is_cancelled(tmp_path):
     reads, _ = _chunk_file(tmp_path / "d", [64, 64], np.random.default_rng(7))
     reader = direct.Reader(threads=1)
     busy, release = threading.Event(), threading.Event()
-    reader._pool.submit(lambda: busy.set() or release.wait(10))
+    reader.pool.submit(lambda: busy.set() or release.wait(10))
     busy.wait(10)
     futs = [reader.start(r) for r in reads]
     reader.send()  # queued behind the busy task
@@ -483,7 +496,7 @@ def test_a_batch_whose_task_fails_passes_its_error_to_every_slice(tmp_path, monk
         batch[0].fut.set_running_or_notify_cancel()
         raise RuntimeError("broken batch")
 
-    monkeypatch.setattr(direct.Reader, "_read_batch", broken)
+    monkeypatch.setattr(batch.Batcher, "_read_batch", broken)
     reader = direct.Reader(threads=1)
     try:
         futs = [reader.start(r) for r in reads]
@@ -523,7 +536,7 @@ def test_a_flipped_byte_anywhere_in_a_split_chunk_is_caught(where, tmp_path, pre
     bits, at = _one_big_chunk(tmp_path)
     offset = {
         "first": at.start,
-        "split": at.start + direct.SPLIT_BYTES,
+        "split": at.start + spans.SPLIT_BYTES,
         "last": at.stop - 5,
         "trailer": at.stop - 1,
     }[where]
@@ -544,7 +557,7 @@ def test_spans_cover_every_byte_once_in_file_order(seed):
     whose pieces, in order, are each chunk's bytes then its trailer, at consecutive file
     positions; no piece larger than PIECE_BYTES."""
     rng = np.random.default_rng(seed)
-    sizes = [int(n) for n in rng.integers(1, 3 * direct.SPLIT_BYTES // 2, 7)]
+    sizes = [int(n) for n in rng.integers(1, 3 * spans.SPLIT_BYTES // 2, 7)]
     chunks, pos, offset = [], 0, 0
     for i, n in enumerate(sizes):
         pos += int(rng.integers(0, 2)) * 4096  # now and then a gap: a new run
@@ -557,13 +570,13 @@ def test_spans_cover_every_byte_once_in_file_order(seed):
         pos, offset = pos + n + 4, offset + n
     flats = [np.zeros(offset, np.uint8), np.zeros(offset, np.uint8)]  # a buffer, a copy
     trailers = memoryview(bytearray(4 * len(chunks)))
-    spans = direct._spans(chunks, flats, trailers)
+    runs = spans.spans(chunks, flats, trailers)
     seen = {i: 0 for i in range(len(chunks))}
-    for span in spans:
+    for span in runs:
         at = span.start
-        assert sum(len(p.view) for p in span.pieces) <= direct.SPLIT_BYTES + direct.PIECE_BYTES
+        assert sum(len(p.view) for p in span.pieces) <= spans.SPLIT_BYTES + spans.PIECE_BYTES
         for p in span.pieces:
-            assert len(p.view) <= direct.PIECE_BYTES
+            assert len(p.view) <= spans.PIECE_BYTES
             if p.chunk >= 0:
                 r = chunks[p.chunk]
                 assert at == r.at.start + seen[p.chunk] and span.chunks[0].at.file == r.at.file
@@ -577,7 +590,7 @@ def test_spans_cover_every_byte_once_in_file_order(seed):
                 assert p.copies == ()
             at += len(p.view)
     assert seen == {i: n for i, n in enumerate(sizes)}
-    assert sum(len(p.view) for s in spans for p in s.pieces) == offset + 4 * len(chunks)
+    assert sum(len(p.view) for s in runs for p in s.pieces) == offset + 4 * len(chunks)
 
 
 @pytest.mark.parametrize("rows", [4096, 262144])
@@ -602,7 +615,7 @@ def test_cached_stretches_get_no_prefetch_advice(rows, mesh42, tmp_path, monkeyp
             probes.append(sum(len(b) for b in buffers))
         return real_preadv(fd, buffers, offset, *flags)
 
-    monkeypatch.delenv(direct.ENV, raising=False)
+    monkeypatch.delenv(linux.DIRECT_READ, raising=False)
     monkeypatch.setattr(os, "posix_fadvise", advise)
     monkeypatch.setattr(os, "preadv", preadv)
     out = jaxckpt.restore(tmp_path / "c")
@@ -625,7 +638,7 @@ def test_chunks_a_few_zero_bytes_apart_are_read_in_one_preadv(
     bit-exact; the bytes read are the chunks', their trailers' and the gaps' (< 4 KiB each)."""
     monkeypatch.setenv("JAXCKPT_MAP", "0")
     if small:  # every chunk padded: small slices' batches read across the gaps
-        monkeypatch.setattr(ocdbt_write, "ALIGN_MIN_BYTES", 1)
+        monkeypatch.setattr(ocdbt_write, "SMALL_CHUNK_BYTES", 1)
         x = random_bits((4 * 64, 8), np.dtype(np.float32), np.random.default_rng(8))
         tree = {f"x{i}": sharded(np.roll(x, i), mesh42, ("data",)) for i in range(16)}
     else:
@@ -637,7 +650,7 @@ def test_chunks_a_few_zero_bytes_apart_are_read_in_one_preadv(
     gaps = 0
     for a, b in itertools.pairwise(sorted(chunks, key=lambda c: (c.file, c.start))):
         if a.file == b.file:
-            assert 0 <= b.start - a.stop < direct.GAP_BYTES
+            assert 0 <= b.start - a.stop < layout.ALIGN
             gaps += b.start - a.stop
     assert gaps > 0
     out = jaxckpt.restore(tmp_path / "c", target=tree)
@@ -706,7 +719,7 @@ def test_replicas_are_filled_as_the_reader_reads(dtype, shape, onto, x64, preadv
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))})
     if onto == "saved mesh":
         mesh, spec = mesh42, P("data")
-        monkeypatch.setattr(direct, "SPLIT_BYTES", 128 << 10)
+        monkeypatch.setattr(spans, "SPLIT_BYTES", 128 << 10)
     else:  # columns over 4 devices, replicated over 2: each slice a part of every chunk
         mesh, spec = jax.make_mesh((2, 4), ("data", "model")), P(None, "model")
     counting = _CountingCopies()
@@ -760,8 +773,8 @@ def test_a_chunk_several_slices_need_is_read_once(keep, maps, tmp_path, preadv, 
         futures = {k: reader.start(plans[k]) for k in slices}
         for k, index in slices.items():
             assert_same_bits(x[tuple(slice(a, b) for a, b in index)], futures[k].result(), str(k))
-        assert reader._kept == {} and reader._kept_bytes == 0
-        assert not reader._spare or not maps  # a mapping is never kept as a buffer
+        assert reader.shared.kept == {} and reader.shared.kept_bytes == 0
+        assert not reader.shared.spare_buffers or not maps  # a mapping is never kept as a buffer
     finally:
         reader.close()
     if maps:
@@ -786,12 +799,12 @@ def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(maps, tmp_path, 
     try:
         futures = {k: reader.start(plans[k]) for k in slices}
         for k in (0, 1):  # columns 0-31: chunk (0, 0)
-            with pytest.raises(direct.Corrupt, match="x/c/0/0"):
+            with pytest.raises(crc.Corrupt, match="x/c/0/0"):
                 futures[k].result(timeout=30)
         for k in (2, 3):
             index = slices[k]
             assert_same_bits(x[tuple(slice(a, b) for a, b in index)], futures[k].result(30))
-        assert reader._kept == {}
+        assert reader.shared.kept == {}
     finally:
         reader.close()
 
@@ -809,15 +822,15 @@ def test_a_slice_that_fails_gives_up_the_shared_chunks_it_never_came_for(tmp_pat
     flip_byte(first.at.file, first.at.start + 100, 0x01)
     reader = direct.Reader()
     try:
-        real = reader._being_read
-        monkeypatch.setattr(reader, "_being_read", lambda key: key == first.key or real(key))
-        with pytest.raises(direct.Corrupt, match=first.key):
+        real = reader.shared.being_read
+        monkeypatch.setattr(reader.shared, "being_read", lambda key: key == first.key or real(key))
+        with pytest.raises(crc.Corrupt, match=first.key):
             reader._read_parts(plans[1], [np.empty(plans[1].shape, plans[1].dtype)])
-        assert reader._kept[other.key].left == 1  # kept for slice 0
-        monkeypatch.setattr(reader, "_being_read", real)
-        with pytest.raises(direct.Corrupt, match=first.key):
+        assert reader.shared.kept[other.key] == 1  # kept for slice 0
+        monkeypatch.setattr(reader.shared, "being_read", real)
+        with pytest.raises(crc.Corrupt, match=first.key):
             reader._read_parts(plans[0], [np.empty(plans[0].shape, plans[0].dtype)])
-        assert reader._kept == {} and reader._kept_bytes == 0
+        assert reader.shared.kept == {} and reader.shared.kept_bytes == 0
     finally:
         reader.close()
 
@@ -856,7 +869,7 @@ def test_a_data_file_cut_short_after_it_was_mapped_is_named(kept, tmp_path):
     try:
         reader.start(plans[0]).result(timeout=30)  # its chunks mapped, checked, kept for 1
         held = {q.key for q in plans[0].parts}
-        assert set(reader._kept) == held and {q.key for q in plans[1].parts} == held
+        assert set(reader.shared.kept) == held and {q.key for q in plans[1].parts} == held
         other = 1 if kept else 2  # slice 1 needs the kept chunks, 2 two it reads first
         # (TensorStore's writer may put the chunks in one data file or in several)
         cut = max(plans[other].parts, key=lambda q: q.at.start)  # the later in its file
@@ -877,7 +890,7 @@ def test_chunks_used_from_a_mapping_leave_the_processs_rss(tmp_path, monkeypatch
     """A reader that maps the files unmaps the chunks it used (``USED_BYTES`` at a time): a
     1 GiB-ish restore onto another mesh must not hold the files' pages as well as the
     result. Measured from outside: the process's ``RssFile`` (``/proc/self/status``)."""
-    monkeypatch.setattr(direct, "USED_BYTES", 1 << 20)
+    monkeypatch.setattr(files, "USED_BYTES", 1 << 20)
     db = location(str(tmp_path / "db"))
     x = random_bits((1024, 2048), np.dtype(np.float32), np.random.default_rng(5))  # 8 MiB
     meta = arrays.zarr_metadata(x.shape, "float32", (256, 2048), None)  # 2 MiB chunks
@@ -926,7 +939,7 @@ def opened(monkeypatch) -> list[str]:
         return real(db, name, ctx)
 
     monkeypatch.setattr(arrays, "open_leaf", watching)
-    monkeypatch.delenv(direct.ENV, raising=False)
+    monkeypatch.delenv(linux.DIRECT_READ, raising=False)
     return names
 
 
@@ -965,7 +978,7 @@ def test_switched_off_the_direct_path_opens_every_leaf(mesh42, tmp_path, opened,
     x = random_bits((32, 16), np.dtype(np.float32), np.random.default_rng(12))
     tree = {"a": sharded(x, mesh42, P("data")), "b": x[:4], "empty": np.zeros((0, 3))}
     jaxckpt.save(tmp_path / "c", tree)
-    monkeypatch.setenv(direct.ENV, "0")
+    monkeypatch.setenv(linux.DIRECT_READ, "0")
     out = jaxckpt.restore(tmp_path / "c", target=tree)
     assert sorted(opened) == ["a", "b"]  # (nothing to read of "empty")
     assert_same_bits(x, np.asarray(out["a"]))

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src.io import arrays, chunk_plan, direct, mapped
+from jaxckpt._src.io import arrays, chunk_plan, direct, layout, linux, mapped
 
 SPECS = [P("data"), P(), P(None, "model"), P("data", "model")]
 
@@ -23,7 +23,7 @@ SPECS = [P("data"), P(), P(None, "model"), P("data", "model")]
 def _rows(dtype: np.dtype, spec: P) -> tuple[int, int]:
     """A shape whose slices under ``spec`` on (4, 2) are 256 KiB: mapped, not read."""
     cols = 64
-    per_slice = mapped.MIN_BYTES // dtype.itemsize // cols
+    per_slice = layout.SMALL_CHUNK_BYTES // dtype.itemsize // cols
     return (per_slice * 4, cols * (2 if spec == P("data", "model") else 1))
 
 
@@ -174,7 +174,7 @@ def _sr(nbytes: int, start: int = 4096, offset: int = 0, inline: bool = False, c
 
 
 def test_several_chunks_are_suitable_back_to_back_on_page_boundaries():
-    page, n = 4096, mapped.MIN_BYTES
+    page, n = 4096, layout.SMALL_CHUNK_BYTES
 
     def sr(*chunks):  # (file start, nbytes) each, back to back in the slice
         reads, at = [], 0
@@ -202,7 +202,7 @@ def test_several_chunks_are_suitable_back_to_back_on_page_boundaries():
 
 
 def test_only_whole_aligned_out_of_line_chunks_of_the_minimum_size_are_suitable():
-    n = mapped.MIN_BYTES
+    n = layout.SMALL_CHUNK_BYTES
     assert mapped.suitable(_sr(n))
     assert not mapped.suitable(_sr(n - 1))  # small: read with its neighbours
     assert not mapped.suitable(_sr(n, start=4096 + 4))  # not 64-byte aligned
@@ -237,9 +237,9 @@ def test_room_leaves_half_of_the_map_count():
 def test_choose_takes_suitable_slices_in_turn_while_there_is_room(tmp_path, monkeypatch):
     """``mapped.choose``: nothing where mapping is off; else each suitable slice the caller
     finds usable, in turn, counting one mapping per chunk and copy, while ``room`` lasts."""
-    n = mapped.MIN_BYTES
+    n = layout.SMALL_CHUNK_BYTES
     wanted = [("a", _sr(n), 1), ("small", _sr(n - 1), 0), ("b", _sr(n), 0), ("c", _sr(n), 2)]
-    monkeypatch.delenv(mapped.ENV, raising=False)
+    monkeypatch.delenv(linux.MAP, raising=False)
     monkeypatch.setattr(mapped, "room", lambda: 2)
     assert mapped.choose(str(tmp_path), wanted) == {"a"}  # a slice and its replica
     monkeypatch.setattr(mapped, "room", lambda: 5)
@@ -254,5 +254,5 @@ def test_choose_takes_suitable_slices_in_turn_while_there_is_room(tmp_path, monk
 
     assert mapped.choose(str(tmp_path), wanted, usable) == {"a", "c"}
     assert asked == ["a", "b", "c"]
-    monkeypatch.setenv(mapped.ENV, "0")
+    monkeypatch.setenv(linux.MAP, "0")
     assert mapped.choose(str(tmp_path), wanted) == set()

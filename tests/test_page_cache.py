@@ -3,6 +3,7 @@ with mincore, the kernel's own account of which pages of a file are cached), and
 saved still restores bit-exact."""
 
 import ctypes
+import dataclasses
 import mmap
 import os
 import shutil
@@ -14,7 +15,8 @@ from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src.io import page_cache
+from jaxckpt._src import saving
+from jaxckpt._src.io import linux, page_cache
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="Linux only")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -59,6 +61,11 @@ def write_and_fsync(path, nbytes: int) -> None:
         os.fsync(f.fileno())
 
 
+def save(path, tree, **writes) -> None:
+    """``jaxckpt.save`` with the page-cache choices a manager's ``Options`` make."""
+    saving.commit(saving.prepare(path, tree, writes=saving.Writes(**writes)))
+
+
 def test_dropping_leaves_nothing_of_the_files_cached(tmp_path):
     kept, dropped = tmp_path / "kept", tmp_path / "dropped"
     kept.mkdir()
@@ -80,8 +87,8 @@ def test_a_save_with_drop_page_cache_restores_exactly(tmp_path, mesh42):
                      mesh42, P("data", "model")),
         "b": rng.standard_normal(1000).astype(np.float32),
     }  # fmt: skip
-    jaxckpt.save(tmp_path / "kept", state, direct_io=False)  # (None: O_DIRECT on a disk)
-    jaxckpt.save(tmp_path / "dropped", state, drop_page_cache=True, direct_io=False)
+    save(tmp_path / "kept", state, direct_io=False)  # (None: O_DIRECT on a disk)
+    save(tmp_path / "dropped", state, drop_page_cache=True, direct_io=False)
     kept, total = cached_under(tmp_path / "kept" / "arrays")
     dropped, same = cached_under(tmp_path / "dropped" / "arrays")
     assert abs(total - same) < 1024 and same > 512 << 10 and kept >= total // 2
@@ -96,7 +103,10 @@ def test_managers_pass_drop_page_cache_on(tmp_path, mesh42):
     with jaxckpt.CheckpointManager(tmp_path / "dir", opts) as mgr:
         mgr.save(1, state)
     assert cached_under(tmp_path / "dir")[0] < 16 << 10  # the small files written after
-    eopts = jaxckpt.EmergencyOptions(1, 1, drop_page_cache=True, direct_io=False, run_log=False)
+    remote = dataclasses.replace(opts, save_interval_steps=1)  # the remote tier's own
+    eopts = jaxckpt.EmergencyOptions(
+        1, drop_page_cache=True, direct_io=False, run_log=False, remote=remote
+    )
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", eopts) as mgr:
         mgr.save(1, state)
         mgr.wait_until_finished()
@@ -113,7 +123,7 @@ def test_hostile_values_saved_with_drop_page_cache_restore_bit_exactly(
 ):
     x = random_bits((64, 32), dtype, np.random.default_rng(3))
     tree = {"x": sharded(x, mesh42, P("data", "model")), "n": x[:8]}
-    jaxckpt.save(tmp_path / "c", tree, drop_page_cache=True, direct_io=False)
+    save(tmp_path / "c", tree, drop_page_cache=True, direct_io=False)
     out = jaxckpt.restore(tmp_path / "c", target=tree)
     assert_same_bits(x, np.asarray(out["x"]), f"{dtype} sharded")
     assert_same_bits(x[:8], out["n"], f"{dtype} numpy")
@@ -149,17 +159,17 @@ not a mount line
     ],
 )
 def test_the_filesystem_of_a_path_is_its_deepest_mount(path, fstype):
-    assert page_cache.mount_type(MOUNTINFO, path) == fstype
+    assert linux.mount_type(MOUNTINFO, path) == fstype
 
 
 def test_o_direct_by_default_on_disk_filesystems_only(tmp_path):
-    assert page_cache.mount_type("", "/a") is None
+    assert linux.mount_type("", "/a") is None
     assert page_cache.direct_io("/dev/shm/run", True) is True  # asked: as asked
     assert page_cache.direct_io(str(tmp_path), False) is False
-    fstype = page_cache.filesystem(str(tmp_path / "not" / "made" / "yet"))
+    fstype = linux.filesystem(str(tmp_path / "not" / "made" / "yet"))
     assert fstype is not None  # (Linux: /proc/self/mountinfo)
-    assert page_cache.direct_io(str(tmp_path), None) == (fstype in page_cache.DIRECT_IO_FILESYSTEMS)
-    if page_cache.filesystem("/dev/shm") == "tmpfs":
+    assert page_cache.direct_io(str(tmp_path), None) == (fstype in linux.DIRECT_IO_FILESYSTEMS)
+    if linux.filesystem("/dev/shm") == "tmpfs":
         assert page_cache.direct_io("/dev/shm/run", None) is False
 
 
@@ -173,7 +183,7 @@ def test_a_plain_save_writes_with_o_direct_where_its_filesystem_takes_it(
     tree = {"w": sharded(x, mesh42, P("data", "model")), "b": x[:3]}
     opened = o_direct_opens
     jaxckpt.save(tmp_path / "default", tree)
-    disk = page_cache.filesystem(str(tmp_path)) in page_cache.DIRECT_IO_FILESYSTEMS
+    disk = linux.filesystem(str(tmp_path)) in linux.DIRECT_IO_FILESYSTEMS
     data = tmp_path / "default" / "arrays" / "d"
     if disk and hasattr(os, "O_DIRECT"):
         # (written under the step's temporary name, then renamed)
@@ -184,9 +194,9 @@ def test_a_plain_save_writes_with_o_direct_where_its_filesystem_takes_it(
     else:
         assert opened == []
     opened.clear()
-    jaxckpt.save(tmp_path / "off", tree, direct_io=False)
+    save(tmp_path / "off", tree, direct_io=False)
     assert opened == []
-    tmpfs = page_cache.filesystem("/dev/shm") == "tmpfs" and os.access("/dev/shm", os.W_OK)
+    tmpfs = linux.filesystem("/dev/shm") == "tmpfs" and os.access("/dev/shm", os.W_OK)
     shm = "/dev/shm" if tmpfs else None
     if shm is not None:
         d = os.path.join(shm, f"jaxckpt-test-{os.getpid()}")
@@ -201,17 +211,20 @@ def test_a_plain_save_writes_with_o_direct_where_its_filesystem_takes_it(
 
 
 def test_the_emergency_local_tier_keeps_the_page_cache_by_default(tmp_path, mesh42, o_direct_opens):
-    """EmergencyOptions' None: the remote tier as Options does, the local tier through the
-    page cache (a restarted process reads its step back from memory)."""
+    """EmergencyOptions' None: the local tier through the page cache (a restarted process
+    reads its step back from memory); the remote tier as its Options say (None: O_DIRECT on a
+    disk filesystem)."""
     x = random_bits((64, 32), np.dtype(np.float32), np.random.default_rng(5))
     tree = {"x": sharded(x, mesh42, P("data", "model"))}
     opened = o_direct_opens
-    o = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=1, run_log=False)
+    o = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, run_log=False, remote=jaxckpt.Options(save_interval_steps=1)
+    )
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
         mgr.save(1, tree)
         mgr.wait_until_finished()
         assert_tree_equal(mgr.restore(target=tree), tree)
     assert not any(p.startswith(str(tmp_path / "l")) for p in opened), opened
     remote = any(p.startswith(str(tmp_path / "r")) for p in opened)
-    disk = page_cache.filesystem(str(tmp_path)) in page_cache.DIRECT_IO_FILESYSTEMS
+    disk = linux.filesystem(str(tmp_path)) in linux.DIRECT_IO_FILESYSTEMS
     assert remote == (disk and hasattr(os, "O_DIRECT")), opened

@@ -47,7 +47,7 @@ import jaxckpt
 from jaxckpt._src import staging
 from jaxckpt._src import tree as tree_lib
 from jaxckpt._src.cli.verify import verify
-from jaxckpt._src.io import mapped, ocdbt_write
+from jaxckpt._src.io import layout
 
 DEVICE_DTYPES = [d for d in DTYPES if d.itemsize < 8 or d == np.dtype("complex64")]
 """Dtypes a jax.Array holds without x64 (complex64 is two float32s)."""
@@ -443,13 +443,13 @@ def mapping_any_chunk(on: bool):
     """Saves that start every chunk on a 64-byte boundary and restores that map every whole
     aligned chunk onto CPU devices, whatever its size (``mapped``; 256 KiB or more
     otherwise, more than these trees hold)."""
-    real = ocdbt_write.ALIGN_MIN_BYTES, mapped.MIN_BYTES
+    real = layout.SMALL_CHUNK_BYTES, layout.SMALL_CHUNK_BYTES
     if on:
-        ocdbt_write.ALIGN_MIN_BYTES = mapped.MIN_BYTES = 1
+        layout.SMALL_CHUNK_BYTES = layout.SMALL_CHUNK_BYTES = 1
     try:
         yield
     finally:
-        ocdbt_write.ALIGN_MIN_BYTES, mapped.MIN_BYTES = real
+        layout.SMALL_CHUNK_BYTES, layout.SMALL_CHUNK_BYTES = real
 
 
 @pytest.mark.property
@@ -695,7 +695,7 @@ def _emergency_local(data: st.DataObject, tmp_path_factory) -> None:
     mesh = data.draw(meshes(), "mesh")
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=1,
-        remote_interval_steps=10**9,
+        remote=jaxckpt.Options(save_interval_steps=10**9),
         async_save=data.draw(st.booleans(), "async_save"),
     )
     root = tmp_path_factory.mktemp("emergency")
@@ -736,7 +736,7 @@ def test_per_process_arrays_of_every_dtype_come_back_or_are_refused_on_save(dtyp
     value = {"x": random_bits((3,), dtype, np.random.default_rng(0))}
     try:
         jaxckpt.save(tmp_path / "c", {"a": 1}, per_process=value)
-    except jaxckpt.errors.PerProcessError:
+    except jaxckpt.errors.UnsupportedLeafError:
         assert not (tmp_path / "c").exists()
         assert dtype.type.__module__.startswith("ml_dtypes"), f"NumPy's {dtype} refused"
         return

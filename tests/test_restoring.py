@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
+from jaxckpt._src.io import linux
 from jaxckpt._src.io.direct import Reader
 
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -310,9 +311,9 @@ def test_chunk_bytes_bound_what_a_thin_slice_restore_reads(
     whole to check its CRC32C, by TensorStore too): the case ``chunk_bytes`` is for, which
     bounds that to about 2x. (Read, not mapped: ``JAXCKPT_MAP=0``; a mapping's page
     faults are no reads a process's ``rchar`` counts.)"""
-    from jaxckpt._src.io import direct, mapped
+    from jaxckpt._src.io import direct
 
-    monkeypatch.setenv(mapped.ENV, "0")
+    monkeypatch.setenv(linux.MAP, "0")
     if not keep:
         monkeypatch.setattr(direct, "KEEP_BYTES", 0)
     x = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)
@@ -432,8 +433,7 @@ def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
     thread populates a prefix of it (``arrays.populate``: it stops when the reads are done,
     so how far it gets depends on the machine's load), and the restore is bit-exact for
     every dtype (random bits). From the page cache nothing is handed over."""
-    from jaxckpt._src import restoring
-    from jaxckpt._src.io import arrays, direct
+    from jaxckpt._src.io import arrays, slices
 
     rng = np.random.default_rng(21)
     specs = [P("data"), P(), P(None, "model")]
@@ -448,7 +448,7 @@ def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
     handed: list[int] = []  # the fill buffers' addresses, in the order given to the thread
     populated: list[int] = []
     nbytes: list[int] = []  # the bytes handed over, a restore at a time
-    real_populate, real_populating = arrays.populate, restoring._populating
+    real_populate, real_populating = arrays.populate, slices._populating
 
     def watching(buf, stop=lambda: False):
         populated.append(buf.ctypes.data)
@@ -460,8 +460,8 @@ def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
         return real_populating(regions)
 
     monkeypatch.setattr(arrays, "populate", watching)
-    monkeypatch.setattr(restoring, "_populating", handing)
-    monkeypatch.delenv(direct.ENV, raising=False)
+    monkeypatch.setattr(slices, "_populating", handing)
+    monkeypatch.delenv(linux.DIRECT_READ, raising=False)
     target = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()
     }

@@ -14,8 +14,7 @@ from numpy.typing import DTypeLike
 
 from .boxes import Index, extent, from_slices
 from .io import arrays
-
-_ALIGN = 64  # where each copy starts in a leaf's mapping (XLA's CPU client adopts such buffers)
+from .io.layout import ADOPT_ALIGN
 
 
 class Placement:
@@ -35,7 +34,7 @@ class Placement:
     in one call, one replicated on every device a device at a time (``_try_put``).
     (Faulting shards smaller than a huge page in 4 KiB pages cost more than reading them; a
     public ``device_put`` per shard, more than the rest of a restore of small ones; an
-    allocation per copy, 5 % of a restore of 2000 small leaves.)
+    allocation per copy, a few % of a restore of many small leaves: docs/MEASURED.md.)
     The leaf's shards then free their memory together, when the last of them is gone.
     """
 
@@ -55,7 +54,7 @@ class Placement:
         """Each slice's buffer for each of its devices, all in one buffer of the leaf
         (``arrays.aligned_empty``: its own huge-page mapping from 2 MiB)."""
         total, places = _places(self.sharding, self.shape, self.dtype.itemsize)
-        region = arrays.aligned_empty((total,), np.dtype(np.uint8), _ALIGN)
+        region = arrays.aligned_empty((total,), np.dtype(np.uint8), ADOPT_ALIGN)
         return {
             i: [region[at : at + n].view(self.dtype).reshape(shape) for at in starts]
             for i, shape, n, starts in places
@@ -140,8 +139,9 @@ def _slices(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...]
 ) -> tuple[Mapping[Index, tuple[jax.Device, ...]], bool]:
     """The distinct slices of ``shape`` this process's devices hold under ``sharding``, each
-    with its devices, and whether there are some, all CPU devices. (Leaves of a state share
-    a few shardings and shapes: 65 us a leaf of 8 devices, most of it this, before.)"""
+    with its devices, and whether there are some, all CPU devices. (Remembered: leaves of a
+    state share a few shardings and shapes, and this was most of a ``Placement``'s cost:
+    docs/MEASURED.md.)"""
     devices: dict[Index, list[jax.Device]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         if index is None:  # jax's annotation allows it; its shardings give every device one
@@ -167,7 +167,7 @@ def _places(
         for i, ds in slices.items():
             if k < len(ds):
                 starts[i].append(at)
-                at += -(-nbytes[i] // _ALIGN) * _ALIGN
+                at += -(-nbytes[i] // ADOPT_ALIGN) * ADOPT_ALIGN
     return at, [(i, tuple(extent(i)), nbytes[i], starts[i]) for i in slices]
 
 
@@ -211,8 +211,8 @@ def _try_put(bufs: list[np.ndarray], calls: list[tuple]) -> list[jax.Array] | No
     on every device: jax's put of such a leaf gives every device the first buffer, and one
     buffer on several devices would let a donation on one write the others (a leaf
     replicated on some devices keeps every buffer it is given; tests/test_placement.py
-    checks both). A leaf replicated everywhere goes a device at a time: 0.06-0.08 ms for 8
-    against 0.24-0.33 ms for ``device_put`` of the list (its pytree handling; 500 leaves)."""
+    checks both). A leaf replicated everywhere goes a device at a time, still faster than
+    ``device_put`` of the list and its pytree handling (docs/MEASURED.md)."""
     if _put is None or any(jax.dtypes.canonicalize_dtype(b.dtype) != b.dtype for b in bufs):
         return None
     try:

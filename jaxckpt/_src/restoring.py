@@ -6,31 +6,27 @@ once with a finer sharding and moved afterwards (``read_once``) -> each leaf's s
 per distinct device index, are read under a byte budget (``inflight.InFlight``) while two
 threads copy them onto their devices (``placement.Placement``; CPU devices adopt a leaf's
 slices together, no thread needed) -> the tree (``result``).
-A local checkpoint's slices made of whole uncompressed chunks are read with ``preadv``
-straight into their buffers (``direct``); TensorStore reads the others.
+The reads themselves are the storage engine's (``io.slices.read``, the one way slices are
+read, the emergency tier's too).
 (Named ``restoring`` so that ``jaxckpt.restore`` stays the function, unshadowed.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import math
 import os
-import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from ..errors import OptionsError, StorageError
+from ..errors import OptionsError
 from . import gc_pause, multihost, read_once
 from .boxes import Index, extent, volume, whole
-from .io import arrays, chunk_plan, direct, mapped, residency
-from .io.inflight import InFlight, default_budget
+from .io import arrays, direct, slices
+from .io.inflight import default_budget
 from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
@@ -129,8 +125,8 @@ def _read_all(
     source: orbax.OrbaxCheckpoint | None,
     fig: Stopwatch,
 ) -> list[Any]:
-    """Every leaf, each distinct slice this process needs read once, at most ``budget``
-    bytes read but not yet on a device; two threads place them."""
+    """Every leaf, each distinct slice this process needs read once (``slices.read``), at
+    most ``budget`` bytes read but not yet on a device; two threads place them."""
     ctx = arrays.new_context()
     opener: Callable[[str], Any]
     if source is None:
@@ -138,114 +134,37 @@ def _read_all(
         opener = functools.partial(arrays.open_leaf, db, ctx=ctx)
     else:  # an Orbax checkpoint: its own layout, the same reads
         db, opener = source.item, source.opener(ctx)
-    stores = {
-        w.record.name: arrays.Opening(opener, w.record.name) for w in reading if w.record.nbytes
-    }
-    reader = _Reader(db, manifest.meshes)
-    finishers = [_plan_leaf(w, stores.get(w.record.name), reader) for w in reading]
-    plans = _direct_plan(db, reader.requests) if source is None and direct.enabled(loc) else {}
-    for i, r in enumerate(reader.requests):  # TensorStore opens what it is to read, at once
-        if i not in plans:
-            r.store_fut.start()
-    maps = _mapped(db, reader.requests, plans)
-    planned = [(r, plans[i]) for i, r in enumerate(reader.requests) if i in plans]
-    on_disk = residency.from_disk([sr for _, sr in planned])  # None: can't tell
-    cold = on_disk is True
-    fills = [
-        b for i, r in enumerate(reader.requests) if i in plans and i not in maps
-        for b in r.buffers(plans[i])
-    ] if cold else []  # fmt: skip
-    # no thread outlives the restore; the direct reads' threads stop after their users'
-    with (
-        _populating(fills),
-        contextlib.closing(
-            direct.Reader(
-                keep_bytes=min(direct.KEEP_BYTES, budget),
-                prefetch=on_disk is not False,
-                maps=source is None and mapped.enabled(db.url),
-            )
-        ) as direct_reader,
-        contextlib.closing(InFlight[Any](budget, threads=_place_threads(reading))) as reads,
-    ):
-        for i, request in enumerate(reader.requests):
-            reader.issue(reads, request, plans.get(i), direct_reader, i in maps)
-        reads.drain()
-        fig.bytes += reads.total
-    arrays.release_free_memory()
+    requests: list[slices.Request] = []
+    finishers = [_plan_leaf(w, requests) for w in reading]
+    fig.bytes += slices.read(
+        db,
+        requests,
+        opener,
+        budget=budget,
+        use_threads=_place_threads(reading),
+        direct_ok=source is None,
+        writer=functools.partial(_writer, manifest.meshes),
+    )
     return [f() for f in finishers]
 
 
-@contextlib.contextmanager
-def _populating(regions: list[np.ndarray]) -> Iterator[None]:
-    """While the block reads from the disk, a thread faults in the fresh buffers the direct
-    reads fill (``regions``, in the order they are read; ``arrays.populate``) ahead of the
-    reads, on a core the reads leave idle as they wait: a cold 1 GB restore onto 8 CPU
-    devices here, median 0.80 against 0.86 s (10 alternating pairs of fresh processes). Not
-    from the page cache: there the reads keep every core busy, and the pages cost the same
-    faulted by either thread."""
-    if not regions:
-        yield
-        return
-    stop = threading.Event()
-
-    def run() -> None:
-        for region in regions:
-            if not arrays.populate(region, stop.is_set) or stop.is_set():
-                return
-
-    thread = threading.Thread(target=run, name="jaxckpt-populate", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _mapped(
-    db: Location, requests: list[_Request], plans: dict[Hashable, chunk_plan.SliceRead]
-) -> set[int]:
-    """The planned requests whose slices become mappings of their chunks (``mapped``): onto
-    CPU devices (read into the leaf's own buffer, ``into``, with no conversion after) from
-    a local filesystem, while the process has room for the mappings (``mapped.choose``;
-    it asks for ``buffers``, views of a few us each, only of the slices it can map)."""
-    if not plans:
-        return set()
-
-    def usable(i: int, sr: chunk_plan.SliceRead) -> bool:
-        return bool(requests[i].buffers(sr))
-
-    wanted = (
-        (i, sr, len(r.copies)) for i, r in enumerate(requests) if (sr := plans.get(i)) is not None
-    )
-    return mapped.choose(db.url, wanted, usable)
+def _writer(meshes: list[dict], rec: LeafRecord, coords: tuple[int, ...]) -> int | None:
+    """The process that wrote the chunk at ``coords`` of ``rec`` (for errors)."""
+    return saved_writers(rec, meshes).get(coords)
 
 
 def _place_threads(reading: list[Want]) -> int:
     """Threads that put read slices onto devices: none where every leaf goes to CPU devices
     (``Placement`` only sets a slice aside there, and a hand-over to a thread cost more);
-    else 2, or 1 on a host of 2 cores or fewer (there the readers need the cores: 1
-    restored a few % faster)."""
+    else 2, or 1 on a host of 2 cores or fewer (there the readers need the cores)."""
     if on_cpu(d for w in reading if w.sharding is not None for d in w.sharding.device_set):
         return 0
     return 1 if (os.cpu_count() or 1) <= 2 else 2
 
 
-def _direct_plan(db: Location, requests: list[_Request]) -> dict[Hashable, chunk_plan.SliceRead]:
-    """The requests (by position) that the direct path reads (``chunk_plan.plan_slices``: each
-    leaf's layout from its ``zarr.json`` in the B-tree walk, as jaxckpt stores it; a
-    TensorStore open costs more, 2000 leaves: ~0.1 ms each)."""
-    return chunk_plan.plan_slices(
-        db,
-        (
-            (i, r.rec, whole(r.rec.shape) if r.index is None else r.index, r.store_fut.result)
-            for i, r in enumerate(requests)
-        ),
-    )
-
-
-def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
-    """Queues the reads of one leaf; returns what gives its value once they are done."""
+def _plan_leaf(w: Want, requests: list[slices.Request]) -> Callable[[], Any]:
+    """Adds the reads of one leaf to ``requests``; returns what gives its value once they
+    are done."""
     rec = w.record
     if not rec.has_array:
         value = rec.value
@@ -266,10 +185,10 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
         def keep(data: np.ndarray, replicas: Sequence[np.ndarray] | None = None) -> None:
             holder["v"] = convert(data)
 
-        if store_fut is None:
+        if not rec.nbytes:
             holder["v"] = np.zeros(shape, saved)
         else:
-            reader.add(store_fut, rec, None, keep)
+            requests.append(slices.Request(rec, whole(shape), keep))
 
         return lambda: whole_on_host(w, holder["v"])
 
@@ -281,132 +200,14 @@ def _plan_leaf(w: Want, store_fut: Any, reader: _Reader) -> Callable[[], Any]:
         out.put(index, value, [convert(r) for r in replicas] if viewed and replicas else None)
 
     for index in out.indices:
-        if store_fut is None or not volume(index):
+        if not rec.nbytes or not volume(index):
             out.put(index, np.zeros(extent(index), want_dtype))
-        else:  # read straight into the array's own memory where it has some (CPU devices)
-            into, copies = out.host_buffer(index), out.replica_buffers(index)
-            reader.add(store_fut, rec, index, functools.partial(place, index), into, copies)
-    return out.array
-
-
-def _fits(into: np.ndarray | None, dtype: np.dtype, saved: np.dtype) -> np.ndarray | None:
-    """``into`` as a buffer a read of ``dtype`` fills with no conversion after: itself, or,
-    where ``into`` is of the ``saved`` dtype and ``dtype`` is the unsigned carrier of its
-    bytes (a dtype zarr lacks), its view as ``dtype``; else None."""
-    if into is None or into.dtype == dtype:
-        return into
-    if into.dtype == saved and dtype.itemsize == saved.itemsize:
-        return into.view(dtype)
-    return None
-
-
-@dataclass(frozen=True)
-class _Request:
-    """One slice to read (``index`` None: the whole leaf) and what to hand its data to."""
-
-    store_fut: Any
-    rec: LeafRecord
-    index: Index | None
-    consume: Callable[[np.ndarray, Sequence[np.ndarray] | None], None]  # (data, replicas)
-    into: np.ndarray | None = None  # where to read it (``_fits``); else fresh memory
-    copies: list[np.ndarray] = dataclasses.field(default_factory=list)  # and fill, if it can
-
-    def buffers(self, plan: chunk_plan.SliceRead) -> list[np.ndarray]:
-        """The memory the direct read ``plan`` fills: ``into`` (viewed as the dtype read,
-        ``_fits``) and ``copies``; none where it reads into fresh memory."""
-        into = _fits(self.into, plan.dtype, self.rec.data_dtype)
-        return [] if into is None else [into, *(c.view(into.dtype) for c in self.copies)]
-
-
-@dataclass(frozen=True)
-class _Reader:
-    """The reads of one checkpoint's leaves, collected first (``add``), then started in
-    order under a byte budget (``issue``); an error names the leaf, the chunk's data file
-    and byte range, and the process that wrote it."""
-
-    db: Location
-    meshes: list[dict]
-    requests: list[_Request] = dataclasses.field(default_factory=list)
-
-    def add(
-        self,
-        store_fut: Any,
-        rec: LeafRecord,
-        index: Index | None,
-        consume: Callable[[np.ndarray, Sequence[np.ndarray] | None], None],
-        into: np.ndarray | None = None,
-        copies: list[np.ndarray] | None = None,
-    ) -> None:
-        """Asks for ``index`` of ``rec`` (None: all of it), to hand to ``consume``; read
-        into ``into`` where its dtype is the one read, and then, where the direct path reads
-        it, into ``copies`` too (``consume``'s second argument: the replicas' buffers that
-        hold the same bytes, or None)."""
-        self.requests.append(_Request(store_fut, rec, index, consume, into, copies or []))
-
-    def issue(
-        self,
-        reads: InFlight[Any],
-        r: _Request,
-        plan: chunk_plan.SliceRead | None,
-        direct_reader: direct.Reader,
-        mapping: bool = False,
-    ) -> None:
-        """Starts ``r``'s read (directly when ``plan`` says how; ``mapping``: as mappings
-        of its chunk, one per copy, ``direct.Reader.map``) once it fits the budget."""
-        rec, index = r.rec, r.index
-        size: int = math.prod(rec.shape)
-        nbytes = rec.nbytes if index is None else volume(index) * (rec.nbytes // max(1, size))
-
-        fill = r.buffers(plan) if plan is not None and not mapping else []
-        into, copies = (fill[0], fill[1:]) if fill else (None, [])
-
-        def start() -> Any:
-            if plan is not None and mapping:
-                return direct_reader.map(plan, len(r.copies))
-            if plan is not None:
-                return direct_reader.start(plan, into, copies)
-            try:
-                store = r.store_fut.result()
-                if index is None:
-                    return store.read()
-                dtype = store.dtype.numpy_dtype
-                return arrays.read_slice(store, index, _fits(r.into, dtype, rec.data_dtype))
-            except Exception as e:
-                raise self.error(e, rec) from e
-
-        def use(fut: Any) -> None:
-            try:
-                data = fut.result()
-            except Exception as e:
-                raise self.error(e, rec) from e
-            if mapping:
-                r.consume(data[0], data[1:])
-            else:
-                r.consume(data, copies or None)
-
-        reads.add(nbytes, start, use)
-
-    def error(self, e: Exception, rec: LeafRecord) -> Exception:
-        if isinstance(e, direct.Corrupt):
-            return arrays.checksum_error(rec.name, e.key, self.where(rec, e.key, e.at), str(e))
-        if isinstance(e, StorageError):  # the direct path's own (a truncated file)
-            return StorageError(f"leaf {rec.name!r}: {e}")
-        return arrays.read_error(
-            e, leaf=rec.name, db=self.db, writers=functools.partial(self.where, rec)
+            continue
+        # read straight into the array's own memory where it has some (CPU devices), or
+        # as mappings of the chunks that become it
+        into, copies = out.host_buffer(index), out.replica_buffers(index)
+        maps = None if into is None else len(copies)
+        requests.append(
+            slices.Request(rec, index, functools.partial(place, index), into, copies, maps)
         )
-
-    def where(self, rec: LeafRecord, key: str, at: arrays.ChunkBytes | None = None) -> str:
-        """Where chunk ``key`` lives: its data file and byte range, and its writer."""
-        where = saved_writers(rec, self.meshes)
-        coords = key.rsplit("/c/", 1)[-1].split("/") if "/c/" in key else []
-        try:
-            proc = where.get(tuple(int(c) for c in coords))
-        except ValueError:
-            proc = None
-        at = at or arrays.locate(self.db, key)  # the data file and byte range, from the B-tree
-        by = "" if proc is None else f", written by process {proc}"
-        if at is not None:
-            return f"{at}{by}"
-        if proc is None:
-            return f"the OCDBT database under {self.db.url}"
-        return f"the OCDBT data files of process {proc} under {self.db.url}"
+    return out.array

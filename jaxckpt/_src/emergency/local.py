@@ -11,24 +11,22 @@ carries a CRC32C (zarr codec), checked on read.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from ...errors import FormatVersionError, ManifestError
 from .. import steps
-from ..boxes import Index, extent, from_text, to_text
+from ..boxes import Index, from_text, to_text
 from ..fields import MAX_PROCESSES, Fields, parse_json
-from ..io import arrays, chunk_plan, direct, mapped, ocdbt_write
+from ..io import arrays, ocdbt_write, slices
 from ..manifest import (
     COMMIT_FILE,
     FORMAT_VERSION,
@@ -257,40 +255,6 @@ def write_step(
     return final
 
 
-def _direct_plans(
-    db: Location, keys: list[SliceKey], leaves: Iterable[LeafRecord], stores: dict[str, Any]
-) -> dict[Hashable, chunk_plan.SliceRead]:
-    """The slices the direct reader reads (``chunk_plan.plan_slices``): those of whole
-    uncompressed chunks. Anything it can't plan (a leaf that won't open, a B-tree naming a
-    file outside the database or cut short) is left to TensorStore, whose read then fails
-    for that slice alone and names it."""
-    if not direct.enabled(db):
-        return {}
-    records = {rec.name: rec for rec in leaves}
-    try:
-        return chunk_plan.plan_slices(
-            db,
-            (
-                (key, records[key.leaf], key.box, stores[key.leaf].result)
-                for key in keys
-                if key.leaf in records
-            ),
-        )
-    except Exception:  # (StorageError: a B-tree naming a file outside the database)
-        return {}
-
-
-def _slice_buffer(
-    into: Slices | None, key: SliceKey, shape: tuple[int, ...], dtype: np.dtype
-) -> np.ndarray:
-    """Where slice ``key`` is read: ``into``'s buffer for it where it fits (the shape, and
-    the item size of ``dtype``), viewed as ``dtype``; else a fresh one."""
-    dst = (into or {}).get(key)
-    if dst is None or dst.shape != shape or dst.dtype.itemsize != dtype.itemsize:
-        dst = arrays.aligned_empty(shape, dtype)
-    return dst.view(dtype)
-
-
 def local_chunks(chunk_shape: Iterable[int], itemsize: int) -> list[int]:
     """``chunk_shape`` halved until <= LOCAL_CHUNK_BYTES, leading dimensions first (chunks
     stay contiguous row blocks) and only where it stays a divisor: shards remain whole
@@ -310,72 +274,49 @@ def read_slices(
     wanted: Iterable[SliceKey],
     into: Slices | None = None,
     maps: Mapping[SliceKey, int] | None = None,
+    budget: int | None = None,
 ) -> tuple[Slices, Copies, list[tuple[SliceKey, str]]]:
-    """Reads the slices in ``wanted`` that ``step`` holds, verifying checksums.
+    """Reads the slices in ``wanted`` that ``step`` holds, verifying checksums, through the
+    engine's one way of reading slices (``io.slices.read``: its budget, residency probe,
+    direct reads and error wording).
 
     Returns (slices read, replicas mapped, [(slice, why)] for copies that failed to read:
     those count as missing, their data is never used). A slice with a buffer in ``into``
-    (same shape and item size, e.g. a view into a ``wire.pack_layout`` buffer) is read into
-    it. One of ``maps`` (slice: its replicas' count) becomes private mappings of its chunks
-    where ``mapped.choose`` allows, checked as they are mapped: the slice and that many
-    replicas, each a mapping of its own (``direct.Reader.map``).
+    (its shape, of the stored dtype, e.g. a view into a ``wire.pack_layout`` buffer) is
+    read into it. One of ``maps`` (slice: its replicas' count) becomes private mappings of
+    its chunks where ``mapped.choose`` allows, checked as they are mapped: the slice and
+    that many replicas, each a mapping of its own (``direct.Reader.map``). ``budget``: at
+    most this many bytes read but not yet taken (None: ``inflight.default_budget``).
     """
     assert step.path is not None  # a step read from a directory
     db = step.path.join("arrays")
-    ctx = arrays.new_context()
-    keys = sorted(key for key in wanted if key in step.held)
-    opener = functools.partial(arrays.open_leaf, db, ctx=ctx)
-    stores = {name: arrays.Opening(opener, name) for name in {key.leaf for key in keys}}
-    plans = _direct_plans(db, keys, step.leaves, stores)
-    for key in keys:  # TensorStore opens what it is to read, at once
-        if key not in plans:
-            stores[key.leaf].start()
-    maps = maps or {}
-    mapping = mapped.choose(
-        db.url,
-        (
-            (k, plans[k], maps[k])
-            for k in keys
-            if k in maps and k in plans and k not in (into or {})
-        ),
-    )
-    reads: list[tuple[SliceKey, np.ndarray | None, Any]] = []
+    records = {rec.name: rec for rec in step.leaves}
+    into, maps = into or {}, maps or {}
+    out: Slices = {}
+    copies: Copies = {}
     bad: list[tuple[SliceKey, str]] = []
-    with contextlib.closing(direct.Reader(maps=mapped.enabled(db.url))) as reader:
-        for key in keys:
-            plan, shape = plans.get(key), extent(key.box)
-            if plan is not None and key in mapping:
-                reads.append((key, None, reader.map(plan, maps[key])))
-                continue
-            if plan is not None:
-                dst = _slice_buffer(into, key, shape, plan.dtype)
-                if dst.flags.c_contiguous:
-                    reads.append((key, dst, reader.start(plan, dst)))
-                    continue
-            try:
-                store = stores[key.leaf].result()
-            except Exception as e:
-                bad.append((key, f"cannot open: {e}"))
-                continue
-            dst = _slice_buffer(into, key, shape, store.dtype.numpy_dtype)
-            region = store[tuple(slice(a, b) for a, b in key.box)]
-            reads.append((key, dst, ts.array(dst, copy=False, write=True).write(region)))
-        out: Slices = {}
-        copies: Copies = {}
-        for key, buf, written in reads:
-            try:
-                got = written.result()
-            except direct.Corrupt as e:
-                err: Exception = arrays.checksum_error(key.leaf, e.key, str(e.at), str(e))
-                bad.append((key, f"{type(err).__name__}: {err}"))
-                continue
-            except Exception as e:
-                err = arrays.read_error(e, leaf=key.leaf, db=db, writers=lambda _k: db.url)
-                bad.append((key, f"{type(err).__name__}: {err}"))
-                continue
-            if buf is None:  # mapped: the slice, then its replicas
-                out[key], copies[key] = got[0], got[1:]
-            else:
-                out[key] = buf
-    arrays.release_free_memory()
+
+    def consume(key: SliceKey, data: np.ndarray, replicas: Sequence[np.ndarray] | None) -> None:
+        out[key] = data
+        if replicas is not None:  # mapped: its replicas, each a mapping of its own
+            copies[key] = tuple(replicas)
+
+    def failed(r: slices.Request, err: Exception) -> None:
+        assert isinstance(r.key, SliceKey)
+        bad.append((r.key, f"{type(err).__name__}: {err}"))
+
+    requests = [
+        slices.Request(
+            records[key.leaf],
+            key.box,
+            functools.partial(consume, key),
+            into=into.get(key),
+            maps=maps.get(key) if key not in into else None,
+            key=key,
+        )
+        for key in sorted(k for k in wanted if k in step.held)
+    ]
+    ctx = arrays.new_context()
+    opener = functools.partial(arrays.open_leaf, db, ctx=ctx)
+    slices.read(db, requests, opener, budget=budget, failed=failed)
     return out, copies, bad

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from .. import bits, multihost
 from ..boxes import Index, extent, from_slices
 from ..io import arrays
+from ..io.layout import ADOPT_ALIGN
 from .local import Slices, Writers
 from .planner import SliceKey
 
@@ -109,8 +110,8 @@ class PeerCopies:
 
     On CPU devices its received buffers can be handed to the next ``send_shards`` (``reuse``):
     they are donated to the next transfer, which then writes into memory already mapped
-    (fresh buffers are page-faulted in by the transfer: reusing them took a 1 GB local save
-    with replication=1 over 2 processes from 3.1 s to 1.5 s wall here).
+    (fresh buffers are page-faulted in by the transfer, which reusing them saves:
+    docs/MEASURED.md).
     """
 
     def __init__(self, moving: list[_Moving], buffers: _Buffers) -> None:
@@ -291,7 +292,7 @@ def _global_row(mesh: Mesh, row: np.ndarray, width: int, zero: bool) -> jax.Arra
     (the memory is never touched).
     """
     me = mesh.devices[jax.process_index()]
-    if row.size == width and row.ctypes.data % 64 == 0:
+    if row.size == width and row.ctypes.data % ADOPT_ALIGN == 0:
         padded = row.reshape(1, width)  # the row itself: no copy
     else:
         padded = arrays.aligned_empty((1, width), np.dtype(np.uint8))

@@ -17,10 +17,10 @@ import numpy as np
 
 from ..boxes import from_text, to_text
 from ..io import arrays
+from ..io.layout import ADOPT_ALIGN
 from .local import Slices, Writers
 from .planner import SliceKey
 
-_ALIGN = 64
 Layout = dict[SliceKey, tuple[np.dtype, tuple[int, ...], int]]  # dtype, shape, writer
 
 
@@ -85,4 +85,4 @@ def unpack(buf: np.ndarray | None) -> tuple[Slices, Writers]:
 
 def _aligned(n: int) -> int:
     """``n`` rounded up to a multiple of 64."""
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // ADOPT_ALIGN) * ADOPT_ALIGN

@@ -15,7 +15,6 @@ staged host copies are not reused before the save is done).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import math
 import mmap
@@ -32,6 +31,8 @@ import tensorstore as ts
 from ...errors import ChecksumError, StorageError
 from ..boxes import Index
 from ..storage import Location
+from . import linux
+from .layout import ADOPT_ALIGN
 
 MIN_DATA_FILE_BYTES = 64 << 20
 DATA_FILES_PER_PROCESS = 6  # written in parallel (measured: 6 beat 1, 4 and 8 here)
@@ -167,27 +168,14 @@ def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
         release_free_memory()
 
 
-@functools.cache
-def libc(name: str, *argtypes: Any) -> Callable[..., int] | None:
-    """The C library's function ``name`` (``ctypes``, errno kept, its ``argtypes`` set), or
-    None where it has none (not Linux)."""
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = list(argtypes)
-    return fn
-
-
 def release_free_memory() -> None:
     """Hands memory TensorStore's threads freed back to the OS (glibc keeps it otherwise).
 
     Those threads allocate in many malloc arenas, so buffers one save or restore freed are
     often not reused by the next and the process's footprint creeps up.
     """
-    trim = libc("malloc_trim", ctypes.c_size_t)
-    if trim is not None:
-        trim(0)
+    if linux.malloc_trim is not None:
+        linux.malloc_trim(0)
 
 
 def merge(step: Location, process_count: int) -> None:
@@ -273,7 +261,7 @@ HUGE_PAGE_MIN_BYTES = 2 << 20  # one huge page on x86-64 and most arm64 kernels
 HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")  # Linux
 
 
-def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.ndarray:
+def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = ADOPT_ALIGN) -> np.ndarray:
     """An uninitialized C-order array whose data starts on an ``align``-byte boundary.
 
     XLA's CPU client adopts such a buffer as a device buffer without copying it. One of
@@ -309,7 +297,6 @@ def huge_page_bytes(nbytes: int) -> np.ndarray:
     return np.frombuffer(region, np.uint8, count=nbytes, offset=start)
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without writing them
 POPULATE_STEP = 64 << 20  # populated at a time (a caller may stop between steps)
 
 
@@ -318,7 +305,7 @@ def populate(buf: np.ndarray, stop: Callable[[], bool] = lambda: False) -> bool:
     until ``stop()``, without changing a byte: fresh memory filled later then costs no page
     fault (on this VM the kernel zeroing fresh pages took 0.5 CPU s/GB). False where the
     kernel can't (not Linux, older than 5.14): nothing done."""
-    fn = libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn = linux.madvise
     if fn is None or not buf.nbytes:
         return False
     start = buf.ctypes.data - buf.ctypes.data % mmap.PAGESIZE
@@ -326,7 +313,7 @@ def populate(buf: np.ndarray, stop: Callable[[], bool] = lambda: False) -> bool:
     for at in range(start, end, POPULATE_STEP):
         if stop():
             return True
-        if fn(at, min(POPULATE_STEP, end - at), _MADV_POPULATE_WRITE) != 0:
+        if fn(at, min(POPULATE_STEP, end - at), linux.MADV_POPULATE_WRITE) != 0:
             return False  # EINVAL: a kernel without it
     return True
 

@@ -33,6 +33,7 @@ from .. import boxes
 from ..boxes import Index, extent
 from ..storage import Location
 from . import arrays
+from .layout import TRAILER
 
 if TYPE_CHECKING:
     from ..manifest import LeafRecord
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 PART_CHUNK_BYTES = 64 << 20
 """The largest chunk read whole into a thread's scratch buffer when a slice needs only part
 of it; a larger one is left to TensorStore (each reader thread would hold one)."""
-TRAILER = 4  # the crc32c codec: a chunk's bytes, then their CRC32C, little-endian
 
 
 @dataclass(frozen=True)

@@ -39,47 +39,37 @@ import ctypes
 import functools
 import math
 import mmap
-import os
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from . import arrays, page_cache
+from . import linux
 from .chunk_plan import SliceRead
+from .layout import ADOPT_ALIGN, SMALL_CHUNK_BYTES
 
-ENV = "JAXCKPT_MAP"
-MIN_BYTES = 256 << 10
-"""Slices smaller than this are read: the direct reader reads runs of small ones in one
-``preadv``, and each mapping is one more of the process's ``vm.max_map_count``."""
-ALIGN = 64  # XLA's CPU client adopts a buffer as it is only from such an address
-FILESYSTEMS = frozenset({"ext4", "xfs", "btrfs", "tmpfs"})
-"""Local ones: their pages can't go stale under another host's writes (NFS, Lustre, FUSE:
-read instead)."""
-_MADV_POPULATE_READ = 22  # Linux 5.14+
-_MADV_DONTNEED = 4
 K = TypeVar("K", bound=Hashable)
 
 
 def enabled(path: str) -> bool:
     """Whether a restore from ``path`` may map its chunks: the switch is not 0, the kernel
     populates mappings without SIGBUS, and ``path`` is on a local filesystem."""
-    if os.environ.get(ENV, "1").strip() == "0" or not _kernel():
+    if not linux.switched_on(linux.MAP) or not _kernel():
         return False
-    return page_cache.filesystem(path) in FILESYSTEMS
+    return linux.filesystem(path) in linux.MAP_FILESYSTEMS
 
 
 def suitable(sr: SliceRead) -> bool:
-    """Whether slice ``sr`` can be mappings of its file, of ``MIN_BYTES`` or more: one
-    whole chunk starting on an ``ALIGN`` boundary, or whole chunks back to back in the
+    """Whether slice ``sr`` can be mappings of its file, of ``SMALL_CHUNK_BYTES`` or more: one
+    whole chunk starting on an ``ADOPT_ALIGN`` boundary, or whole chunks back to back in the
     slice, each starting on a page boundary and each but the last a whole number of pages
     (each mapped at its place, ``chunks``); all out of line."""
     size = math.prod(sr.shape) * sr.dtype.itemsize
-    if sr.parts or not sr.chunks or size < MIN_BYTES:
+    if sr.parts or not sr.chunks or size < SMALL_CHUNK_BYTES:
         return False
     chunks = sorted(sr.chunks, key=lambda c: c.offset)
-    align = ALIGN if len(chunks) == 1 else mmap.PAGESIZE
+    align = ADOPT_ALIGN if len(chunks) == 1 else mmap.PAGESIZE
     at = 0
     for i, c in enumerate(chunks):
         if c.offset != at or c.at.inline or c.at.start % align:
@@ -136,12 +126,12 @@ def region(fd: int, start: int, nbytes: int, populate: bool = True) -> np.ndarra
     OSError where the kernel can't map or read them (past the file's end, an I/O error)."""
     floor = start - start % mmap.PAGESIZE
     length = start + nbytes - floor
-    addr = _mmap(None, length, _RW, mmap.MAP_PRIVATE, fd, floor)
-    if addr is None or addr == _MAP_FAILED:
-        raise _os_error(f"mmap of bytes {start}-{start + nbytes - 1}")
-    if populate and _madvise(addr, length, _MADV_POPULATE_READ) != 0:
-        err = _os_error(f"reading bytes {start}-{start + nbytes - 1}")
-        _munmap(addr, length)
+    addr = _call(linux.mmap, None, length, _RW, mmap.MAP_PRIVATE, fd, floor)
+    if addr is None or addr == linux.MAP_FAILED:
+        raise linux.os_error(f"mmap of bytes {start}-{start + nbytes - 1}")
+    if populate and _call(linux.madvise, addr, length, linux.MADV_POPULATE_READ) != 0:
+        err = linux.os_error(f"reading bytes {start}-{start + nbytes - 1}")
+        _call(linux.munmap, addr, length)
         raise err
     return _owned(addr, length, start - floor, nbytes)
 
@@ -151,8 +141,8 @@ def fault_in(view: np.ndarray) -> None:
     raises OSError where the kernel can't read them (an I/O error, past the file's end)."""
     addr = view.ctypes.data
     floor = addr - addr % mmap.PAGESIZE
-    if _madvise(floor, addr + view.nbytes - floor, _MADV_POPULATE_READ) != 0:
-        raise _os_error(f"reading {view.nbytes} bytes")
+    if _call(linux.madvise, floor, addr + view.nbytes - floor, linux.MADV_POPULATE_READ) != 0:
+        raise linux.os_error(f"reading {view.nbytes} bytes")
 
 
 def let_go(views: Sequence[np.ndarray]) -> None:
@@ -169,7 +159,7 @@ def let_go(views: Sequence[np.ndarray]) -> None:
         else:
             merged.append([a, b])
     for a, b in merged:
-        _madvise(a, b - a, _MADV_DONTNEED)
+        _call(linux.madvise, a, b - a, linux.MADV_DONTNEED)
 
 
 def chunks(parts: Sequence[tuple[int, int, int]], populate: bool = True) -> np.ndarray:
@@ -179,21 +169,22 @@ def chunks(parts: Sequence[tuple[int, int, int]], populate: bool = True) -> np.n
     private), faulted in where ``populate``. Raises OSError as ``region`` does."""
     total = sum(n for _, _, n in parts)
     length = -(-total // mmap.PAGESIZE) * mmap.PAGESIZE
-    base = _mmap(None, length, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)  # PROT_NONE
-    if base is None or base == _MAP_FAILED:
-        raise _os_error(f"reserving {length} bytes")
+    base = _call(linux.mmap, None, length, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if base is None or base == linux.MAP_FAILED:  # (PROT_NONE: a reservation)
+        raise linux.os_error(f"reserving {length} bytes")
     try:
         at = 0
         for fd, start, nbytes in parts:
             size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-            got = _mmap(base + at, size, _RW, mmap.MAP_PRIVATE | _MAP_FIXED, fd, start)
+            flags = mmap.MAP_PRIVATE | linux.MAP_FIXED
+            got = _call(linux.mmap, base + at, size, _RW, flags, fd, start)
             if got != base + at:
-                raise _os_error(f"mmap of bytes {start}-{start + nbytes - 1}")
-            if populate and _madvise(got, nbytes, _MADV_POPULATE_READ) != 0:
-                raise _os_error(f"reading bytes {start}-{start + nbytes - 1}")
+                raise linux.os_error(f"mmap of bytes {start}-{start + nbytes - 1}")
+            if populate and _call(linux.madvise, got, nbytes, linux.MADV_POPULATE_READ) != 0:
+                raise linux.os_error(f"reading bytes {start}-{start + nbytes - 1}")
             at += size
     except BaseException:
-        _munmap(base, length)
+        _call(linux.munmap, base, length)
         raise
     return _owned(base, length, 0, total)
 
@@ -202,43 +193,33 @@ def _owned(addr: int, length: int, offset: int, nbytes: int) -> np.ndarray:
     """``nbytes`` from ``offset`` of the mapping at ``addr``, as an array that unmaps all
     ``length`` bytes of it when the last array using them is gone."""
     memory = (ctypes.c_uint8 * length).from_address(addr)
-    weakref.finalize(memory, _munmap, addr, length).atexit = False  # (jax may hold it still)
+    weakref.finalize(
+        memory, _call, linux.munmap, addr, length
+    ).atexit = False  # (jax may hold it still)
     return np.frombuffer(memoryview(memory), np.uint8, count=nbytes, offset=offset)
 
 
-def _libc(name: str, restype: type, *argtypes: type) -> Any:
-    fn: Any = arrays.libc(name, *argtypes)
-    if fn is not None:
-        fn.restype = restype
-    return fn
+def _call(fn: Callable[..., Any] | None, *args: Any) -> Any:
+    """``fn(*args)``: a binding ``_kernel`` found (so never None here)."""
+    assert fn is not None
+    return fn(*args)
 
 
-_mmap = _libc(
-    "mmap",
-    ctypes.c_void_p,
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
-)  # fmt: skip
-_munmap = _libc("munmap", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
-_madvise = _libc("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MAP_FIXED = 0x10  # Linux, every architecture
 _RW = mmap.PROT_READ | mmap.PROT_WRITE
-
-
-def _os_error(what: str) -> OSError:
-    code = ctypes.get_errno()
-    return OSError(code, f"{what}: {os.strerror(code)}")
 
 
 @functools.cache
 def _kernel() -> bool:
     """Whether this kernel maps files and populates mappings (``MADV_POPULATE_READ``)."""
-    if None in (_mmap, _munmap, _madvise) or not hasattr(mmap, "MAP_PRIVATE"):
+    if None in (linux.mmap, linux.munmap, linux.madvise) or not hasattr(mmap, "MAP_PRIVATE"):
         return False
     probe = mmap.mmap(-1, mmap.PAGESIZE)
     try:
         view = ctypes.c_char.from_buffer(probe)
-        ok = _madvise(ctypes.addressof(view), mmap.PAGESIZE, _MADV_POPULATE_READ) == 0
+        ok = (
+            _call(linux.madvise, ctypes.addressof(view), mmap.PAGESIZE, linux.MADV_POPULATE_READ)
+            == 0
+        )
         del view
         return ok
     finally:

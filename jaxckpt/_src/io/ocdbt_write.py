@@ -24,7 +24,6 @@ else (compression, object stores, adding to a database) TensorStore writes
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import itertools
 import json
@@ -47,24 +46,18 @@ from ...errors import StorageError
 from .. import boxes
 from ..boxes import Index, extent
 from ..storage import Location, fsync_dir, storage_error
-from . import arrays, chunk_plan, page_cache
+from . import arrays, chunk_plan, linux, page_cache
 from .arrays import DATA_FILES_PER_PROCESS, MIN_DATA_FILE_BYTES, ArrayWrite
+from .layout import ALIGN, SMALL_CHUNK_BYTES
 
 log = logging.getLogger("jaxckpt")
 
-ENV = "JAXCKPT_DIRECT_WRITE"
 MAX_INLINE_VALUE_BYTES = arrays.OCDBT_CONFIG["max_inline_value_bytes"]
 MAX_DECODED_NODE_BYTES = arrays.OCDBT_CONFIG["max_decoded_node_bytes"]
 VERSION_TREE_ARITY_LOG2 = 4  # TensorStore's default
 _MANIFEST_MAGIC = 0x0CDB3A2A
 _NODE_MAGIC = 0x0CDB20DE
 STEP_BYTES = 1 << 20  # checksummed then written at a time: still in cache for the write
-ALIGN_MIN_BYTES = 256 << 10
-"""A chunk of this many bytes or more starts on an ``ALIGN`` boundary of its data file (zero
-bytes before it): a restore onto CPU devices can then map it as the array's own memory,
-and several such chunks of one slice each at its place (``mapped``). Smaller chunks stay
-back to back, so that the direct reader reads runs of them in one ``preadv``."""
-ALIGN = 4096  # a page
 BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and memory
 BOUNCE_BYTES = 8 << 20  # one aligned buffer per file with O_DIRECT
 _GATHER_BYTES = 64 << 10  # smaller writes are gathered into the file's buffer first
@@ -301,8 +294,8 @@ def plan(
 
 def chunk_start(offset: int, stored_bytes: int) -> int:
     """Where a chunk of ``stored_bytes`` (trailer included) that could start at ``offset``
-    of a data file's values starts (``ALIGN_MIN_BYTES``; the values start on a block)."""
-    return offset + (-offset % ALIGN) if stored_bytes >= ALIGN_MIN_BYTES else offset
+    of a data file's values starts (``layout``; the values start on a block)."""
+    return offset + (-offset % ALIGN) if stored_bytes >= SMALL_CHUNK_BYTES else offset
 
 
 # --- the files -------------------------------------------------------------------------------
@@ -399,9 +392,14 @@ def sync_range(fd: int, offset: int, nbytes: int, wait: bool = False) -> None:
     """``sync_file_range``: the kernel starts writing the range's dirty pages to the disk
     and returns (``SYNC_FILE_RANGE_WRITE``), or, ``wait``, also waits for them (and for
     earlier writes of the range) to be done. Linux; elsewhere nothing."""
-    fn = arrays.libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn = linux.sync_file_range
     if fn is not None:
-        fn(fd, offset, nbytes, 7 if wait else 2)
+        fn(
+            fd,
+            offset,
+            nbytes,
+            linux.SYNC_FILE_RANGE_WAIT_ALL if wait else linux.SYNC_FILE_RANGE_WRITE,
+        )
 
 
 def drop_pages(fd: int, offset: int, nbytes: int) -> None:
@@ -529,7 +527,7 @@ def _ours(db: Location, writes: Sequence[ArrayWrite]) -> tuple[list, list[_File]
     it, from the next block), the node's place and that file; None when TensorStore must
     write ``db``: not local, a leaf it can't take, an existing database (TensorStore adds
     to it), or a node over the format's limit."""
-    if not db.is_local or os.environ.get(ENV, "1").strip() == "0":
+    if not db.is_local or not linux.switched_on(linux.DIRECT_WRITE):
         return None
     if os.path.exists(os.path.join(db.url, "manifest.ocdbt")):
         return None

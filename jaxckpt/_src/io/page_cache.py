@@ -19,17 +19,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 from collections.abc import Iterator
 
-log = logging.getLogger("jaxckpt")
+from . import linux
 
-DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs", "btrfs"})
-"""Disk filesystems whose O_DIRECT writes a save uses by default (``direct_io=None``): the
-bytes skip the page cache, at half the save's CPU (bench/compare.py --drop-page-cache-gb
-prints it). Network and cluster filesystems (NFS, Lustre, FUSE) and tmpfs keep the cache:
-there O_DIRECT is refused or makes each write a round trip."""
+log = logging.getLogger("jaxckpt")
 
 PERIOD_S = 0.002
 """Between two passes over the directory's files."""
@@ -103,43 +98,7 @@ def dropping(root: str, enabled: bool = True, period_s: float = PERIOD_S) -> Ite
 
 def direct_io(path: str, asked: bool | None) -> bool:
     """Whether a save writes its local files under ``path`` with O_DIRECT: as ``asked``, or,
-    None, where ``path`` lies on one of ``DIRECT_IO_FILESYSTEMS``."""
+    None, where ``path`` lies on one of ``linux.DIRECT_IO_FILESYSTEMS``."""
     if asked is not None:
         return asked
-    return filesystem(path) in DIRECT_IO_FILESYSTEMS
-
-
-def filesystem(path: str) -> str | None:
-    """The type of the filesystem ``path`` (or, not made yet, its nearest existing parent)
-    lies on, from ``/proc/self/mountinfo``; None where that can't be read (not Linux)."""
-    real = os.path.realpath(path)
-    while not os.path.exists(real) and os.path.dirname(real) != real:
-        real = os.path.dirname(real)
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            return mount_type(f.read(), real)
-    except OSError:
-        return None
-
-
-def mount_type(mountinfo: str, real: str) -> str | None:
-    """The filesystem type of the mount that holds the absolute, resolved path ``real``:
-    the one with the longest mount point above it (the last mounted, of equal ones), from
-    the text of a ``/proc/<pid>/mountinfo`` (``proc(5)``: the mount point is the 5th field,
-    the type the first after the ``-``)."""
-    best: tuple[int, str] | None = None
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        sep = fields.index("-", 6) if "-" in fields[6:] else len(fields)
-        if sep + 1 >= len(fields):
-            continue  # not a mount line
-        point, fstype = _unescape(fields[4]), fields[sep + 1]
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= best[0]):
-            best = (len(point), fstype)
-    return None if best is None else best[1]
-
-
-def _unescape(field: str) -> str:
-    """A mountinfo path field with its octal escapes (``\\040`` for a space) undone."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+    return linux.filesystem(path) in linux.DIRECT_IO_FILESYSTEMS

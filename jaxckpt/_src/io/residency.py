@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import arrays
+from . import arrays, linux
 from .chunk_plan import SliceRead
 
 ADVICE_BYTES = 1 << 20  # prefetch advice goes by blocks of this many bytes, each once
@@ -58,7 +58,7 @@ def from_disk(plans: Sequence[SliceRead]) -> bool | None:
 def _resident(path: str, offset: int) -> bool | None:
     """Whether the page of file ``path`` holding byte ``offset`` is in the page cache
     (``mincore`` over a one-page mapping of it; no read); None where that can't be told."""
-    fn = arrays.libc("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    fn = linux.mincore
     if fn is None:
         return None
     page = offset - offset % mmap.PAGESIZE

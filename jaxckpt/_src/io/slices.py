@@ -1,0 +1,297 @@
+"""The one way a checkpoint's slices are read: ``read`` (both restores call it).
+
+Given the slices wanted (``Request``: a leaf, a global index, where its bytes may go and
+what takes them), ``read`` plans them (``chunk_plan.plan_slices``: one B-tree walk; the
+slices made of whole uncompressed chunks of a local database are read by ``direct.Reader``
+with ``preadv``), lets the slices that may be mapped become mappings of their chunks
+(``mapped.choose``), probes whether the files are in the page cache (``residency``: a cold
+read gets prefetch advice and its fresh buffers faulted in ahead by a thread), and reads
+every slice under one byte budget (``inflight.InFlight``); TensorStore reads the rest. Each
+chunk's CRC32C is checked, whichever path reads it. An error names the leaf, the chunk, its
+data file and byte range and (where the caller knows it) the process that wrote it, in one
+wording: the caller chooses whether it raises or counts the slice as failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...errors import StorageError
+from ..boxes import Index, extent, volume
+from ..storage import Location
+from . import arrays, chunk_plan, crc, direct, mapped, residency
+from .inflight import InFlight, default_budget
+
+if TYPE_CHECKING:
+    from ..manifest import LeafRecord
+
+Consume = Callable[[np.ndarray, Sequence[np.ndarray] | None], None]
+"""Takes a slice's bytes (in the dtype read) and its replicas' (the same bytes in the
+``copies`` of its request, or mappings of their own), or None where there are none."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One slice to read: ``index`` of leaf ``leaf``, handed to ``consume``.
+
+    ``into``: a C-contiguous buffer of the slice's shape to read it into, of the dtype read
+    or the leaf's own (``fits``); else fresh memory. ``copies``: buffers like ``into`` that
+    the direct path fills with the same bytes as it reads (replicas on CPU devices).
+    ``maps``: None, or the slice may become private mappings of its chunks (``mapped``),
+    itself and ``maps`` replicas, each a mapping of its own. ``key``: the caller's name for
+    it, handed back with a failure."""
+
+    leaf: LeafRecord
+    index: Index
+    consume: Consume
+    into: np.ndarray | None = None
+    copies: Sequence[np.ndarray] = ()
+    maps: int | None = None
+    key: Hashable = None
+
+    @property
+    def nbytes(self) -> int:
+        size = math.prod(self.leaf.shape)
+        return volume(self.index) * (self.leaf.nbytes // max(1, size))
+
+    def buffers(self, dtype: np.dtype) -> list[np.ndarray]:
+        """The memory a read of ``dtype`` fills: ``into`` and ``copies`` viewed as ``dtype``
+        (``fits``); none where it reads into fresh memory."""
+        into = fits(self.into, extent(self.index), dtype, self.leaf.data_dtype)
+        return [] if into is None else [into, *(c.view(into.dtype) for c in self.copies)]
+
+
+def fits(
+    into: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, saved: np.dtype
+) -> np.ndarray | None:
+    """``into`` as a buffer that a read of ``shape`` and ``dtype`` fills with no conversion
+    after: itself, or, where it is of the ``saved`` dtype and ``dtype`` is the unsigned
+    carrier of its bytes (a dtype zarr lacks), its view as ``dtype``; None where it is
+    missing, C-discontiguous or of another shape or dtype."""
+    if into is None or into.shape != shape or not into.flags.c_contiguous:
+        return None
+    if into.dtype == dtype:
+        return into
+    if into.dtype == saved and dtype.itemsize == saved.itemsize:
+        return into.view(dtype)
+    return None
+
+
+Failed = Callable[[Request, Exception], None]
+Writer = Callable[["LeafRecord", tuple[int, ...]], "int | None"]
+
+
+def read(
+    db: Location,
+    requests: Sequence[Request],
+    open_leaf: Callable[[str], Any],
+    *,
+    budget: int | None = None,
+    use_threads: int = 0,
+    direct_ok: bool = True,
+    writer: Writer | None = None,
+    failed: Failed | None = None,
+) -> int:
+    """Reads every request of the OCDBT database ``db`` and hands it to its ``consume``;
+    returns the bytes read.
+
+    ``open_leaf(name)`` starts opening a leaf's TensorStore (a future), only for the leaves
+    the direct path does not read whole. ``budget``: at most this many bytes read but not
+    yet consumed (default ``inflight.default_budget``); ``use_threads``: consume on that
+    many threads (0: on this one). ``direct_ok``: the database is in jaxckpt's own layout
+    (an Orbax checkpoint's is read by TensorStore alone). ``writer(leaf, chunk coords)``:
+    the process that wrote a chunk, for errors. ``failed``: takes each slice whose read
+    failed (with the error), and the others are read on; None: the first error raises.
+    """
+    budget = budget or default_budget(direct.reader_threads())
+    stores = {r.leaf.name: arrays.Opening(open_leaf, r.leaf.name) for r in requests}
+    name = _Names(db, writer)
+    plans = _plans(db, requests, stores, direct_ok, strict=failed is None)
+    for i, r in enumerate(requests):  # TensorStore opens what it is to read, at once
+        if i not in plans:
+            stores[r.leaf.name].start()
+    maps = _mapped(db, requests, plans)
+    order = sorted(plans)  # as they are issued
+    on_disk = residency.from_disk([plans[i] for i in order])  # None: can't tell
+    fills = [
+        b for i in order if i not in maps for b in requests[i].buffers(plans[i].dtype)
+    ] if on_disk is True else []  # fmt: skip
+    # no thread outlives the read; the direct reads' threads stop after their users'
+    with (
+        _populating(fills),
+        contextlib.closing(
+            direct.Reader(
+                keep_bytes=min(direct.KEEP_BYTES, budget),
+                prefetch=on_disk is not False,
+                maps=direct_ok and mapped.enabled(db.url),
+            )
+        ) as reader,
+        contextlib.closing(InFlight[Any](budget, threads=use_threads)) as reads,
+    ):
+        for i, r in enumerate(requests):
+            _issue(reads, r, plans.get(i), i in maps, reader, stores[r.leaf.name], name, failed)
+        reads.drain()
+        total = reads.total
+    arrays.release_free_memory()
+    return total
+
+
+def _plans(
+    db: Location,
+    requests: Sequence[Request],
+    stores: dict[str, arrays.Opening],
+    direct_ok: bool,
+    strict: bool,
+) -> dict[int, chunk_plan.SliceRead]:
+    """The requests (by position) the direct path reads (``chunk_plan.plan_slices``: each
+    leaf's layout from its ``zarr.json`` in the B-tree walk, as jaxckpt stores it).
+    A B-tree naming a file outside the database raises StorageError where ``strict``; else
+    TensorStore reads those slices, and fails each one by itself."""
+    if not (direct_ok and direct.enabled(db)):
+        return {}
+    try:
+        got = chunk_plan.plan_slices(
+            db, ((i, r.leaf, r.index, stores[r.leaf.name].result) for i, r in enumerate(requests))
+        )
+    except StorageError:
+        if strict:
+            raise
+        return {}
+    return {i: sr for i, sr in got.items() if isinstance(i, int)}
+
+
+def _mapped(
+    db: Location, requests: Sequence[Request], plans: dict[int, chunk_plan.SliceRead]
+) -> set[int]:
+    """The planned requests whose slices become mappings of their chunks (``mapped.choose``,
+    while the process has room for them): those that allow it (``maps``) and read into no
+    buffer, or into one that takes the bytes as they are (``fits``)."""
+
+    def usable(i: int, sr: chunk_plan.SliceRead) -> bool:
+        r = requests[i]
+        return r.into is None or bool(r.buffers(sr.dtype))
+
+    wanted = (
+        (i, sr, requests[i].maps or 0) for i, sr in plans.items() if requests[i].maps is not None
+    )
+    return mapped.choose(db.url, wanted, usable)
+
+
+def _issue(
+    reads: InFlight[Any],
+    r: Request,
+    plan: chunk_plan.SliceRead | None,
+    mapping: bool,
+    reader: direct.Reader,
+    store: arrays.Opening,
+    name: _Names,
+    failed: Failed | None,
+) -> None:
+    """Starts ``r``'s read once it fits the budget: as mappings (``mapping``), by the direct
+    reader where ``plan`` says how, else by TensorStore."""
+    fill = r.buffers(plan.dtype) if plan is not None and not mapping else []
+    into, copies = (fill[0], fill[1:]) if fill else (None, [])
+
+    def start() -> Any:
+        try:
+            if plan is not None and mapping:
+                return reader.map(plan, r.maps or 0)
+            if plan is not None:
+                return reader.start(plan, into, copies)
+            ts_store = store.result()
+            dtype = ts_store.dtype.numpy_dtype
+            got = fits(r.into, extent(r.index), dtype, r.leaf.data_dtype)
+            return arrays.read_slice(ts_store, r.index, got)
+        except Exception as e:
+            return _Failed(name.error(e, r.leaf))
+
+    def use(fut: Any) -> None:
+        try:
+            data = fut.result()
+        except Exception as e:
+            err = e if isinstance(fut, _Failed) else name.error(e, r.leaf)
+            if failed is None:
+                raise err from e
+            failed(r, err)
+            return
+        if mapping:
+            r.consume(data[0], data[1:])
+        else:
+            r.consume(data, copies or None)
+
+    reads.add(r.nbytes, start, use)
+
+
+class _Failed:
+    """A read that failed as it started: ``result`` raises its error (named already)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def result(self) -> Any:
+        raise self.error
+
+
+@dataclass(frozen=True)
+class _Names:
+    """Errors of one database's reads, one wording whichever path read the chunk."""
+
+    db: Location
+    writer: Writer | None
+
+    def error(self, e: Exception, rec: LeafRecord) -> Exception:
+        if isinstance(e, crc.Corrupt):
+            return arrays.checksum_error(rec.name, e.key, self.where(rec, e.key, e.at), str(e))
+        if isinstance(e, StorageError):  # the direct path's own (a truncated file)
+            return StorageError(f"leaf {rec.name!r}: {e}")
+        return arrays.read_error(
+            e, leaf=rec.name, db=self.db, writers=lambda key: self.where(rec, key)
+        )
+
+    def where(self, rec: LeafRecord, key: str, at: arrays.ChunkBytes | None = None) -> str:
+        """Where chunk ``key`` lives: its data file and byte range, and its writer."""
+        coords = key.rsplit("/c/", 1)[-1].split("/") if "/c/" in key else []
+        proc = None
+        if self.writer is not None:
+            with contextlib.suppress(ValueError):
+                proc = self.writer(rec, tuple(int(c) for c in coords))
+        at = at or arrays.locate(self.db, key)  # the data file and byte range, from the B-tree
+        by = "" if proc is None else f", written by process {proc}"
+        if at is not None:
+            return f"{at}{by}"
+        if proc is None:
+            return f"the OCDBT database under {self.db.url}"
+        return f"the OCDBT data files of process {proc} under {self.db.url}"
+
+
+@contextlib.contextmanager
+def _populating(regions: list[np.ndarray]) -> Iterator[None]:
+    """While the block reads from the disk, a thread faults in the fresh buffers the direct
+    reads fill (``regions``, in the order they are read; ``arrays.populate``) ahead of the
+    reads, on a core the reads leave idle as they wait (docs/MEASURED.md). Not from the
+    page cache: there the reads keep every core busy, and the pages cost the same faulted
+    by either thread."""
+    if not regions:
+        yield
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        for region in regions:
+            if not arrays.populate(region, stop.is_set) or stop.is_set():
+                return
+
+    thread = threading.Thread(target=run, name="jaxckpt-populate", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,139 @@
+"""The one way slices are read (jaxckpt/_src/io/slices.py): both restores go through it, a
+corrupt chunk is named one way through either, and the read budget holds through either."""
+
+from typing import TypeVar
+
+import jax
+import numpy as np
+import pytest
+from conftest import flip_a_chunk_byte, sharded
+
+import jaxckpt
+from jaxckpt._src.emergency import local
+from jaxckpt._src.io import inflight, slices
+from jaxckpt._src.storage import location
+from jaxckpt.errors import ChecksumError
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every call of ``slices.read`` (the real one runs): its database, requests and
+    budget, seen from outside the restores."""
+    seen: list[tuple[str, int, int | None]] = []
+    real = slices.read
+
+    def spying(db, requests, open_leaf, **kw):
+        seen.append((db.url, len(requests), kw.get("budget")))
+        return real(db, requests, open_leaf, **kw)
+
+    monkeypatch.setattr(slices, "read", spying)
+    return seen
+
+
+@pytest.fixture
+def peak(monkeypatch):
+    """The most bytes read but not yet consumed at any moment of any read (``InFlight``
+    watched from outside: its bytes held after each read is started), and each read's size."""
+    seen = {"held": 0, "largest": 0}
+
+    class Watched(inflight.InFlight[T]):
+        def add(self, nbytes, start, use):
+            super().add(nbytes, start, use)
+            seen["held"] = max(seen["held"], self._held)
+            seen["largest"] = max(seen["largest"], nbytes)
+
+    monkeypatch.setattr(slices, "InFlight", Watched)
+    return seen
+
+
+def _tree(mesh):
+    rng = np.random.default_rng(4)
+    return {
+        "w": sharded(rng.standard_normal((256, 64)).astype(np.float32), mesh, ("data",)),
+        "b": sharded(rng.integers(0, 1 << 16, (64, 32)).astype(np.uint16), mesh, (None, "model")),
+    }
+
+
+def _emergency_step(root, mesh):
+    """A real local step written by the emergency manager (one process), and its record."""
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, remote=jaxckpt.Options(save_interval_steps=100)
+    )
+    tree = _tree(mesh)
+    with jaxckpt.EmergencyCheckpointManager(root / "l", root / "r", opts) as mgr:
+        mgr.save(5, tree)
+        mgr.wait_until_finished()
+    step = local.read_step(location(root / "l"), 5)
+    assert step is not None
+    return tree, step
+
+
+def test_a_corrupt_chunk_fails_a_restore_naming_leaf_chunk_and_file(tmp_path, mesh42, calls):
+    tree = _tree(mesh42)
+    jaxckpt.save(tmp_path / "c", tree, chunk_bytes=4096)
+    flipped, _ = flip_a_chunk_byte(tmp_path / "c")
+    with pytest.raises(ChecksumError) as info:
+        jaxckpt.restore(tmp_path / "c", target=jax.tree.map(lambda a: a.sharding, tree))
+    text = str(info.value)
+    assert "failed its CRC32C check" in text and flipped in text, text
+    assert "leaf '" in text and "chunk '" in text and "written by process 0" in text, text
+    assert len(calls) == 1 and calls[0][0].endswith("/c/arrays")  # through the front door
+
+
+def test_a_corrupt_chunk_fails_an_emergency_read_in_the_same_words(tmp_path, mesh42, calls):
+    """The emergency tier counts a failed copy as missing (never uses its data) and reads
+    on; the reason is the front door's error, worded as a restore's."""
+    tree, step = _emergency_step(tmp_path, mesh42)
+    flipped, _ = flip_a_chunk_byte(tmp_path / "l" / "00000005")
+    calls.clear()
+    got, _, bad = local.read_slices(step, step.held)
+    assert len(calls) == 1 and calls[0][0].endswith("/00000005/arrays")
+    assert bad, "the flipped chunk's slice must fail"
+    for key, why in bad:
+        assert key not in got
+        assert why.startswith("ChecksumError: leaf ") and "failed its CRC32C check" in why, why
+        assert flipped in why, why
+    assert len(got) + len(bad) == len(step.held)  # the other slices were read on
+    for key, data in got.items():  # and exactly
+        want = np.asarray(tree[key.leaf])[tuple(slice(a, b) for a, b in key.box)]
+        assert data.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), key
+
+
+def test_a_restore_keeps_its_read_budget(tmp_path, mesh42, calls, peak):
+    tree = _tree(mesh42)
+    jaxckpt.save(tmp_path / "c", tree, chunk_bytes=4096)
+    budget = 40 << 10  # a few slices: later reads wait for earlier ones to be used
+    target = jax.tree.map(lambda a: a.sharding, tree)
+    out = jaxckpt.restore(tmp_path / "c", target=target, read_budget_bytes=budget)
+    for k, v in tree.items():
+        assert np.asarray(out[k]).tobytes() == np.asarray(v).tobytes(), k
+    assert calls[0][2] == budget
+    assert 0 < peak["held"] <= max(budget, peak["largest"])
+    assert peak["largest"] < budget  # (so the budget, not one slice, bounded the reads)
+
+
+def test_an_emergency_read_keeps_its_read_budget(tmp_path, mesh42, calls, peak):
+    tree, step = _emergency_step(tmp_path, mesh42)
+    calls.clear()
+    budget = 40 << 10
+    got, _, bad = local.read_slices(step, step.held, budget=budget)
+    assert not bad and len(got) == len(step.held)
+    assert calls[0][2] == budget
+    assert 0 < peak["held"] <= max(budget, peak["largest"])
+    assert peak["largest"] < budget
+    for key, data in got.items():
+        want = np.asarray(tree[key.leaf])[tuple(slice(a, b) for a, b in key.box)]
+        assert data.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), key
+
+
+def test_fits_takes_a_buffer_only_as_it_is_read():
+    f32, u32 = np.dtype(np.float32), np.dtype(np.uint32)
+    buf = np.zeros((4, 2), f32)
+    assert slices.fits(buf, (4, 2), f32, f32) is buf
+    assert slices.fits(buf, (4, 2), u32, f32).dtype == u32  # the saved dtype's carrier
+    assert slices.fits(buf, (2, 4), f32, f32) is None  # another shape
+    assert slices.fits(buf.T, (2, 4), f32, f32) is None  # not C-contiguous
+    assert slices.fits(buf, (4, 2), np.dtype(np.int32), np.dtype(np.int32)) is None
+    assert slices.fits(None, (4, 2), f32, f32) is None
