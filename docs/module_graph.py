@@ -2,14 +2,22 @@
 
 Imports are read with ``ast`` from the source (relative ones resolved, those inside functions
 and under ``TYPE_CHECKING`` included); only edges between jaxckpt modules are kept. The
-picture has three bands: the public facades on top, the feature folders of ``jaxckpt/_src/``
-(one block each) in the middle and the flat core at the bottom, its modules in rows by import
-depth (row 0: modules that import nothing of jaxckpt but ``errors``). ``jaxckpt/errors.py`` is
-a facade that every layer imports, so it is drawn under the core, as the floor. A summary
-(modules per group, edges, core->feature edges, which must be 0) is printed too.
+picture has four bands, top to bottom: the public facades, the features of ``jaxckpt/_src/``
+(one block a folder: emergency, cli, safetensors, export), the core (``jaxckpt/_src/*.py``)
+and the services the core calls (one block a folder: io, goodput, orbax). Inside the core and
+each block, modules sit in rows by import depth (row 0: modules that import nothing of
+their group). ``jaxckpt/errors.py`` is a facade that every layer imports, so it is drawn
+under everything, as the floor. An import of a folder's ``__init__`` that re-exports names
+(``from ._src.goodput import goodput``) is drawn to the modules it re-exports from. A
+summary (modules per group, edges, edges from the core or a service into a feature, which
+must be 0) is printed too.
 
     python docs/module_graph.py                   # writes docs/modules.png
     python docs/module_graph.py --out /tmp/modules.png
+    python docs/module_graph.py --list            # the drawn modules, one a line; no drawing
+
+Only ``draw`` needs matplotlib (and Pillow, which comes with it): the rest imports nothing
+outside the standard library, so ``tests/test_docs.py`` reads the module list without them.
 """
 
 from __future__ import annotations
@@ -20,19 +28,17 @@ import io
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.artist import Artist
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import to_rgb
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
-from PIL import Image  # comes with matplotlib
+if TYPE_CHECKING:
+    from matplotlib.patches import FancyBboxPatch
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = "jaxckpt"
-FEATURES = ("emergency", "cli", "safetensors", "export")  # left to right, as drawn
-GROUPS = ("facades", *FEATURES, "core")
+FEATURES = ("emergency", "cli", "safetensors", "export")  # above the core, left to right
+SERVICES = ("io", "goodput", "orbax")  # below the core (the core calls them), left to right
+FOLDERS = (*FEATURES, *SERVICES)
+GROUPS = ("facades", *FEATURES, "core", *SERVICES)
 TITLE = "jaxckpt modules: an arrow points from a module to one it imports"
 
 
@@ -52,27 +58,33 @@ def classify(name: str) -> tuple[str, str] | None:
     if parts[:2] != [PKG, "_src"]:
         return "facades", name
     rest = parts[2:]
-    if len(rest) == 1 and rest[0] not in FEATURES:
+    if len(rest) == 1 and rest[0] not in FOLDERS:
         return "core", rest[0]
-    if len(rest) == 2 and rest[0] in FEATURES:
+    if len(rest) == 2 and rest[0] in FOLDERS:
         return rest[0], "/".join(rest)
     return None
 
 
-def find_modules(root: Path = ROOT) -> tuple[dict[str, Module], set[str]]:
-    """The drawn modules by dotted name, and the names of the skipped ``_src`` packages."""
+def find_modules(root: Path = ROOT) -> tuple[dict[str, Module], dict[str, Module]]:
+    """The drawn modules by dotted name, and the skipped ones: the ``__init__`` of
+    ``jaxckpt/_src/`` and of each of its folders (a folder is drawn as its modules)."""
     modules: dict[str, Module] = {}
-    skipped: set[str] = set()
+    skipped: dict[str, Module] = {}
     for path in sorted((root / PKG).rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
         is_pkg = parts[-1] == "__init__"
         name = ".".join(parts[:-1] if is_pkg else parts)
         kind = classify(name)
         if kind is None:
-            skipped.add(name)
+            skipped[name] = Module(name, path, is_pkg, "", name)
             continue
         modules[name] = Module(name, path, is_pkg, kind[0], kind[1])
     return modules, skipped
+
+
+def drawn_files(root: Path = ROOT) -> dict[str, Path]:
+    """Each drawn module's label -> its file: what the picture shows, for tests/test_docs.py."""
+    return {m.label: m.path for m in find_modules(root)[0].values()}
 
 
 STRENGTH = {"module": 2, "function": 1, "typing": 0}  # how an import is made, strongest first
@@ -136,12 +148,28 @@ def imported_names(module: Module, known: set[str]) -> dict[str, str]:
 
 
 def build_graph(root: Path = ROOT) -> dict[str, Module]:
-    """The modules with their ``imports`` filled in (edges into skipped packages dropped)."""
+    """The modules with their ``imports`` filled in. An import of a skipped package stands
+    for the drawn modules its ``__init__`` imports (the names it re-exports), made the
+    weaker of the two ways; an empty ``__init__`` gives none."""
     modules, skipped = find_modules(root)
-    known = set(modules) | skipped
+    known = set(modules) | set(skipped)
+    through = {name: imported_names(pkg, known) for name, pkg in skipped.items()}
     for module in modules.values():
-        found = imported_names(module, known)
-        module.imports = {name: how for name, how in found.items() if name in modules}
+        found: dict[str, str] = {}
+        for name, how in imported_names(module, known).items():
+            targets = {name: how}
+            if name in through:
+                targets = {
+                    t: min(how, via, key=STRENGTH.__getitem__) for t, via in through[name].items()
+                }
+            for t, h in targets.items():
+                if (
+                    t in modules
+                    and t != module.name
+                    and STRENGTH[h] > STRENGTH.get(found.get(t, ""), -1)
+                ):
+                    found[t] = h
+        module.imports = found
     return modules
 
 
@@ -202,26 +230,33 @@ def depths(modules: dict[str, Module], names: Iterable[str]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout: axes in inches (x 0..WIDTH, y 0..HEIGHT), so sizes below read as inches.
+# Layout: axes in inches (x 0..WIDTH, y 0..height), so sizes below read as inches.
 
-WIDTH, HEIGHT, DPI = 16.0, 10.0, 110
+WIDTH, DPI = 16.0, 110
 FONT = 8.5
 COLOURS = {
     "facades": "#7b4fa0",
-    "cli": "#e07b00",
     "emergency": "#c8302c",
+    "cli": "#e07b00",
     "safetensors": "#2b8a3e",
     "export": "#0f8b9c",
     "core": "#2760a8",
+    "io": "#6b4f1d",
+    "goodput": "#8a6d00",
+    "orbax": "#5a6a7a",
 }
 ERRORS = f"{PKG}.errors"
 LEFT, RIGHT = 0.95, WIDTH - 0.2  # x range of the bands (row labels left of LEFT)
 PAD = 0.09  # box padding around a label, inches
 GAP = 0.16  # least space between two boxes of a row
+PITCH = 0.55  # row pitch, inches
+TIERS = (("facades",), FEATURES, ("core",), SERVICES)  # top to bottom; a tuple: blocks side by side
 
 
 def tint(colour: str, amount: float) -> tuple[float, float, float]:
     """``colour`` mixed with white; amount 1: white."""
+    from matplotlib.colors import to_rgb
+
     r, g, b = to_rgb(colour)
     return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
 
@@ -259,60 +294,46 @@ def pack(row: Row, want: dict[str, float], width: dict[str, float]) -> dict[str,
 
 def layout(
     modules: dict[str, Module], width: dict[str, float]
-) -> tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float, float, float]], list[Row]]:
-    """Node centres, the rectangle (x0, y0, x1, y1) of each band or feature block, the rows."""
+) -> tuple[
+    dict[str, tuple[float, float]], dict[str, tuple[float, float, float, float]], list[Row], float
+]:
+    """Node centres, the rectangle (x0, y0, x1, y1) of each band or block, the rows, and the
+    picture's height. Built bottom up: the errors floor, the services, the core, the
+    features, the facades, the title."""
     by_group = {g: sorted(n for n in modules if modules[n].group == g) for g in GROUPS}
-    core_depth = depths(modules, by_group["core"])
-    feat_depth = {g: depths(modules, by_group[g]) for g in FEATURES}
-    n_core = max(core_depth.values()) + 1
-    n_feat = max(max(d.values()) + 1 for d in feat_depth.values())
+    by_group["facades"] = [n for n in by_group["facades"] if n != ERRORS]
+    depth = {g: depths(modules, by_group[g]) for g in GROUPS}
+    depth["facades"] = dict.fromkeys(by_group["facades"], 0)
 
-    step = 0.6  # row pitch
+    bands: dict[str, tuple[float, float, float, float]] = {}
+    rows: list[Row] = []
     y_floor = 0.55
-    core_y0 = y_floor + 0.4
-    core_rows_y = [core_y0 + 0.35 + step * r for r in range(n_core)]
-    core_y1 = core_rows_y[-1] + 0.42
-    feat_y0 = core_y1 + 0.28
-    feat_rows_y = [feat_y0 + 0.35 + step * r for r in range(n_feat)]
-    feat_y1 = feat_rows_y[-1] + 0.42
-    fac_y0 = feat_y1 + 0.22
-    fac_y = fac_y0 + 0.32
-    fac_y1 = fac_y + 0.42
+    y = y_floor + 0.4  # bottom of the next tier up
+    for tier in reversed(TIERS):
+        n_rows = max(max(depth[g].values(), default=0) + 1 for g in tier)
+        rows_y = [y + 0.32 + PITCH * r for r in range(n_rows)]
+        top = rows_y[-1] + 0.42
+        # Blocks side by side, each as wide as its widest row needs (a lone group: all).
+        need: dict[str, float] = {}
+        for g in tier:
+            per_row = [
+                sum(width[n] + GAP for n in by_group[g] if depth[g][n] == r) for r in range(n_rows)
+            ]
+            need[g] = max(per_row) + 0.5
+        spare = (RIGHT - LEFT - 0.2 * (len(tier) - 1)) / sum(need.values())
+        x = LEFT
+        for g in tier:
+            w = need[g] * spare
+            bands[g] = (x, y, x + w, top)
+            for r in range(n_rows - 1, -1, -1):
+                names = [n for n in by_group[g] if depth[g][n] == r]
+                if names:
+                    rows.append(Row(g, names, rows_y[r], x + 0.12, x + w - 0.12))
+            x += w + 0.2
+        y = top + 0.26
+    height = y + 0.45  # the title above the facades
 
-    bands: dict[str, tuple[float, float, float, float]] = {
-        "core": (LEFT, core_y0, RIGHT, core_y1),
-        "facades": (LEFT, fac_y0, RIGHT, fac_y1),
-    }
-    rows: list[Row] = [
-        Row(
-            "facades",
-            [n for n in by_group["facades"] if n != ERRORS],
-            fac_y,
-            LEFT + 0.1,
-            RIGHT - 0.1,
-        )
-    ]
-    # Feature blocks side by side, each as wide as its widest row needs.
-    need: dict[str, float] = {}
-    for g in FEATURES:
-        per_row = [
-            sum(width[n] + GAP for n in by_group[g] if feat_depth[g][n] == r) for r in range(n_feat)
-        ]
-        need[g] = max(per_row) + 0.5
-    spare = (RIGHT - LEFT - 0.2 * (len(FEATURES) - 1)) / sum(need.values())
-    x = LEFT
-    for g in FEATURES:
-        w = need[g] * spare
-        bands[g] = (x, feat_y0, x + w, feat_y1)
-        for r in range(n_feat):
-            names = [n for n in by_group[g] if feat_depth[g][n] == r]
-            if names:
-                rows.append(Row(g, names, feat_rows_y[r], x + 0.12, x + w - 0.12))
-        x += w + 0.2
-    for r in range(n_core - 1, -1, -1):
-        names = [n for n in by_group["core"] if core_depth[n] == r]
-        rows.append(Row("core", names, core_rows_y[r], LEFT + 0.12, RIGHT - 0.12))
-
+    rows.sort(key=lambda r: -r.y)  # top to bottom
     # Start evenly spread, then order rows by the mean x of their neighbours (barycentre
     # sweeps, down then up), which keeps a module near what it imports and what imports it.
     pos: dict[str, float] = {}
@@ -321,8 +342,7 @@ def layout(
         pos.update({n: row.lo + step_x * (i + 0.5) for i, n in enumerate(row.names)})
     links: dict[str, list[str]] = {n: [] for n in pos}
     for a, b in edges(modules):
-        upward = modules[a].group == "core" and modules[b].group != "core"
-        if a in pos and b in pos and not upward:
+        if a in pos and b in pos and edge_kind(modules, a, b) not in ("upward", "service"):
             links[a].append(b)
             links[b].append(a)
     for sweep in range(8):
@@ -346,22 +366,30 @@ def layout(
                 pos.update(pack(band_row, want, width))
     centres = {n: (pos[n], row.y) for row in rows for n in row.names}
     centres[ERRORS] = ((LEFT + RIGHT) / 2, y_floor)
-    return centres, bands, rows
+    return centres, bands, rows, height
 
 
 def edge_kind(modules: dict[str, Module], a: str, b: str) -> str:
-    """How an edge is drawn: "within" a group, "feature" to another one, "core" (feature or
-    facade into the core), "facade" (from a facade), "upward" (core to a facade), "wrong"."""
+    """How an edge is drawn: "within" a group; "feature" between two features or two
+    services; "core" (into the core from a feature, a facade or a service); "service" (into
+    a service from the core or a feature); "facade" (from a facade); "upward" (from the core
+    or a service to a facade other than errors); "wrong" (from the core or a service into a
+    feature: must not be)."""
     ga, gb = modules[a].group, modules[b].group
-    if ga == "core" and gb in FEATURES:
+    below = ("core", *SERVICES)
+    if ga in below and gb in FEATURES:
         return "wrong"
-    if ga == "core" and gb != "core":
+    if ga in below and gb == "facades":
         return "upward"
     if ga == gb:
         return "within"
     if ga == "facades":
         return "facade"
-    return "core" if gb == "core" else "feature"
+    if gb == "core":
+        return "core"
+    if gb in SERVICES and ga not in SERVICES:
+        return "service"
+    return "feature"
 
 
 def summary(modules: dict[str, Module]) -> list[str]:
@@ -374,25 +402,38 @@ def summary(modules: dict[str, Module]) -> list[str]:
         key = (modules[a].group, modules[b].group)
         if key[0] != key[1]:
             between[key] = between.get(key, 0) + 1
-    feat = [f"{a}->{b} {n}" for (a, b), n in sorted(between.items()) if {a, b} <= set(FEATURES)]
+    across = [
+        f"{a}->{b} {n}"
+        for (a, b), n in sorted(between.items())
+        if {a, b} <= set(FEATURES) or {a, b} <= set(SERVICES)
+    ]
     wrong = sum(edge_kind(modules, a, b) == "wrong" for a, b in all_edges)
+    into = {
+        k: sum(edge_kind(modules, a, b) == k for a, b in all_edges) for k in ("core", "service")
+    }
     return [
         f"modules: {len(modules)} ({per_group})",
         f"edges: {len(all_edges)} ({how['function']} from inside functions, {how['typing']} "
         f"under TYPE_CHECKING); into {ERRORS}: {sum(b == ERRORS for _, b in all_edges)}",
-        f"feature->core edges: {sum(between.get((f, 'core'), 0) for f in FEATURES)}; "
-        f"feature->feature: {', '.join(feat) or 'none'}",
-        f"core->feature edges: {wrong} (must be 0)",
+        f"into the core from other groups: {into['core']}; into a service from the core or a "
+        f"feature: {into['service']}; feature->feature or service->service: "
+        f"{', '.join(across) or 'none'}",
+        f"core or service -> feature edges: {wrong} (must be 0)",
     ]
 
 
 def draw(modules: dict[str, Module], out: Path) -> None:
-    """Render the graph to ``out`` (PNG)."""
-    fig = Figure(figsize=(WIDTH, HEIGHT), dpi=DPI)
+    """Render the graph to ``out`` (PNG). The one function that needs matplotlib."""
+    from matplotlib.artist import Artist
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+    from PIL import Image  # comes with matplotlib
+
+    fig = Figure(figsize=(WIDTH, 10.0), dpi=DPI)
     FigureCanvasAgg(fig)
     ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, WIDTH)
-    ax.set_ylim(0, HEIGHT)
     ax.axis("off")
 
     # Measure each label (inches, as the axes are) before laying out.
@@ -402,7 +443,10 @@ def draw(modules: dict[str, Module], out: Path) -> None:
     }
     width = {n: t.get_window_extent().width / DPI + 2 * PAD for n, t in texts.items()}
     height = max(t.get_window_extent().height for t in texts.values()) / DPI + 2 * PAD
-    centres, bands, rows = layout(modules, width)
+    centres, bands, rows, fig_height = layout(modules, width)
+    fig.set_size_inches(WIDTH, fig_height)
+    ax.set_xlim(0, WIDTH)
+    ax.set_ylim(0, fig_height)
 
     for g, (x0, y0, x1, y1) in bands.items():
         ax.add_patch(
@@ -424,10 +468,10 @@ def draw(modules: dict[str, Module], out: Path) -> None:
             if edge_kind(modules, a, b) == "upward" and b != ERRORS
         ]
         title = {
-            "facades": f"public facades: jaxckpt/*.py ({count}, errors drawn below)",
+            "facades": f"public facades: jaxckpt/*.py ({count}, errors drawn as the floor)",
             "core": f"core: jaxckpt/_src/*.py ({count}), one row per import depth"
             + ("; upward: " + ", ".join(upward) if upward else ""),
-        }.get(g, f"_src/{g}/ ({count})")
+        }.get(g, f"_src/{g}/ ({count})" + (": a service" if g in SERVICES else ""))
         ax.text(
             x0 + 0.08,
             y1 - 0.06,
@@ -439,7 +483,7 @@ def draw(modules: dict[str, Module], out: Path) -> None:
             fontweight="bold",
             zorder=1,
         )
-    core_rows = [r for r in rows if modules[r.names[0]].group == "core"]
+    core_rows = [r for r in rows if r.band == "core"]
     for depth, row in enumerate(sorted(core_rows, key=lambda r: r.y)):
         ax.text(
             LEFT - 0.08,
@@ -449,6 +493,19 @@ def draw(modules: dict[str, Module], out: Path) -> None:
             va="center",
             fontsize=7.5,
             color="#666666",
+        )
+    for tier, label in ((FEATURES, "features"), (SERVICES, "services")):
+        y0, y1 = bands[tier[0]][1], bands[tier[0]][3]
+        ax.text(
+            LEFT - 0.08,
+            (y0 + y1) / 2,
+            label,
+            ha="right",
+            va="center",
+            fontsize=8.5,
+            color="#444444",
+            fontweight="bold",
+            rotation=90,
         )
 
     # Nodes: a box per module, sized to its label; errors is the floor under everything.
@@ -484,17 +541,18 @@ def draw(modules: dict[str, Module], out: Path) -> None:
             zorder=6,
         )
 
-    # Edges, lightest first: into the core from above, within the core, then the rest.
+    # Edges, lightest first: into the core or a service from elsewhere, within the core,
+    # then the rest.
     style = {  # kind: (alpha, line width); coloured as the importer's group, "wrong" red
         "core": (0.16, 0.7),
+        "service": (0.16, 0.7),
         "facade": (0.3, 0.8),
         "within": (0.55, 0.9),
         "feature": (0.8, 1.3),
         "upward": (0.6, 1.0),
         "wrong": (1.0, 2.5),
     }
-    order = ["core", "facade", "within", "feature", "upward", "wrong"]
-    for kind in order:
+    for kind in style:
         for a, b in edges(modules):
             if b == ERRORS or edge_kind(modules, a, b) != kind:
                 continue
@@ -520,33 +578,30 @@ def draw(modules: dict[str, Module], out: Path) -> None:
                     linestyle={"module": "-", "function": "--", "typing": ":"}[how],
                     shrinkA=1,
                     shrinkB=1,
-                    zorder=2 if kind == "core" else 3,
+                    zorder=2 if kind in ("core", "service") else 3,
                 )
             )
 
-    ax.text(0.2, HEIGHT - 0.25, TITLE, ha="left", va="top", fontsize=15, fontweight="bold")
+    ax.text(0.2, fig_height - 0.2, TITLE, ha="left", va="top", fontsize=15, fontweight="bold")
+    # The groups are named on their bands; the legend says how the arrows are drawn.
     handles: list[Artist] = [
-        Rectangle((0, 0), 1, 1, fc=tint(COLOURS[g], 0.78), ec=COLOURS[g]) for g in GROUPS
-    ]
-    labels = list(GROUPS)
-    handles += [
         Line2D([], [], color="#555555", lw=1.0),
         Line2D([], [], color="#555555", lw=1.0, ls="--"),
         Line2D([], [], color="#555555", lw=1.0, ls=":"),
         Line2D([], [], color="#555555", lw=0.7, alpha=0.3),
     ]
-    labels += [
+    labels = [
         "import at module level",
         "import inside a function",
         "under TYPE_CHECKING",
-        "into the core from above (light)",
+        "into the core or a service from another band (light)",
     ]
     ax.legend(
         handles,
         labels,
         loc="upper right",
         bbox_to_anchor=(1.0, 1.0),
-        ncol=5,
+        ncol=2,
         fontsize=8,
         frameon=False,
     )
@@ -559,11 +614,16 @@ def draw(modules: dict[str, Module], out: Path) -> None:
 
 
 def main() -> None:
-    """Print the summary and write the PNG."""
+    """Print the summary and write the PNG (or, with ``--list``, the drawn modules)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "modules.png")
+    ap.add_argument("--list", action="store_true", help="print the drawn modules; draw nothing")
     args = ap.parse_args()
     modules = build_graph()
+    if args.list:
+        for m in sorted(modules.values(), key=lambda m: (GROUPS.index(m.group), m.label)):
+            print(f"{m.group:12} {m.label:24} {m.path.relative_to(ROOT)}")
+        return
     for line in summary(modules):
         print(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -80,13 +80,11 @@ def transfer(
     """``arrays`` (carriers: ``to_bits``) on ``shardings``: ``jax.device_put`` one at a time,
     which compiles one program per distinct (shape, dtype, shardings) across processes and
     none within one, each finished before the next starts: two processes of separate hosts
-    that queued 300 moves at once stopped for good in 3 runs of about 10 (CPU devices,
-    gloo); finishing each cost ~3 ms a leaf there (0.90 s for 300). Nothing
-    donated: a buffer can't become one of another shape, and jax warns of each it could not
-    reuse (a two-host restore printed 140 such warnings). One program for all the arrays
-    compiled faster where every leaf differs (87 programs, 7.4 s, against 9, 6.3 s) but
-    slower where many share a shape, as a train state's do (1000 leaves of 10 shapes on one
-    process: 2.3 s against 0.8 s)."""
+    that queued hundreds of moves at once could stop for good (CPU devices, gloo), and
+    finishing each costs a few ms a leaf. Nothing donated: a buffer can't become one of
+    another shape, and jax warns of each it could not reuse (one warning a leaf). One
+    program for all the arrays compiled faster where every leaf differs but slower where
+    many share a shape, as a train state's do (docs/MEASURED.md)."""
     return [
         x if x.sharding == s else jax.block_until_ready(jax.device_put(x, s))
         for x, s in zip(arrays, shardings, strict=True)
@@ -103,10 +101,10 @@ def _bitcast_all(
     arrays: Sequence[jax.Array], dtypes: Sequence[np.dtype | None], donate: bool
 ) -> list[jax.Array]:
     """``arrays[i]`` bitcast to ``dtypes[i]``. A leaf whose shape, dtypes and sharding no
-    other leaf shares would compile a program of its own (~40-50 ms each): those of the same
-    devices go in one program (~13 ms a leaf). Leaves that share them share jax's program for
-    that signature (``_bitcast_one``), compiled once: a state of many leaves of few shapes
-    (1000 of 10) bitcast in 0.71 s that way against 1.29 s in one program."""
+    other leaf shares would compile a program of its own: those of the same devices go in
+    one program, which compiles faster. Leaves that share them share jax's program for that
+    signature (``_bitcast_one``), compiled once: a state of many leaves of few shapes
+    bitcasts faster that way than in one program (docs/MEASURED.md)."""
     out = list(arrays)
     todo: list[int] = []
     for i, (x, dtype) in enumerate(zip(arrays, dtypes, strict=True)):

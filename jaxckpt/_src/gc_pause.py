@@ -3,14 +3,11 @@ caller waits for (``save``; a manager's blocking part, and its synchronous write
 
 A restore allocates some hundred container objects per leaf (records, plans, futures, jax's
 own), and every 700 allocations CPython runs a collection; the older generations' passes walk
-every live object of the process (jax alone keeps ~150k). Measured on a 2000-leaf state
-restored on 2 cores: 277 collections, and the restore 13-26 % slower than with the collector
-off (a fresh process's first restore: 1.13-1.23 s against 0.84-1.06). Reference counting still
-frees everything that is not in a cycle; the collector's state is put back afterwards. A
-save of 2000 small leaves on 8 CPU devices: 0.35-0.37 s against 0.43-0.46 s with them
-(medians of 5, three alternating pairs of processes); of the 1 GB bench state's 170 leaves,
-30 collections, within the noise. A manager's background write keeps the collector: it
-runs beside training.
+every live object of the process (jax alone keeps ~150k). A restore or a save of thousands
+of leaves runs hundreds or dozens of them, and is that much slower (docs/MEASURED.md).
+Reference counting still frees everything that is not in a cycle; the collector's state is
+put back afterwards. A manager's background write keeps the collector: it runs beside
+training.
 
 The collector is the process's: other threads run without it until the restore ends (cyclic
 garbage they make waits until then), and a ``gc.disable()`` another thread makes meanwhile

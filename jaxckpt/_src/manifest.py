@@ -71,7 +71,7 @@ class LeafRecord:
     def to_dict(self) -> dict:
         """The record as stored: fields left at None/False are omitted. (Its lists are the
         record's own, not copies: for JSON, which ``dataclasses.asdict``'s deep copies
-        cost 12 ms of a 170-leaf save.)"""
+        made a noticeable part of a save's time: docs/MEASURED.md.)"""
         out = {}
         for k in _LEAF_FIELD_ORDER:
             v = getattr(self, k)
@@ -152,7 +152,7 @@ class Manifest:
             "meshes": self.meshes,
         }
         # one line a field and a leaf, each by the C encoder (``indent`` takes the pure
-        # Python one: 20 % of a save of 2000 small leaves)
+        # Python one, a fifth of a save of many small leaves: docs/MEASURED.md)
         head = ",\n ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items())
         leaves = ",\n  ".join(json.dumps(leaf.to_dict()) for leaf in self.leaves)
         return f'{{\n {head},\n "leaves": [\n  {leaves}\n ]\n}}\n'

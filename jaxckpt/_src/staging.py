@@ -93,7 +93,8 @@ class HostCopies:
 
     An accelerator's shards go to its pinned host memory in one batched ``device_put``: the
     DMA engine writes them there at the link's speed and the snapshot is that memory itself
-    (on an H100, 47 GB/s against 4-6 GB/s for copies into pageable NumPy memory). NumPy
+    (on an H100, about ten times as fast as copies into pageable NumPy memory:
+    docs/MEASURED.md). NumPy
     leaves, shards of devices without pinned host memory and shards already in host memory
     (``memory_kind`` pinned_host or unpinned_host) are copied into buffers reused across
     saves. XLA keeps the pinned memory it allocated for the process's life and reuses it
@@ -195,9 +196,9 @@ def to_host(
     data: jax.Array, part: tuple[slice, ...] = (), pinned: bool | None = None
 ) -> np.ndarray:
     """``data[part]`` (one device's buffer) on the host, now. An accelerator's goes through
-    its pinned host memory: the DMA of that part (46 GB/s on an H100; a 1-bit type's whole
-    buffer, which jax cannot slice), not jax's copy of the whole buffer into pageable memory
-    (2.5 GB/s), which jax would also keep on the array. Where pinned memory runs out, jax's
+    its pinned host memory: the DMA of that part (a 1-bit type's whole buffer, which jax
+    cannot slice), not jax's far slower copy of the whole buffer into pageable memory
+    (docs/MEASURED.md), which jax would also keep on the array. Where pinned memory runs out, jax's
     copy it is. ``pinned``: True forces pinned memory (a CPU device's, for tests)."""
     if _via_pinned(data) if pinned is None else pinned:
         try:
@@ -212,8 +213,9 @@ def to_host_all(
 ) -> list[np.ndarray]:
     """Each of ``gets`` called, except that the shard parts (``Part``) among them that go
     through pinned host memory are copied there in one batched ``device_put``. A call per
-    part costs about 0.2 ms on an H200 (a batch: 0.07 ms a part), which a synchronous save
-    of thousands of small leaves feels. ``pinned`` as for :func:`to_host`."""
+    part costs a fraction of a millisecond more than its share of a batch, which a
+    synchronous save of thousands of small leaves feels (docs/MEASURED.md). ``pinned`` as
+    for :func:`to_host`."""
     out: list[np.ndarray | None] = [None] * len(gets)
     batch = [
         (i, get)

@@ -69,7 +69,7 @@ def flatten(tree: Any) -> list[tuple[PathJson, Any]]:
 def flatten_named(tree: Any) -> list[tuple[PathJson, str, Any]]:
     """``flatten`` with each leaf's name: ``[(path, name, leaf)]``. Both are cached by key
     path, since a save converts and names every leaf on its calling thread, and a training
-    loop saves the same structure each time (3 ms a save for 170 leaves otherwise)."""
+    loop saves the same structure each time (docs/MEASURED.md)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
     return [(*_path_and_name(p), leaf) for p, leaf in flat]
 

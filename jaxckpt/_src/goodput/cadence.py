@@ -39,8 +39,8 @@ REDECIDE_EVERY = 8
 
 WARMUP_SAVES = 2
 """A job's first saves, left out of what is measured: they compile, make the first peer
-exchanges and find cold caches (here 10-30x a later save's blocking), a cost each job pays
-once, not one each save pays."""
+exchanges and find cold caches (they block many times as long as a later save:
+docs/MEASURED.md), a cost each job pays once, not one each save pays."""
 
 # names of the agreement rounds: the n-th cadence of a directory and tier in this process
 # (every process makes its managers of a run in the same order)

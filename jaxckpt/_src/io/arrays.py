@@ -35,7 +35,7 @@ from . import linux
 from .layout import ADOPT_ALIGN
 
 MIN_DATA_FILE_BYTES = 64 << 20
-DATA_FILES_PER_PROCESS = 6  # written in parallel (measured: 6 beat 1, 4 and 8 here)
+DATA_FILES_PER_PROCESS = 6  # written in parallel (6 beat 1, 4 and 8: docs/MEASURED.md)
 OCDBT_CONFIG: dict[str, Any] = {
     "max_inline_value_bytes": 1024,
     "max_decoded_node_bytes": 100_000_000,
@@ -303,7 +303,7 @@ POPULATE_STEP = 64 << 20  # populated at a time (a caller may stop between steps
 def populate(buf: np.ndarray, stop: Callable[[], bool] = lambda: False) -> bool:
     """Faults in the pages of ``buf``'s memory now (``MADV_POPULATE_WRITE``), step by step
     until ``stop()``, without changing a byte: fresh memory filled later then costs no page
-    fault (on this VM the kernel zeroing fresh pages took 0.5 CPU s/GB). False where the
+    fault (the kernel zeroes each fresh page as it is first touched). False where the
     kernel can't (not Linux, older than 5.14): nothing done."""
     fn = linux.madvise
     if fn is None or not buf.nbytes:

@@ -140,8 +140,8 @@ def plan_slices(
 ) -> dict[Hashable, SliceRead]:
     """The slices (key, leaf record, index, the leaf's TensorStore when needed) that the
     direct path reads, by key: one B-tree walk (``index``) for every chunk's place and every
-    leaf's ``zarr.json``, each leaf's layout once (``leaf_layout``; a restore of 2000 leaves
-    opened none, and a 2000-leaf local step asked TensorStore's spec 16000 times, 1.4 s).
+    leaf's ``zarr.json``, each leaf's layout once (``leaf_layout``: no TensorStore open,
+    whose spec a restore of many leaves would otherwise ask for each slice).
     None planned where the B-tree can't be walked (TensorStore's reads raise it, naming the
     leaf); raises StorageError where it names a file outside the database (``plan``)."""
     try:

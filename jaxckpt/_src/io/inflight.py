@@ -26,8 +26,7 @@ BUDGET_PER_THREAD = 64 << 20
 def default_budget(threads: int) -> int:
     """A restore's read budget when none is given: 64 MiB for each thread reading, at least
     ``READ_BUDGET_BYTES`` (2 threads, hosts of up to 5 cores). More threads need more reads
-    in flight to stay busy: on 16 cores (8 threads) a 2 GB restore from the page cache ran
-    at 6.4 GB/s with 512 MiB against 4.5 GB/s with 128 MiB."""
+    in flight to stay busy (docs/MEASURED.md)."""
     return max(READ_BUDGET_BYTES, threads * BUDGET_PER_THREAD)
 
 

@@ -2,15 +2,14 @@
 
 A restore that reads a chunk into fresh memory pays for that memory twice: the kernel
 zeroes each fresh page as it is first touched, then the read copies the chunk over it from
-the page cache. Here that was most of a warm restore: 1 GB of 6 MB chunks in the page cache,
-two threads, each chunk read and checked: 2.3 GB/s into fresh memory, 10 GB/s into memory
-used before. Where a slice is one whole chunk, stored raw and 64-byte aligned in
-its data file, or whole chunks back to back on page boundaries (``ocdbt_write`` aligns those
-of 256 KiB or more), on a local filesystem, the restore maps those stretches of the files
-instead (several chunks: each at its place in one reservation) (``MAP_PRIVATE``: copy on write), faults it in with
+the page cache: most of a warm restore (docs/MEASURED.md). Where a slice is one whole chunk,
+stored raw and ``layout.ADOPT_ALIGN``-aligned in its data file, or whole chunks back to back
+on page boundaries (``ocdbt_write`` aligns those of ``layout.SMALL_CHUNK_BYTES`` or more),
+on a local filesystem, the restore maps those stretches of the files instead (several
+chunks: each at its place in one reservation; ``MAP_PRIVATE``: copy on write), faults it in with
 ``MADV_POPULATE_READ`` (an I/O error comes back as an error, not as a SIGBUS), checks its
 CRC32C over the mapping, and CPU devices adopt the mapping as the array's memory: the page
-cache's pages themselves, nothing zeroed, nothing copied (17-20 GB/s in that probe). Each
+cache's pages themselves, nothing zeroed, nothing copied. Each
 replica of a slice is a mapping of its own: a donation that writes one copy writes private
 pages, never the file and never the other copies. A mapping is unmapped when the last
 array using it is gone.
