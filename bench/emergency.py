@@ -91,10 +91,10 @@ def worker(
 
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=1,
-        remote_interval_steps=10**9,
         replication=1,
         timeout_s=600,
         run_log=run_log,
+        remote=jaxckpt.Options(save_interval_steps=10**9),
     )
     local_dir = os.path.join(root, f"host{pid}")
     em = jaxckpt.EmergencyCheckpointManager(local_dir, os.path.join(root, "em_remote"), opts)
@@ -217,7 +217,10 @@ def fresh_worker(root: str, mib: int, what: str) -> dict:
 
     mesh = compare.make_mesh((4, 2), jax.device_count())
     opts = jaxckpt.EmergencyOptions(
-        local_interval_steps=1, remote_interval_steps=10**9, replication=1, timeout_s=600
+        local_interval_steps=1,
+        replication=1,
+        timeout_s=600,
+        remote=jaxckpt.Options(save_interval_steps=10**9),
     )
     em = jaxckpt.EmergencyCheckpointManager(
         os.path.join(root, f"host{pid}"), os.path.join(root, "remote"), opts

@@ -156,10 +156,13 @@ def open_manager(cfg: dict):
     if cfg["manager"] == "emergency":
         opts = jaxckpt.EmergencyOptions(
             local_interval_steps=cfg["interval"],
-            remote_interval_steps=cfg["remote_interval"],
             local_max_to_keep=cfg["keep"],
-            remote_max_to_keep=2,
             lease_stale_s=cfg["lease_stale_s"],
+            remote=jaxckpt.Options(
+                save_interval_steps=cfg["remote_interval"],
+                max_to_keep=2,
+                lease_stale_s=cfg["lease_stale_s"],
+            ),
         )
         return jaxckpt.EmergencyCheckpointManager(cfg["dir"], cfg["remote"], opts)
     opts = jaxckpt.Options(
@@ -852,7 +855,9 @@ class Soak:
     def emergency(self, run: Run):
         import jaxckpt
 
-        opts = jaxckpt.EmergencyOptions(local_max_to_keep=None, remote_max_to_keep=None)
+        opts = jaxckpt.EmergencyOptions(
+            local_max_to_keep=None, remote=jaxckpt.Options(save_interval_steps=1000)
+        )  # every step kept in both tiers
         mgr = jaxckpt.EmergencyCheckpointManager(run.dir, run.remote, opts)
         try:
             yield mgr

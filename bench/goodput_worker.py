@@ -51,9 +51,9 @@ def options(interval: int | str, mtbf_hours: float) -> Any:
     extra = {"mtbf_hours": mtbf_hours} if interval == "auto" else {}
     return jaxckpt.EmergencyOptions(
         local_interval_steps=interval,  # type: ignore[arg-type]  ("auto": newer jaxckpt)
-        remote_interval_steps=10**9,
         replication=1,
         timeout_s=120,
+        remote=jaxckpt.Options(save_interval_steps=10**9, timeout_s=120),
         **extra,
     )
 

@@ -122,8 +122,8 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
             local,
             os.path.join(root, "em-remote"),
             jaxckpt.EmergencyOptions(
-                local_interval_steps=1, remote_interval_steps=10**9, local_max_to_keep=1,
-                replication=0, run_log=False,
+                local_interval_steps=1, local_max_to_keep=1, replication=0, run_log=False,
+                remote=jaxckpt.Options(save_interval_steps=10**9),
             ),
         )  # fmt: skip
         times: dict[str, list[float]] = {}

@@ -50,7 +50,10 @@ def worker(root: str, mib: int, saves: int) -> dict:
             jaxckpt.CheckpointManager(os.path.join(root, "m"), jaxckpt.Options(max_to_keep=2)),
         )
         opts = jaxckpt.EmergencyOptions(
-            local_interval_steps=1, remote_interval_steps=10**9, replication=1, local_max_to_keep=2
+            local_interval_steps=1,
+            replication=1,
+            local_max_to_keep=2,
+            remote=jaxckpt.Options(save_interval_steps=10**9),
         )
         yield (
             "EmergencyCheckpointManager",

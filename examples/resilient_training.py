@@ -59,9 +59,9 @@ def worker(directory: str, steps: int, kill_at: int) -> None:
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=LOCAL_EVERY,
-        remote_interval_steps=REMOTE_EVERY,
         replication=1,
         timeout_s=60,
+        remote=jaxckpt.Options(save_interval_steps=REMOTE_EVERY, max_to_keep=3, timeout_s=60),
     )
     local_dir = os.path.join(directory, f"host{pid}")
     with jaxckpt.EmergencyCheckpointManager(

@@ -21,13 +21,12 @@ from ._src.options import Options as Options
 from ._src.readers import custom_metadata as custom_metadata
 from ._src.readers import metadata as metadata
 from ._src.readers import per_process as per_process
-from ._src.readers import user_metadata as user_metadata
 from ._src.restoring import restore as restore
 from ._src.saving import save as save
 from ._src.staging import Staged as Staged
 from ._src.staging import stage as stage
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the package's only version: pyproject.toml reads it from here
 
 __all__ = [
     "ArrayInfo",
@@ -50,5 +49,4 @@ __all__ = [
     "restore",
     "save",
     "stage",
-    "user_metadata",
 ]

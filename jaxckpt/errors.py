@@ -1,4 +1,11 @@
-"""Exception classes. Every message names the path, the leaf and what to do."""
+"""Exception classes. Every message names the path, the leaf and what to do.
+
+A class says what went wrong, whatever wrote the data: a corrupt export artifact is a
+``ChecksumError`` like a corrupt chunk, an export of a newer version a ``FormatVersionError``
+like a manifest. Files written by other tools have one class for everything wrong with
+them or with what they are read into (``SafetensorsError``; ``OrbaxFormatError``, a
+``ManifestError``). Catch ``CheckpointError`` for all of them.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +23,9 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class FormatVersionError(CheckpointError):
-    """The manifest was written by a newer, incompatible format version."""
+    """A newer, incompatible format version wrote it: a manifest, an export's
+    ``signature.json``, or an exported function's jax calling convention or serialization
+    (the message names both versions and what to upgrade)."""
 
 
 class ManifestError(CheckpointError):
@@ -24,7 +33,8 @@ class ManifestError(CheckpointError):
 
 
 class UnsupportedLeafError(CheckpointError, TypeError):
-    """A pytree leaf has a type jaxckpt cannot store."""
+    """A value jaxckpt cannot store: a pytree leaf of a type it does not know, or a
+    ``per_process`` value that is neither JSON, bytes nor a pytree of NumPy arrays."""
 
 
 class DeletedArrayError(CheckpointError, ValueError):
@@ -47,7 +57,8 @@ class ShardingError(CheckpointError, ValueError):
 
 
 class ChecksumError(CheckpointError):
-    """A chunk's CRC32C did not match: the data on disk is corrupt."""
+    """Stored data does not match its checksum (a chunk's CRC32C, an exported artifact's
+    SHA-256, a per-process record's digest): it is corrupt."""
 
 
 class StorageError(CheckpointError, OSError):
@@ -75,16 +86,8 @@ class ExportError(CheckpointError):
     """An exported function cannot be saved, found or served as asked."""
 
 
-class ExportVersionError(ExportError, FormatVersionError):
-    """The export was written by a format or jax.export version the installed code can't read."""
-
-
 class ExportArgumentError(ExportError, ValueError):
     """An argument given to a served function does not match the exported signature."""
-
-
-class ExportChecksumError(ExportError, ChecksumError):
-    """An exported artifact's SHA-256 differs from the one in signature.json: it is corrupt."""
 
 
 class OptionsError(CheckpointError, ValueError):
@@ -92,36 +95,17 @@ class OptionsError(CheckpointError, ValueError):
 
 
 class SafetensorsError(CheckpointError):
-    """A safetensors file or index is missing, truncated or malformed, or a tree cannot be
-    written as one."""
+    """A safetensors file or index is missing, truncated or malformed, does not hold what
+    the target needs (a tensor for a leaf, a shape through the transforms), or a tree
+    cannot be written as one (a leaf that is not an array, or a PRNG key)."""
 
 
 class OrbaxFormatError(ManifestError):
     """An Orbax checkpoint jaxckpt cannot read (a layout or value type it does not know)."""
 
 
-class PerProcessError(CheckpointError, TypeError):
-    """A ``per_process`` value that is neither JSON, bytes nor a pytree of NumPy arrays."""
-
-
 class ProcessCountChangedError(CheckpointError):
     """Per-process values were asked for by index after the process count changed."""
-
-
-class OrbaxDependencyError(OrbaxFormatError, ImportError):
-    """Reading this Orbax checkpoint needs an optional package (msgpack: ``jaxckpt[orbax]``)."""
-
-
-class SafetensorsLeafNotFoundError(SafetensorsError, LeafNotFoundError):
-    """A tensor a leaf of the target needs is in none of the safetensors files."""
-
-
-class SafetensorsShapeError(SafetensorsError, ShapeMismatchError):
-    """A safetensors tensor does not give the target leaf's shape through its transforms."""
-
-
-class SafetensorsLeafError(SafetensorsError, UnsupportedLeafError):
-    """A leaf ``jaxckpt.safetensors.save`` cannot write (not an array, or a PRNG key)."""
 
 
 class RunLogError(CheckpointError):
@@ -129,7 +113,8 @@ class RunLogError(CheckpointError):
 
 
 class MissingDependencyError(CheckpointError, ImportError):
-    """An optional package a feature needs is not installed (the message names it)."""
+    """An optional package a feature needs is not installed (the message names it and the
+    extra that installs it, e.g. msgpack: ``jaxckpt[orbax]``)."""
 
 
 class SaveCancelledError(CheckpointError):

@@ -18,11 +18,6 @@ gives 8 -> (4, 2), 4 -> (2, 2), 2 -> (1, 2), 1 -> (1, 1), 16 -> (8, 2).
 >>> y = served(x)
 """
 
-from ._src.export.format import ARTIFACTS_DIR as ARTIFACTS_DIR
-from ._src.export.format import EXPORT_FORMAT as EXPORT_FORMAT
-from ._src.export.format import EXPORT_FORMAT_VERSION as EXPORT_FORMAT_VERSION
-from ._src.export.format import PARAMS_DIR as PARAMS_DIR
-from ._src.export.format import SIGNATURE_FILE as SIGNATURE_FILE
 from ._src.export.format import signature as signature
 from ._src.export.save import axis_sizes_for as axis_sizes_for
 from ._src.export.save import save as save
@@ -30,11 +25,6 @@ from ._src.export.serving import Served as Served
 from ._src.export.serving import load as load
 
 __all__ = [
-    "ARTIFACTS_DIR",
-    "EXPORT_FORMAT",
-    "EXPORT_FORMAT_VERSION",
-    "PARAMS_DIR",
-    "SIGNATURE_FILE",
     "Served",
     "axis_sizes_for",
     "load",

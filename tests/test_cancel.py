@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from slowproxy import SlowProxy
 
 import jaxckpt
+from jaxckpt._src import writer
 from jaxckpt._src.goodput import runlog
 from jaxckpt._src.writer import Cancel
 from jaxckpt.errors import SaveCancelledError
@@ -88,6 +89,18 @@ def test_a_cancel_and_a_commit_are_decided_once():
     assert second.cancel() is True  # asking again changes nothing
     with pytest.raises(SaveCancelledError, match="save 2 was cancelled"):
         second.claim()
+
+
+def test_a_save_outside_a_manager_cannot_be_cancelled(tmp_path):
+    """``jaxckpt.save`` commits with ``writer.NEVER``: its checks pass, a cancel never wins,
+    and its waits stay uninterruptible (no check to poll between slices)."""
+    assert writer.NEVER.cancel() is False and not writer.NEVER.cancelled
+    for step in (writer.NEVER.check, writer.NEVER.poll, writer.NEVER.claim):
+        step()  # none raises
+    assert writer.NEVER.waits_check() is None and not writer.NEVER.follows_cancel
+    assert Cancel("save 3").waits_check() is not None
+    jaxckpt.save(tmp_path / "c", {"a": np.arange(4)})
+    assert jaxckpt.restore(tmp_path / "c")["a"].tolist() == [0, 1, 2, 3]
 
 
 def _objects(s3_url: str) -> list[str]:

@@ -234,13 +234,19 @@ def test_metadata_without_reading_data(mesh42, tmp_path):
     assert jaxckpt.custom_metadata(tmp_path / "c") == {"note": "hi"}
 
 
-def test_metadata_keyword_is_deprecated_but_works(tmp_path):
-    with pytest.warns(DeprecationWarning, match="custom_metadata"):
-        jaxckpt.save(tmp_path / "c", {"step": 3}, metadata={"old": True})
-    with pytest.warns(DeprecationWarning, match="custom_metadata"):
-        assert jaxckpt.user_metadata(tmp_path / "c") == {"old": True}
-    with pytest.raises(TypeError, match="custom_metadata= only"):
-        jaxckpt.save(tmp_path / "d", {"s": 0}, metadata={"a": 1}, custom_metadata={"b": 2})
+def test_the_deprecated_metadata_names_are_gone(tmp_path):
+    """0.1.0 drops ``save(metadata=)`` and ``jaxckpt.user_metadata`` (``custom_metadata``
+    names both), and the page-cache choices of ``save``'s signature (a manager's ``Options``
+    make them): passing them is a TypeError, and nothing is written."""
+    for gone in ({"metadata": {"old": True}}, {"direct_io": False}, {"drop_page_cache": True}):
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            jaxckpt.save(tmp_path / "c", {"step": 3}, **gone)
+    with (
+        jaxckpt.CheckpointManager(tmp_path / "m") as mgr,
+        pytest.raises(TypeError, match="unexpected keyword"),
+    ):
+        mgr.save(1, {"s": 0}, metadata={"a": 1})
+    assert not hasattr(jaxckpt, "user_metadata") and not (tmp_path / "c").exists()
 
 
 def test_python_float_nans_keep_sign_and_payload(tmp_path):

@@ -249,7 +249,9 @@ def test_info_and_verify_see_per_process_records(mesh42, tmp_path):
 def test_ls_reads_local_steps_and_names_a_damaged_local_json(mesh42, tmp_path):
     """`ls` on an emergency local directory: each step's size from its checked local.json; a
     damaged one is an error naming the file (exit 2), never a traceback."""
-    opts = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=100)
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, remote=jaxckpt.Options(save_interval_steps=100)
+    )
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts) as mgr:
         mgr.save(1, _state(mesh42))
     step = tmp_path / "l" / "00000001"

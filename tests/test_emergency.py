@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt._src.emergency import wire
 from jaxckpt._src.emergency.planner import SliceKey
-from jaxckpt._src.io import mapped
+from jaxckpt._src.io import layout, linux
 from jaxckpt._src.options import OptionsError
 from jaxckpt.errors import CheckpointNotFoundError, DeletedArrayError, UnsupportedLeafError
 
@@ -44,7 +44,9 @@ def make_state(mesh, step):
 
 
 def opts(**kw):
-    base = dict(local_interval_steps=1, remote_interval_steps=100, async_save=True)
+    """Local saves at every step; remote ones every ``remote_every`` (100), 3 kept."""
+    remote = jaxckpt.Options(save_interval_steps=kw.pop("remote_every", 100), max_to_keep=3)
+    base = dict(local_interval_steps=1, async_save=True, remote=remote)
     return jaxckpt.EmergencyOptions(**{**base, **kw})
 
 
@@ -100,7 +102,7 @@ def test_a_local_restore_opens_with_tensorstore_only_the_leaves_it_reads_with_it
     TensorStore (``arrays.open_leaf`` watched)."""
     from hostile import DTYPES, assert_same_bits, direct_dtype, random_bits
 
-    from jaxckpt._src.io import arrays, direct
+    from jaxckpt._src.io import arrays
 
     rng = np.random.default_rng(31)
     tree = {
@@ -113,7 +115,7 @@ def test_a_local_restore_opens_with_tensorstore_only_the_leaves_it_reads_with_it
         opened.append(name)
         return real(db, name, ctx)
 
-    monkeypatch.delenv(direct.ENV, raising=False)
+    monkeypatch.delenv(linux.DIRECT_READ, raising=False)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
         mgr.save(1, tree)
         mgr.wait_until_finished()
@@ -138,11 +140,11 @@ def test_a_local_restore_maps_whole_chunks_as_the_arrays_memory(x64, tmp_path, m
     rng = np.random.default_rng(5)
     tree = {}
     for i, d in enumerate(x for x in DTYPES if direct_dtype(x) and _whole_bytes(x)):
-        rows = mapped.MIN_BYTES // d.itemsize // 64 * 4  # a (4, 2) slice: 256 KiB at least
+        rows = layout.SMALL_CHUNK_BYTES // d.itemsize // 64 * 4  # a (4, 2) slice: 256 KiB at least
         spec = MAP_SPECS[i % len(MAP_SPECS)]
         tree[d.name] = sharded(random_bits((rows, 128), d, rng), mesh42, spec)
     want = {k: np.asarray(v) for k, v in tree.items()}
-    monkeypatch.delenv(mapped.ENV, raising=False)
+    monkeypatch.delenv(linux.MAP, raising=False)
     o = dataclasses.replace(opts(), local_max_to_keep=1)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
         mgr.save(1, tree)
@@ -159,7 +161,7 @@ def test_a_local_restore_maps_whole_chunks_as_the_arrays_memory(x64, tmp_path, m
         for k, v in out.items():
             for shard in v.addressable_shards:
                 assert_same_bits(want[k][shard.index], np.asarray(shard.data), k)
-        monkeypatch.setenv(mapped.ENV, "0")
+        monkeypatch.setenv(linux.MAP, "0")
         read = mgr.restore()
         for k, v in read.items():
             assert not any(mapped_from(v, tmp_path / "l")), k
@@ -169,7 +171,7 @@ def test_a_local_restore_maps_whole_chunks_as_the_arrays_memory(x64, tmp_path, m
 def test_a_corrupt_chunk_of_a_mapped_slice_is_never_restored(tmp_path, mesh42, monkeypatch):
     """A mapped slice's chunk fails its CRC32C (checked over the mapping): that step is
     rejected naming the copy, the older one restored, mapped."""
-    monkeypatch.delenv(mapped.ENV, raising=False)
+    monkeypatch.delenv(linux.MAP, raising=False)
 
     def state(step):
         w = np.random.default_rng(step).standard_normal((1024, 512)).astype(np.float32)
@@ -197,7 +199,7 @@ def test_a_step_saved_again_leaves_the_arrays_mapped_from_it_as_they_were(
     """The step a restore mapped is saved again, with other values: its committed files
     are not written again (nothing writes a committed step's files, which the arrays map),
     so the arrays and the next restore keep the step's values."""
-    monkeypatch.delenv(mapped.ENV, raising=False)
+    monkeypatch.delenv(linux.MAP, raising=False)
     rng = np.random.default_rng(3)
     w1, w2 = (rng.standard_normal((1024, 512)).astype(np.float32) for _ in range(2))
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts()) as mgr:
@@ -218,7 +220,7 @@ def _whole_bytes(d: np.dtype) -> bool:
 def test_step_digits_and_figures(tmp_path, mesh42):
     """Both tiers name steps with ``step_digits``; each save and restore leaves its phases'
     times in ``last_*_figures`` (the same Figures as the plain manager's)."""
-    o = dataclasses.replace(opts(), step_digits=4, remote_interval_steps=2)
+    o = opts(step_digits=4, remote=jaxckpt.Options(save_interval_steps=2, step_digits=4))
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
         mgr.save(2, make_state(mesh42, 2))
         mgr.wait_until_finished()
@@ -286,7 +288,7 @@ def test_corrupt_chunk_is_never_restored(tmp_path, mesh42):
 
 
 def test_remote_tier_when_newer_or_local_gone(tmp_path, mesh42):
-    o = opts(local_interval_steps=2, remote_interval_steps=3)
+    o = opts(local_interval_steps=2, remote_every=3)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
         for step in range(1, 4):
             mgr.save(step, make_state(mesh42, step))
@@ -310,7 +312,7 @@ def test_remote_tier_when_newer_or_local_gone(tmp_path, mesh42):
 
 
 def test_remote_tier_on_s3(tmp_path, mesh42, s3_url):
-    o = opts(local_interval_steps=1, remote_interval_steps=2)
+    o = opts(local_interval_steps=1, remote_every=2)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", s3_url, o) as mgr:
         for step in (1, 2):
             mgr.save(step, make_state(mesh42, step))
@@ -321,7 +323,11 @@ def test_remote_tier_on_s3(tmp_path, mesh42, s3_url):
 
 
 def test_force_saves_both_tiers_and_sync_mode(tmp_path, mesh42):
-    o = opts(local_interval_steps=10, remote_interval_steps=10, async_save=False)
+    o = opts(
+        local_interval_steps=10,
+        async_save=False,
+        remote=jaxckpt.Options(save_interval_steps=10, async_save=False),
+    )
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
         assert not mgr.save(3, make_state(mesh42, 3))
         assert mgr.save(4, make_state(mesh42, 4), force=True)
@@ -387,11 +393,66 @@ def test_options(tmp_path):
     with pytest.raises(OptionsError, match="local_interval_steps"):
         jaxckpt.EmergencyOptions(local_interval_steps=0)
     o = jaxckpt.EmergencyOptions.from_file(CONFIG)
-    assert o.local_interval_steps < o.remote_interval_steps and o.replication >= 1
+    assert o.local_interval_steps < o.remote.save_interval_steps and o.replication >= 1
+    assert o.remote.timeout_s == 300.0 and o.remote.max_interval_steps == 100_000
     bad = tmp_path / "bad.toml"
     bad.write_text("local_every = 3\n")
     with pytest.raises(OptionsError, match="unknown"):
         jaxckpt.EmergencyOptions.from_file(bad)
+    # the remote tier is an Options: a [remote] table changes the keys it names, checked as
+    # an Options file's are
+    bad.write_text("local_interval_steps = 5\n[remote]\nchunk_bytes = 4096\n")
+    o = jaxckpt.EmergencyOptions.from_file(bad)
+    assert (o.remote.chunk_bytes, o.remote.save_interval_steps, o.remote.max_to_keep) == (
+        4096,
+        1000,
+        3,
+    )
+    bad.write_text("[remote]\nremote_interval_steps = 5\n")
+    with pytest.raises(OptionsError, match=r"\[remote\].*unknown.*remote_interval_steps"):
+        jaxckpt.EmergencyOptions.from_file(bad)
+    with pytest.raises(OptionsError, match="remote must be a jaxckpt.Options"):
+        jaxckpt.EmergencyOptions(remote={"save_interval_steps": 5})
+    with pytest.raises(TypeError):  # the remote interval is no second positional field
+        jaxckpt.EmergencyOptions(1, 100)
+
+
+def test_every_remote_option_reaches_the_remote_manager(tmp_path, mesh42, monkeypatch, caplog):
+    """``EmergencyOptions.remote`` is the remote tier's manager's ``Options``, whole (less its
+    run log: the emergency manager logs both tiers): ``chunk_bytes`` bounds the remote
+    step's chunks and ``read_budget_bytes`` its restores, which no copied field passed."""
+    from jaxckpt._src import manager as manager_lib
+    from jaxckpt._src.manifest import read_manifest
+
+    remote = jaxckpt.Options(
+        save_interval_steps=2, max_to_keep=1, chunk_bytes=1024, read_budget_bytes=4096
+    )
+    o = opts(remote=remote, local_interval_steps=2)
+    budgets = []
+
+    def restore(*args, **kw):
+        budgets.append(kw.get("read_budget_bytes"))
+        return real(*args, **kw)
+
+    real = manager_lib.restore
+    monkeypatch.setattr(manager_lib, "restore", restore)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        assert mgr.remote.options == dataclasses.replace(remote, run_log=False)
+        for step in (2, 4):
+            mgr.save(step, make_state(mesh42, step))
+        mgr.wait_until_finished()
+        assert mgr.remote.all_steps() == [4]  # its max_to_keep
+        w = {r.name: r for r in read_manifest(mgr.remote.step_path(4)).leaves}["w"]
+        assert w.chunk_shape is not None and np.prod(w.chunk_shape) * 4 <= 1024
+    shutil.rmtree(tmp_path / "l")
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        assert_tree_equal(mgr.restore(), make_state(mesh42, 4))
+        assert mgr.last_report.tier == "remote" and budgets == [4096]
+    # an Options() alone would save the remote tier at every step: said when it starts
+    with jaxckpt.EmergencyCheckpointManager(
+        tmp_path / "l", tmp_path / "r3", opts(local_interval_steps=10, remote=jaxckpt.Options())
+    ):
+        assert "more often than the local tier's 10" in caplog.text
 
 
 # --- multi-process -----------------------------------------------------------------------
@@ -424,7 +485,7 @@ def test_local_restart_and_retention_of_both_tiers(tmp_path):
     run(2, "save", tmp_path, 5, env=env)
     for h in ("host0", "host1"):
         assert steps(tmp_path / h) == ["00000004", "00000005"]  # local_max_to_keep=2
-    assert steps(tmp_path / "remote") == ["00000002", "00000004"]  # remote_max_to_keep=2
+    assert steps(tmp_path / "remote") == ["00000002", "00000004"]  # the remote max_to_keep=2
     reps = reports(run(2, "restore", tmp_path, "local", 5, env=env))
     assert all(r["from_peers"] == [] and r["saved_process_count"] == 2 for r in reps)
 

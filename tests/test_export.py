@@ -257,7 +257,7 @@ def test_corrupted_or_missing_artifact(exported, tmp_path):
     blob = bytearray(art.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     art.write_bytes(bytes(blob))
-    with pytest.raises(errors.ExportChecksumError, match=r"devices_8\.jaxexport is corrupt"):
+    with pytest.raises(errors.ChecksumError, match=r"devices_8\.jaxexport is corrupt"):
         jaxckpt.export.load(path)
     art.unlink()
     with pytest.raises(errors.ExportError, match=r"devices_8\.jaxexport is missing"):
@@ -281,19 +281,19 @@ def test_unsupported_versions(exported, tmp_path):
     def newer_calling_convention(sig):
         sig["variants"][-1]["calling_convention_version"] = hi + 1
 
-    with pytest.raises(errors.ExportVersionError, match=rf"version {hi + 1}.*supports.*\.\.{hi}"):
+    with pytest.raises(errors.FormatVersionError, match=rf"version {hi + 1}.*supports.*\.\.{hi}"):
         load_with(newer_calling_convention)
 
     def newer_serialization(sig):
         sig["variants"][-1]["serialization_version"] = 999
 
-    with pytest.raises(errors.ExportVersionError, match=rf"version 999.*jax {jax.__version__}"):
+    with pytest.raises(errors.FormatVersionError, match=rf"version 999.*jax {jax.__version__}"):
         load_with(newer_serialization)
 
     def newer_format(sig):
         sig["format_version"] = 99
 
-    with pytest.raises(errors.ExportVersionError, match=r"format version 99\.0.*major version 1"):
+    with pytest.raises(errors.FormatVersionError, match=r"format version 99\.0.*major version 1"):
         load_with(newer_format)
 
 

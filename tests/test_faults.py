@@ -186,9 +186,7 @@ def test_a_full_tmpfs_under_the_emergency_local_tier(small_tmpfs, tmp_path, mesh
     ballast = small_tmpfs / "ballast"
     with open(ballast, "wb") as f:
         f.write(b"\xa5" * (2 << 20))
-    opts = jaxckpt.EmergencyOptions(
-        local_interval_steps=1, remote_interval_steps=1000, local_max_to_keep=None
-    )
+    opts = jaxckpt.EmergencyOptions(local_interval_steps=1, local_max_to_keep=None)
     mgr = jaxckpt.EmergencyCheckpointManager(local, tmp_path / "remote", opts)
     try:
         saved, (step, error) = save_until_full(mgr, lambda s: state(s, mesh42), 20)
@@ -386,7 +384,9 @@ def test_a_read_only_local_tier_refuses_a_save_up_front(small_tmpfs, tmp_path):
     restores, and refuses a save at the call, naming errno 30, instead of failing later in
     the background."""
     local = small_tmpfs / "local"
-    opts = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=10)
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, remote=jaxckpt.Options(save_interval_steps=10)
+    )
     small = {"w": np.arange(1024, dtype=np.float32)}
     with jaxckpt.EmergencyCheckpointManager(local, tmp_path / "remote", opts) as mgr:
         mgr.save(1, small)

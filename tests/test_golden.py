@@ -229,7 +229,7 @@ def test_golden_export_serves(version, tmp_path):
     _edit_json(sig, lambda d: d.update(format_version=newer, a_future_field="x"))
     assert np.asarray(jaxckpt.export.load(copy)(values.EXPORT_X)).tobytes() == want.tobytes()
     _edit_json(sig, lambda d: d.update(format_version=[2, 0]))
-    with pytest.raises(errors.ExportVersionError, match=r"2\.0.*major version 1"):
+    with pytest.raises(errors.FormatVersionError, match=r"2\.0.*major version 1"):
         jaxckpt.export.load(copy)
 
 

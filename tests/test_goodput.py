@@ -194,7 +194,9 @@ def test_a_with_block_left_by_an_exception_is_a_failure(tmp_path):
 
     state = {"w": np.arange(64, dtype=np.float32)}
     opts = jaxckpt.Options(heartbeat_s=0)
-    eopts = jaxckpt.EmergencyOptions(1, 2, heartbeat_s=0)
+    eopts = jaxckpt.EmergencyOptions(
+        1, heartbeat_s=0, remote=jaxckpt.Options(save_interval_steps=2)
+    )
     for make in (
         lambda: jaxckpt.CheckpointManager(tmp_path / "dir", opts),
         lambda: jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", eopts),

@@ -265,18 +265,19 @@ def test_contention_needs_both_kinds_of_steps_and_a_slowdown():
 def test_auto_needs_an_mtbf():
     with pytest.raises(OptionsError, match=r"save_interval_steps='auto' needs mtbf_hours"):
         jaxckpt.Options(save_interval_steps="auto")
-    with pytest.raises(OptionsError, match=r"remote_interval_steps='auto' needs mtbf_hours"):
-        jaxckpt.EmergencyOptions(remote_interval_steps="auto")
+    with pytest.raises(OptionsError, match=r"local_interval_steps='auto' needs mtbf_hours"):
+        jaxckpt.EmergencyOptions(local_interval_steps="auto")
     o = jaxckpt.Options(save_interval_steps="auto", mtbf_hours=1000)
     assert is_auto(o.save_interval_steps) and (o.min_interval_steps, o.max_interval_steps) == (
         1,
         10_000,
     )
     e = jaxckpt.EmergencyOptions(
-        local_interval_steps="auto", remote_interval_steps="auto", mtbf_hours=5
+        local_interval_steps="auto", mtbf_hours=5, remote=dataclasses.replace(o, mtbf_hours=5)
     )
-    assert is_auto(e.local_interval_steps) and is_auto(e.remote_interval_steps)
-    assert (e.remote_min_interval_steps, e.remote_max_interval_steps) == (1, 100_000)
+    assert is_auto(e.local_interval_steps) and is_auto(e.remote.save_interval_steps)
+    default = jaxckpt.EmergencyOptions().remote  # the remote tier's "auto" reaches further
+    assert (default.min_interval_steps, default.max_interval_steps) == (1, 100_000)
     assert o.run_log and e.run_log and not is_auto(10) and not is_auto("Auto")
     # an mtbf without "auto" is fine (the goodput report can use it)
     assert jaxckpt.Options(mtbf_hours=2.5, save_interval_steps=np.int64(5)).mtbf_hours == 2.5
@@ -301,8 +302,6 @@ def test_auto_needs_an_mtbf():
         (jaxckpt.EmergencyOptions, {"local_interval_steps": "never"}, "local_interval_steps"),
         (jaxckpt.EmergencyOptions, {"mtbf_hours": -1.0}, "mtbf_hours"),
         (jaxckpt.EmergencyOptions, {"max_interval_steps": 0}, "max_interval_steps"),
-        (jaxckpt.EmergencyOptions, {"remote_min_interval_steps": 0}, "remote_min_interval_steps"),
-        (jaxckpt.EmergencyOptions, {"remote_max_interval_steps": 0}, "remote_max_interval_steps"),
     ],
 )
 def test_bad_interval_options_are_named(cls, kw, name):
@@ -311,12 +310,15 @@ def test_bad_interval_options_are_named(cls, kw, name):
 
 
 def _toml(values: dict) -> str:
-    """A flat TOML table of scalars (None left out: TOML has no null)."""
-    lines = []
+    """A TOML table of scalars, and a dict value as a table of its own (None left out: TOML
+    has no null)."""
+    lines, tables = [], []
     for k, v in values.items():
-        if v is not None:
+        if isinstance(v, dict):
+            tables.append(f"[{k}]\n" + _toml({n: x for n, x in v.items() if n != "best_fn"}))
+        elif v is not None:
             lines.append(f"{k} = {json.dumps(v)}")  # JSON scalars are TOML scalars here
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + "".join(tables)
 
 
 def test_auto_in_toml_files_round_trips(tmp_path):
@@ -327,8 +329,12 @@ def test_auto_in_toml_files_round_trips(tmp_path):
             max_interval_steps=5000, run_log=False, max_to_keep=3,
         ),
         jaxckpt.EmergencyOptions(
-            local_interval_steps="auto", remote_interval_steps="auto", mtbf_hours=1000.0,
-            min_interval_steps=5, remote_min_interval_steps=500, run_log=False,
+            local_interval_steps="auto", mtbf_hours=1000.0, min_interval_steps=5,
+            run_log=False,
+            remote=jaxckpt.Options(
+                save_interval_steps="auto", mtbf_hours=1000.0, min_interval_steps=500,
+                max_to_keep=3, chunk_bytes=1 << 20,
+            ),
         ),
     ]  # fmt: skip
     for opts in cases:

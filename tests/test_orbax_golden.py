@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt.errors import (
     CheckpointNotFoundError,
-    OrbaxDependencyError,
+    MissingDependencyError,
     OrbaxFormatError,
     StorageError,
 )
@@ -167,7 +167,7 @@ def test_orbax05_aggregated_leaves_without_msgpack_installed_say_what_to_install
     tmp_path, monkeypatch
 ):
     monkeypatch.setitem(sys.modules, "msgpack", None)  # import msgpack raises ImportError
-    with pytest.raises(OrbaxDependencyError, match=r"pip install 'jaxckpt\[orbax\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'jaxckpt\[orbax\]'"):
         jaxckpt.restore(golden_path("0.5.10", "flax"))
     out = flat(jaxckpt.restore(golden_path("0.5.10", "ocdbt")))  # nothing aggregated there
     assert_bits(out, expected("0.5.10")[1])

@@ -77,16 +77,16 @@ def test_none_saves_no_record(tmp_path):
 
 @pytest.mark.parametrize("bad", [object(), {"it": object()}, {"a": np.array(["s"])}])
 def test_bad_value_is_refused_before_anything_is_written(tmp_path, bad):
-    with pytest.raises(errors.PerProcessError, match=r"process 0.*(object|<U1)"):
+    with pytest.raises(errors.UnsupportedLeafError, match=r"process 0.*(object|<U1)"):
         jaxckpt.save(tmp_path / "c", small(), per_process=bad)
     assert not os.path.exists(tmp_path / "c")
     with jaxckpt.CheckpointManager(tmp_path / "m") as mgr:
-        with pytest.raises(errors.PerProcessError, match="process 0"):
+        with pytest.raises(errors.UnsupportedLeafError, match="process 0"):
             mgr.save(1, small(), per_process=bad)
         assert mgr.all_steps() == [] and listing(tmp_path / "m") == []
     opts = jaxckpt.EmergencyOptions(local_interval_steps=1)
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts) as mgr:
-        with pytest.raises(errors.PerProcessError, match="process 0"):
+        with pytest.raises(errors.UnsupportedLeafError, match="process 0"):
             mgr.save(1, small(), per_process=bad)
         assert mgr.all_steps() == [] and listing(tmp_path / "l") == []
 
@@ -116,7 +116,9 @@ def test_manager_snapshots_the_value_at_save_and_reads_the_restored_step(tmp_pat
 
 
 def test_emergency_manager_keeps_it_in_both_tiers(tmp_path):
-    opts = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=2)
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, remote=jaxckpt.Options(save_interval_steps=2)
+    )
     with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, small(), per_process={"next_index": step})

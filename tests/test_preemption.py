@@ -114,7 +114,7 @@ def test_the_emergency_manager_saves_the_local_tier_on_the_notice(tmp_path):
     gets preemption_grace_s and is cancelled after it (here 0 s: at once)."""
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=100,
-        remote_interval_steps=100,
+        remote=jaxckpt.Options(save_interval_steps=100),
         preemption_signals=("SIGUSR1",),
         preemption_grace_s=0.0,
     )

@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import errors
 from jaxckpt._src.safetensors.format import coalesce, runs
 from jaxckpt.safetensors import Cast, Reshape, SafetensorsError, Stack, Transpose
 
@@ -213,20 +212,14 @@ def small(tmp_path):
 
 def test_missing_tensor_names_leaf_tensor_and_close_names(small):
     t = {"model": {"W": jax.ShapeDtypeStruct((4, 2), np.float32)}}
-    with pytest.raises(
-        errors.LeafNotFoundError, match=r"'model\.W'.*'model\.W'.*closest: \['model\.w'"
-    ) as raised:
+    with pytest.raises(SafetensorsError, match=r"'model\.W'.*'model\.W'.*closest: \['model\.w'"):
         jaxckpt.safetensors.load(small, t)
-    # every safetensors failure is a SafetensorsError, and still the general class
-    assert isinstance(raised.value, SafetensorsError)
-    assert issubclass(errors.SafetensorsShapeError, (SafetensorsError, errors.ShapeMismatchError))
-    assert issubclass(errors.SafetensorsLeafError, errors.UnsupportedLeafError)
 
 
 def test_shape_mismatch_after_transforms(small):
     t = {"model": {"w": jax.ShapeDtypeStruct((4, 2), np.float32)}}
     with pytest.raises(
-        errors.ShapeMismatchError,
+        SafetensorsError,
         match=r"model\.safetensors.*\[4, 2\] gives leaf 'model\.w' shape \[2, 4\]",
     ):
         jaxckpt.safetensors.load(small, t, transforms=[("w", Transpose((1, 0)))])
@@ -255,7 +248,7 @@ def test_corrupt_and_truncated_files_and_a_bad_index(small, tmp_path):
 
 
 def test_save_refusals(mesh42, tmp_path):
-    with pytest.raises(errors.UnsupportedLeafError, match="PRNG key"):
+    with pytest.raises(SafetensorsError, match="PRNG key"):
         jaxckpt.safetensors.save(tmp_path / "k", {"key": jax.random.key(0)})
     x = sharded(np.ones((8, 4), np.float32), mesh42, ("data", None))
     with pytest.raises(SafetensorsError, match=r"several leaves map to tensor\(s\) \['w'\]"):
@@ -269,11 +262,11 @@ def test_save_refusals(mesh42, tmp_path):
 def test_save_refuses_a_leaf_it_cannot_store_and_writes_nothing(tmp_path):
     tree = {"a": np.ones((4, 4), np.float32), "b": {"bad": object()}, "c": np.zeros(2, np.float32)}
     with pytest.raises(
-        errors.SafetensorsLeafError,
+        SafetensorsError,
         match=r"leaf 'b\.bad' is a builtins\.object, which safetensors cannot hold.*np\.asarray",
     ):
         jaxckpt.safetensors.save(tmp_path / "m", tree)
-    with pytest.raises(errors.UnsupportedLeafError, match=r"leaf 'n' is a builtins\.int"):
+    with pytest.raises(SafetensorsError, match=r"leaf 'n' is a builtins\.int"):
         jaxckpt.safetensors.save(tmp_path / "m", {"a": tree["a"], "n": 3})
     with pytest.raises(SafetensorsError, match=r"leaf 's'.*dtype <U1 has no safetensors name"):
         jaxckpt.safetensors.save(tmp_path / "m", {"s": np.array(["x"])})
@@ -308,7 +301,7 @@ def test_every_step_of_a_transform_chain_applies_in_order(mesh42, tmp_path):
     # and inverted on save: the file holds the original tensor
     jaxckpt.safetensors.save(tmp_path / "again", got, transforms=[("q", rope)])
     assert _same(snp.load_file(tmp_path / "again" / "model.safetensors")["q"], x[:, :8])
-    with pytest.raises(errors.ShapeMismatchError, match=r"model\.safetensors.*Reshape.*\[8, 16\]"):
+    with pytest.raises(SafetensorsError, match=r"model\.safetensors.*Reshape.*\[8, 16\]"):
         jaxckpt.safetensors.load(tmp_path, target, transforms=[("q", [Transpose((1, 0)), *rope])])
 
 

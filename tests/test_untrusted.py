@@ -323,7 +323,9 @@ def local_step(tmp_path_factory):
     """A real local step written by the emergency manager, its local.json and parse."""
     root = tmp_path_factory.mktemp("untrusted_local")
     mesh = jax.make_mesh((4, 2), ("data", "model"))
-    opts = jaxckpt.EmergencyOptions(local_interval_steps=1, remote_interval_steps=100)
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, remote=jaxckpt.Options(save_interval_steps=100)
+    )
     with jaxckpt.EmergencyCheckpointManager(root / "l", root / "r", opts) as mgr:
         mgr.save(5, _tree(mesh))
         mgr.wait_until_finished()

@@ -124,8 +124,11 @@ class CheckpointManager:
 
     def log_into(self, log: RunLog | None, tier: str) -> None:
         """Logs this manager's saves and restores into ``log`` as ``tier`` (the remote
-        tier of an EmergencyCheckpointManager, whose log it is)."""
+        tier of an EmergencyCheckpointManager, whose log it is). That manager also decides
+        when the tier saves (it forces every save): this one's interval goes unused, and an
+        ``"auto"`` one is not measured or agreed on a second time."""
         self._log, self._tier, self._owns_log = log, tier, False
+        self._cadence = Cadence(tier, 1, writer=self._writer, where=self.directory.url)
 
     # --- listing -------------------------------------------------------------------------
 
@@ -228,7 +231,6 @@ class CheckpointManager:
         custom_metadata: Any = None,
         per_process: Any = None,
         force: bool = False,
-        metadata: Any = None,
     ) -> bool:
         """Saves ``state`` (a pytree, or a ``jaxckpt.stage`` handle) as ``step``.
 
@@ -236,10 +238,8 @@ class CheckpointManager:
         owned shards are on the host; the write and commit run in the background.
         ``custom_metadata``: a JSON value kept with the step (``mgr.custom_metadata(step)``);
         ``per_process``: this process's own value, e.g. its data iterator's ``get_state()``
-        (``mgr.per_process(step)``); each process passes its own. ``metadata=`` is the
-        deprecated name of ``custom_metadata=``.
+        (``mgr.per_process(step)``); each process passes its own.
         """
-        metadata = saving.renamed_metadata(custom_metadata, metadata)
         if self._closed:
             raise CheckpointError(f"the manager of {self.directory.url} is closed")
         self.check_writable()
@@ -264,13 +264,12 @@ class CheckpointManager:
             prepared = saving.prepare(
                 self.step_path(step).url,
                 state,
-                custom_metadata=metadata,
+                custom_metadata=custom_metadata,
                 metrics=metrics,
                 per_process=per_process,
                 compression=opts.compression,
                 chunk_bytes=opts.chunk_bytes,
-                drop_page_cache=opts.drop_page_cache,
-                direct_io=opts.direct_io,
+                writes=saving.Writes.of(opts),
             )
             background = opts.async_save and (
                 isinstance(state, Staged) or not self._over_budget(prepared.staged)

@@ -69,7 +69,7 @@ class Options:
         save, or a filesystem without O_DIRECT such as tmpfs, falls back to
         ``drop_page_cache``'s way). A restore of the step then reads from the disk. None
         (the default): O_DIRECT where the directory is on a disk filesystem (ext4, xfs,
-        btrfs; ``page_cache.DIRECT_IO_FILESYSTEMS``) and jaxckpt writes the files itself
+        btrfs; ``io.linux.DIRECT_IO_FILESYSTEMS``) and jaxckpt writes the files itself
         (uncompressed), else through the page cache; False: always through it.
     """
 
@@ -144,47 +144,69 @@ def _metric_getter(name: str) -> Callable[[dict], float]:
     return get
 
 
+REMOTE_DEFAULTS: dict[str, Any] = {  # EmergencyOptions.remote's fields unless given
+    "save_interval_steps": 1000,
+    "max_to_keep": 3,
+    "max_interval_steps": 100_000,
+}
+
+
+def _remote_default() -> Options:
+    return Options(**REMOTE_DEFAULTS)
+
+
 @dataclass(frozen=True)
 class EmergencyOptions:
-    """Policies of an :class:`EmergencyCheckpointManager`.
+    """Policies of an :class:`EmergencyCheckpointManager`: its local tier and the manager
+    itself here, its remote tier in ``remote``.
 
-    local_interval_steps / remote_interval_steps: save to that tier when ``step`` is a
-        multiple (``force=True`` saves both tiers), or ``"auto"`` (see ``Options``): chosen
-        within [``min_interval_steps``, ``max_interval_steps``] for the local tier and
-        [``remote_min_interval_steps``, ``remote_max_interval_steps``] for the remote one.
+    local_interval_steps: save to the local tier when ``step`` is a multiple of it
+        (``force=True`` saves both tiers), or ``"auto"`` (see ``Options``), chosen within
+        [``min_interval_steps``, ``max_interval_steps``] from ``mtbf_hours``.
     mtbf_hours: mean time between failures of one host, in hours; needed by ``"auto"``.
-    run_log: append the run's events to ``runlog/`` in both directories.
-    heartbeat_s: the log notes the step reached at most this often (0: every ``save``).
-    local_max_to_keep / remote_max_to_keep: committed steps kept per tier (None: all).
+    local_max_to_keep: committed local steps kept (None: all).
     replication: how many other processes (on other hosts where the layout allows) keep a
         copy of each process's local shards.
-    async_save: ``save`` returns after the device->host copy, with the peer copies in flight.
-    timeout_s: bound on every cross-process wait. compression: remote tier only.
-    step_digits: zero padding of both tiers' step directory names (``00001000``).
-    drop_page_cache: keep both tiers' local files out of the page cache as they are written
+    async_save: a local save returns after the device->host copy, with the peer copies in
+        flight.
+    timeout_s: bound on every cross-process wait of this manager and its local tier.
+    step_digits: zero padding of the local step directories' names (``00001000``).
+    drop_page_cache: keep the local tier's files out of the page cache as they are written
         (see ``Options``); a restore from local copies then reads from the disk.
-    direct_io: write both tiers' local files with O_DIRECT (see ``Options``). None (the
-        default): the remote tier as ``Options`` does, the local tier through the page cache
-        (a process restarted on its host reads its step back from memory).
-    lease_stale_s / take_over_lease: the writer's lease on both tiers (see ``Options``;
-        each process takes its own local directory's).
-    preemption_signals / preemption_grace_s: see ``Options`` and ``reached_preemption``.
+    direct_io: write the local tier's files with O_DIRECT (see ``Options``). None (the
+        default) or False: through the page cache (a process restarted on its host reads
+        its step back from memory).
+    lease_stale_s / take_over_lease: the writer's lease on each process's local directory
+        (see ``Options``).
+    run_log / heartbeat_s: this manager's run log, kept in both tiers' directories
+        (``runlog/``), and how often it notes the step reached (0: every ``save``).
+    preemption_signals / preemption_grace_s: see ``Options`` and ``reached_preemption``;
+        the grace is what a remote save in flight gets after the notice.
+    remote: the remote tier: the :class:`Options` of the ``CheckpointManager`` that writes
+        it, every field as for that manager (``save_interval_steps``,
+        ``min_interval_steps``/``max_interval_steps`` and ``mtbf_hours`` set when it saves;
+        ``max_to_keep``, ``keep_period``, ``compression``, ``chunk_bytes``,
+        ``read_budget_bytes``, ``timeout_s``, ``async_save``, its lease, ``direct_io``...),
+        except ``run_log``, ``heartbeat_s`` and the preemption fields, which are the ones
+        above (this manager logs both tiers and watches for the notice). Default: a save
+        every 1000 steps (``"auto"``: up to 100,000), 3 kept, the rest as ``Options()``.
+        An ``Options`` given here is a whole record: set ``save_interval_steps`` in it, or
+        the remote tier saves at every step (``Options()``'s 1); a file's ``[remote]`` table
+        changes only the keys it names.
     """
 
     local_interval_steps: int | Literal["auto"] = 10
-    remote_interval_steps: int | Literal["auto"] = 1000
+    # the rest by keyword only: the second field was remote_interval_steps before 0.1.0, and
+    # an old call giving it by position fails instead of setting another field
+    _: dataclasses.KW_ONLY
     local_max_to_keep: int | None = 2
-    remote_max_to_keep: int | None = 3
     replication: int = 0
     async_save: bool = True
     timeout_s: float = 600.0
-    compression: str | None = None
     step_digits: int = 8
     mtbf_hours: float | None = None
     min_interval_steps: int = 1
     max_interval_steps: int = 10_000
-    remote_min_interval_steps: int = 1
-    remote_max_interval_steps: int = 100_000
     run_log: bool = True
     heartbeat_s: float = 30.0
     drop_page_cache: bool = False
@@ -193,23 +215,36 @@ class EmergencyOptions:
     take_over_lease: bool = False
     preemption_signals: tuple[str | int, ...] = ("SIGTERM",)
     preemption_grace_s: float = 20.0
+    remote: Options = dataclasses.field(default_factory=_remote_default)
 
     def __post_init__(self) -> None:
         _preemption(self)
         _interval(self, "local_interval_steps", "min_interval_steps", "max_interval_steps")
         _at_least(self, 0, "heartbeat_s")
-        _interval(
-            self, "remote_interval_steps", "remote_min_interval_steps", "remote_max_interval_steps"
-        )
-        _at_least(self, 1, "local_max_to_keep", "remote_max_to_keep", none=True)
+        _at_least(self, 1, "local_max_to_keep", none=True)
         _at_least(self, 0, "replication")
+        if not isinstance(self.remote, Options):
+            raise OptionsError(
+                f"remote must be a jaxckpt.Options (the remote tier's), got {self.remote!r}"
+            )
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **overrides: Any) -> EmergencyOptions:
-        """Reads a TOML option file (see ``configs/emergency_gpu.toml``)."""
+        """Reads a TOML option file (see ``configs/emergency_gpu.toml``): the remote tier's
+        options in its ``[remote]`` table, as an ``Options`` file holds them."""
         doc = option_file(path)
         known_options(cls, doc, where=os.fspath(path))
-        return cls(**{**doc, **overrides})
+        remote = doc.pop("remote", None)
+        if remote is not None:
+            if not isinstance(remote, dict):
+                raise OptionsError(f"{os.fspath(path)}: remote must be a table ([remote])")
+            doc["remote"] = Options.from_dict(  # its keys replace the remote defaults'
+                {**REMOTE_DEFAULTS, **remote}, where=f"{os.fspath(path)} [remote]"
+            )
+        try:
+            return cls(**{**doc, **overrides})
+        except TypeError as e:
+            raise OptionsError(f"{os.fspath(path)}: {e}") from e
 
 
 def _preemption(options: Any) -> None:

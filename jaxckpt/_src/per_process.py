@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ChecksumError, PerProcessError, ProcessCountChangedError
+from ..errors import ChecksumError, ProcessCountChangedError, UnsupportedLeafError
 from . import multihost
 from . import tree as tree_lib
 from .fields import Fields
@@ -96,7 +96,7 @@ def encode(value: Any, *, where: str) -> Record | None:
         try:
             stored = json.loads(json.dumps(value, allow_nan=True))
         except (TypeError, ValueError) as e:
-            raise PerProcessError(
+            raise UnsupportedLeafError(
                 f"{where}: per_process of process {pid} is of type {type(value).__name__}, "
                 f"neither JSON, bytes nor a pytree of NumPy arrays ({e}); pass e.g. a grain "
                 "iterator's get_state(), bytes, a JSON dict, or {name: np.ndarray}"
@@ -164,7 +164,7 @@ def _array_json(path: list, leaf: np.ndarray | np.generic, where: str, pid: int)
     arr = np.asarray(leaf)
     little = arr.dtype.newbyteorder("<")
     if arr.dtype.kind not in "biufc" or not _plain(little):
-        raise PerProcessError(
+        raise UnsupportedLeafError(
             f"{where}: per_process of process {pid}: the NumPy leaf "
             f"{tree_lib.path_name(path)} has dtype {arr.dtype}; only NumPy's own bool, integer, "
             "float and complex arrays can be saved per process (not ml_dtypes' bfloat16, float8, "

@@ -6,7 +6,6 @@ the custom metadata and the per-process values.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 from . import per_process as pp
@@ -36,16 +35,6 @@ def metadata(path: str | os.PathLike) -> Any:
 def custom_metadata(path: str | os.PathLike) -> Any:
     """The ``custom_metadata=`` value given to :func:`jaxckpt.save` (None if none was)."""
     return read_manifest(path).metadata
-
-
-def user_metadata(path: str | os.PathLike) -> Any:
-    """Deprecated name of :func:`custom_metadata`."""
-    warnings.warn(
-        "jaxckpt.user_metadata is deprecated; use jaxckpt.custom_metadata",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return custom_metadata(path)
 
 
 def per_process(

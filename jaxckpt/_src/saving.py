@@ -4,7 +4,8 @@
 the tree: each leaf's manifest record and the pieces this process writes
 (``staging.describe``). ``commit`` agrees with the other processes in one key-value round
 (the same tree everywhere? who runs where?), writes this process's pieces into its own
-OCDBT database (``arrays.write``), and process 0 merges the databases, writes
+OCDBT database (``ocdbt_write.write``, which leaves to ``arrays.write`` what it does not
+write itself), and process 0 merges the databases, writes
 ``manifest.json`` and commits the directory (``steps.committing``). A
 ``CheckpointManager`` prepares on the calling thread (with a host snapshot, for an
 asynchronous save) and commits on its writer thread.
@@ -19,7 +20,6 @@ import importlib.metadata
 import json
 import os
 import uuid
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +32,7 @@ from . import per_process as pp
 from .io import arrays, ocdbt_write
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
+from .options import Options
 from .staging import HostCopies, Staged, StagedLeaf, describe, snapshot
 from .storage import Location, location, storage_error
 
@@ -48,9 +49,6 @@ def save(
     chunk_bytes: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     per_process: Any = None,
-    metadata: Any = None,
-    drop_page_cache: bool = False,
-    direct_io: bool | None = None,
 ) -> Figures:
     """Writes ``tree`` as one checkpoint directory at ``path``; blocks until committed.
 
@@ -63,11 +61,9 @@ def save(
     close to cubes): a restore that needs a thin slice of a shard reads only the chunks it
     touches. ``per_process``: this process's own value (a data iterator's ``get_state()``,
     bytes, JSON, or a pytree of NumPy arrays), which may differ between processes; read back
-    by :func:`per_process`. ``drop_page_cache``: keep a local save's files out of the page
-    cache as they are written (see ``Options.drop_page_cache``). ``direct_io``: write a
-    local save's files with O_DIRECT (None: where the directory is on a disk filesystem;
-    see ``Options.direct_io``). (``metadata=`` is the
-    deprecated name of ``custom_metadata=``.)
+    by :func:`per_process`. A local save's files are written with O_DIRECT where the
+    directory is on a disk filesystem (``Options.direct_io``'s default; a manager's
+    ``Options`` choose otherwise: ``direct_io``, ``drop_page_cache``).
 
     Shards held by several processes are written in parts, one part by each (see
     ``sharding.write_split``), so save time falls with the number of hosts. Returns this
@@ -80,15 +76,30 @@ def save(
         prepared = prepare(
             path,
             tree,
-            custom_metadata=renamed_metadata(custom_metadata, metadata),
+            custom_metadata=custom_metadata,
             metrics=metrics,
             per_process=per_process,
             compression=compression,
             chunk_bytes=chunk_bytes,
-            drop_page_cache=drop_page_cache,
-            direct_io=direct_io,
         )
         return commit(prepared, timeout_s)
+
+
+@dataclass(frozen=True)
+class Writes:
+    """How a save writes its local files past the page cache: ``Options.direct_io`` and
+    ``Options.drop_page_cache`` (the defaults for :func:`save`; a manager passes its
+    options' with :meth:`of`)."""
+
+    direct_io: bool | None = None
+    drop_page_cache: bool = False
+
+    @classmethod
+    def of(cls, options: Options) -> Writes:
+        return cls(options.direct_io, options.drop_page_cache)
+
+
+DEFAULT_WRITES = Writes()  # O_DIRECT where the filesystem takes it, else the page cache
 
 
 @dataclass(frozen=True)
@@ -101,8 +112,7 @@ class Prepared:
     metrics: dict | None
     record: pp.Record | None  # this process's per-process value, encoded
     clock: Stopwatch
-    drop_page_cache: bool = False
-    direct_io: bool | None = None
+    writes: Writes = DEFAULT_WRITES
 
     def snapshot(self, host: HostCopies) -> Prepared:
         """The same save with the pieces this process writes copied to the host now."""
@@ -119,8 +129,7 @@ def prepare(
     per_process: Any = None,
     compression: str | None = None,
     chunk_bytes: int | None = None,
-    drop_page_cache: bool = False,
-    direct_io: bool | None = None,
+    writes: Writes = DEFAULT_WRITES,
 ) -> Prepared:
     """Checks a save's arguments and describes ``tree`` (see :func:`save`); writes nothing
     and reads no storage (``commit`` checks the path is free)."""
@@ -138,9 +147,7 @@ def prepare(
     with clock.phase("describe"):
         staged = describe(tree, compression=compression, chunk_bytes=chunk_bytes)
     _check_unique_names(staged.leaves, loc)
-    return Prepared(
-        loc, staged, custom_metadata, metrics, record, clock, drop_page_cache, direct_io
-    )
+    return Prepared(loc, staged, custom_metadata, metrics, record, clock, writes)
 
 
 @dataclass(frozen=True)
@@ -158,23 +165,23 @@ def commit(
 ) -> Figures:
     """Writes a prepared save on every process and commits it; blocks until committed.
 
-    ``cancel`` (default: that of the manager's job running this, ``writer.current``) is
-    checked between phases and while waiting for the other processes; process 0 claims the
-    commit right before the rename and the marker, so a cancel either wins (nothing is
-    committed; SaveCancelledError) or loses (the step commits). On a local disk process 0
+    ``cancel`` (default: that of the manager's job running this, ``writer.current``, or
+    ``writer.NEVER`` outside one) is checked between phases and while waiting for the other
+    processes; process 0 claims the commit right before the rename and the marker, so a
+    cancel either wins (nothing is committed; SaveCancelledError) or loses (the step
+    commits). On a local disk process 0
     removes the temporary directory when cancelled; on object stores the step's objects
     stay until the next manager's ``steps.clean_leftovers``.
     """
     loc, leaves, clock = prepared.loc, prepared.staged.leaves, prepared.clock
-    cancel = cancel or writer.current()
-    check = cancel.poll if cancel is not None else None
+    cancel = cancel or writer.current() or writer.NEVER
+    check = cancel.waits_check()
     # first, so that every process takes the same name even if it stops below
     name = multihost.unique_name("save")
     pid, count = multihost.process_index(), multihost.process_count()
-    if cancel is not None:
-        if count > 1:
-            cancel.bind(f"{name}/decision")
-        cancel.check()
+    if count > 1:
+        cancel.bind(f"{name}/decision")
+    cancel.check()
     # checked here, not in prepare: a manager's calling thread never waits on storage
     if loc.exists(COMMIT_FILE):
         raise CheckpointExistsError(
@@ -204,31 +211,28 @@ def commit(
         db = arrays.database_dir(work, None if count == 1 else pid)
         db.makedirs()
         with clock.phase("write"):
-            if cancel is not None:
-                cancel.check()
-                if cancel.follows_cancel and not db.is_local and pid > 0:
-                    # the cancelled save of this step may have written here after process 0
-                    # cleared the step's objects: a leftover database would refuse ``create``
-                    db.remove()
+            cancel.check()
+            if cancel.follows_cancel and not db.is_local and pid > 0:
+                # the cancelled save of this step may have written here after process 0
+                # cleared the step's objects: a leftover database would refuse ``create``
+                db.remove()
             try:
                 ocdbt_write.write(
                     db,
                     writes,
-                    direct_io=prepared.direct_io,
-                    drop_page_cache=prepared.drop_page_cache,
+                    direct_io=prepared.writes.direct_io,
+                    drop_page_cache=prepared.writes.drop_page_cache,
                     fetch=staging.to_host_all,
                 )
             except OSError as e:  # a StorageError too: named by the step, not its work dir
                 raise storage_error(e, loc, "saving") from e
-            if cancel is not None:
-                cancel.check()
+            cancel.check()
             if prepared.record is not None:
                 work.join(pp.DIRECTORY).write_bytes(
                     pp.file_name(pid), json.dumps(prepared.record.to_json()).encode()
                 )
         with clock.phase("commit"):
-            if cancel is not None:
-                cancel.check()
+            cancel.check()
             multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url, check=check)
             if pid == 0:
                 if count > 1:
@@ -245,8 +249,7 @@ def commit(
                 with_records = [p for p, w in enumerate(got) if w.has_record]
                 manifest = dataclasses.replace(manifest, per_process=with_records or None)
                 work.write_bytes(MANIFEST_FILE, manifest.to_json().encode(), create_dir=False)
-                if cancel is not None:
-                    cancel.claim()  # the commit point: leaving ``committing`` publishes
+                cancel.claim()  # the commit point: leaving ``committing`` publishes
     with clock.phase("commit"):
         multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url, check=check)
     return clock.done()
@@ -318,18 +321,3 @@ def package_version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "?"
-
-
-def renamed_metadata(custom: Any, old: Any) -> Any:
-    """``custom_metadata=``, or the deprecated ``metadata=`` with a warning (0.x only)."""
-    if old is None:
-        return custom
-    if custom is not None:
-        raise TypeError("pass custom_metadata= only (metadata= is its deprecated name)")
-    warnings.warn(
-        "save(metadata=...) is deprecated: 'metadata' names the leaf tree (jaxckpt.metadata); "
-        "pass custom_metadata= instead",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return old

@@ -102,6 +102,41 @@ class Cancel:
                 self._state = "committing"
         self.check()
 
+    def waits_check(self) -> Callable[[], None] | None:
+        """What a wait on other processes calls between its slices (``poll``), so that a
+        cancel stops it; None: the wait need not be interruptible."""
+        return self.poll
+
+
+class NeverCancelled(Cancel):
+    """The :class:`Cancel` of a save no one can cancel (``jaxckpt.save`` outside a
+    manager's writer): every check passes, nothing is bound or claimed, and its waits on
+    other processes stay the coordination service's own (uninterruptible) barriers."""
+
+    def __init__(self) -> None:
+        super().__init__("a save outside a manager")
+
+    def bind(self, key: str) -> None:
+        pass
+
+    def cancel(self) -> bool:
+        return False
+
+    def check(self) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def claim(self) -> None:
+        pass
+
+    def waits_check(self) -> Callable[[], None] | None:
+        return None
+
+
+NEVER = NeverCancelled()  # it holds no state: one serves every save
+
 
 def current() -> Cancel | None:
     """The Cancel of the writer's job running on this thread (None outside a job:

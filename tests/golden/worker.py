@@ -44,7 +44,10 @@ def local_state(mesh, step):
 
 def manager(root, remote):
     opts = jaxckpt.EmergencyOptions(
-        local_interval_steps=1, remote_interval_steps=1000, replication=1, timeout_s=60
+        local_interval_steps=1,
+        replication=1,
+        timeout_s=60,
+        remote=jaxckpt.Options(save_interval_steps=1000, max_to_keep=3, timeout_s=60),
     )
     local = os.path.join(root, "local", f"host{jax.process_index()}")
     return jaxckpt.EmergencyCheckpointManager(local, remote, opts)

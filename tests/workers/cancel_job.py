@@ -59,7 +59,10 @@ def main(local_root: str, remote_a: str, remote_b: str) -> None:
     _, out["manager_close_s"] = timed(mgr.close)
 
     opts = jaxckpt.EmergencyOptions(
-        local_interval_steps=1000, remote_interval_steps=STEP, replication=1, timeout_s=60
+        local_interval_steps=1000,
+        replication=1,
+        timeout_s=60,
+        remote=jaxckpt.Options(save_interval_steps=STEP, max_to_keep=3, timeout_s=60),
     )
     local = os.path.join(local_root, f"p{jax.process_index()}")
     emgr = jaxckpt.EmergencyCheckpointManager(local, remote_b, opts)

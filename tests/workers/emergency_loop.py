@@ -97,13 +97,17 @@ def main(mode: str, root: str, rest: list[str]) -> None:
     machines = json.loads(env("JAXCKPT_TEST_MACHINES", "null"))
     if machines:  # which simulated machine each process runs on (peer copies avoid their own)
         os.environ["JAXCKPT_HOST"] = machines[pid]
+    timeout_s = float(env("JAXCKPT_TEST_TIMEOUT", 30))
     opts = jaxckpt.EmergencyOptions(
         local_interval_steps=int(env("JAXCKPT_TEST_LOCAL", 1)),
-        remote_interval_steps=int(env("JAXCKPT_TEST_REMOTE", 100)),
         local_max_to_keep=2,
-        remote_max_to_keep=2,
         replication=int(env("JAXCKPT_TEST_REPL", 0)),
-        timeout_s=float(env("JAXCKPT_TEST_TIMEOUT", 30)),
+        timeout_s=timeout_s,
+        remote=jaxckpt.Options(
+            save_interval_steps=int(env("JAXCKPT_TEST_REMOTE", 100)),
+            max_to_keep=2,
+            timeout_s=timeout_s,
+        ),
     )
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     mgr = jaxckpt.EmergencyCheckpointManager(

@@ -59,9 +59,9 @@ else:
     kill_at, last = int(sys.argv[3]), int(sys.argv[4])
     auto = sys.argv[5:] == ["auto"]
     opts = jaxckpt.EmergencyOptions(
-        local_interval_steps="auto" if auto else 5, remote_interval_steps=10**6,
-        replication=1, heartbeat_s=0, async_save=False, mtbf_hours=0.02,
-        max_interval_steps=10,
+        local_interval_steps="auto" if auto else 5, replication=1, heartbeat_s=0,
+        async_save=False, mtbf_hours=0.02, max_interval_steps=10,
+        remote=jaxckpt.Options(save_interval_steps=10**6, max_to_keep=3, async_save=False),
     )  # fmt: skip
     mgr = jaxckpt.EmergencyCheckpointManager(
         os.path.join(root, f"host{pid}"), os.path.join(root, "remote"), opts

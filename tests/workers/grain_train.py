@@ -74,7 +74,10 @@ def main(mode: str, root: str, steps: int, kill_at: int | None) -> None:
         mgr = jaxckpt.CheckpointManager(os.path.join(root, "ckpt"), jaxckpt.Options(max_to_keep=3))
     else:
         opts = jaxckpt.EmergencyOptions(
-            local_interval_steps=1, remote_interval_steps=10**6, replication=1, timeout_s=60
+            local_interval_steps=1,
+            replication=1,
+            timeout_s=60,
+            remote=jaxckpt.Options(save_interval_steps=10**6, max_to_keep=3, timeout_s=60),
         )
         mgr = jaxckpt.EmergencyCheckpointManager(
             os.path.join(root, f"host{pid}"), os.path.join(root, "remote"), opts

@@ -182,7 +182,10 @@ def run(mode: str, path: str) -> None:
             check(mgr.restore(1, target=target(mesh, saved_spec)), "manager")
     elif mode == "emergency":
         opts = jaxckpt.EmergencyOptions(
-            local_interval_steps=1, replication=1, timeout_s=60, remote_interval_steps=100
+            local_interval_steps=1,
+            replication=1,
+            timeout_s=60,
+            remote=jaxckpt.Options(save_interval_steps=100, max_to_keep=3, timeout_s=60),
         )
         local = os.path.join(path, f"local{pid}")
         with jaxckpt.EmergencyCheckpointManager(local, os.path.join(path, "remote"), opts) as m:

@@ -9,8 +9,8 @@ shifts ``j`` chosen once so that copies leave their host, ``peers.peer_shifts``;
 transfer; the writer thread waits for it (both halves in :mod:`jaxckpt._src.emergency.save`).
 No cross-host filesystem traffic, no barrier: each process commits its own copy.
 
-Remote tier (every ``remote_interval_steps``): a normal checkpoint through an inner
-:class:`CheckpointManager`.
+Remote tier (every ``remote.save_interval_steps``): a normal checkpoint through an inner
+:class:`CheckpointManager` made with ``EmergencyOptions.remote``.
 
 Restore: processes publish what they hold through the ``jax.distributed`` key-value store and
 take the newest step whose every slice is held by somebody, unless the remote tier has a newer
@@ -38,7 +38,7 @@ from .. import per_process as pp
 from ..goodput.cadence import Blocking, Cadence, start_run
 from ..manager import CANCEL_TIMEOUT_S, CheckpointManager
 from ..monitoring import Figures, Stopwatch
-from ..options import EmergencyOptions, Options, signal_numbers
+from ..options import EmergencyOptions, is_auto, signal_numbers
 from ..preemption import Watch, name_for
 from ..storage import location
 from ..writer import Writer
@@ -57,8 +57,8 @@ _seq = itertools.count()  # names of key-value exchanges (main thread only)
 class EmergencyCheckpointManager:
     """Two-tier checkpoints for jobs that lose hosts.
 
-    >>> opts = jaxckpt.EmergencyOptions(local_interval_steps=10, remote_interval_steps=500,
-    ...                                 replication=1)
+    >>> opts = jaxckpt.EmergencyOptions(local_interval_steps=10, replication=1,
+    ...                                 remote=jaxckpt.Options(save_interval_steps=500))
     >>> with jaxckpt.EmergencyCheckpointManager("/local_nvme/ckpt", "s3://b/run", opts) as m:
     ...     if m.latest_step() is not None:
     ...         state = m.restore(target=abstract_state)   # m.last_report says from where
@@ -103,22 +103,12 @@ class EmergencyCheckpointManager:
         opts = self.options
         if not self._verdict.read_only:
             steps.clean_leftovers(self.local_directory, grace_s=opts.timeout_s)
+        # the remote tier: its options as given, but this manager logs both tiers (and
+        # watches for a preemption notice: the remote one's preemption fields go unused)
         self.remote = CheckpointManager(
-            remote_directory,
-            Options(
-                max_to_keep=opts.remote_max_to_keep,
-                async_save=opts.async_save,
-                timeout_s=opts.timeout_s,
-                compression=opts.compression,
-                step_digits=opts.step_digits,
-                run_log=False,  # this manager logs both tiers
-                drop_page_cache=opts.drop_page_cache,
-                direct_io=opts.direct_io,
-                lease_stale_s=opts.lease_stale_s,
-                take_over_lease=opts.take_over_lease,
-                preemption_grace_s=opts.preemption_grace_s,
-            ),
+            remote_directory, dataclasses.replace(opts.remote, run_log=False)
         )
+        self._warn_if_remote_is_more_frequent()
         # the run log, in both tiers' directories (a replaced host keeps the remote one),
         # and each tier's save interval, fixed or chosen from measurement
         dirs = [self.local_directory, self.remote.directory]
@@ -126,14 +116,17 @@ class EmergencyCheckpointManager:
         self.remote.log_into(self._log, "remote")
         self._writer = Writer("jaxckpt-local", self.options.timeout_s)
         tier = functools.partial(
-            Cadence, mtbf_hours=opts.mtbf_hours, history=history, log=self._log,
-            timeout_s=opts.timeout_s, where=self.remote.directory.url,
+            Cadence, history=history, log=self._log, timeout_s=opts.timeout_s,
+            where=self.remote.directory.url,
         )  # fmt: skip
+        ro = self.remote.options
         self._cadences = (
-            tier("local", opts.local_interval_steps, min_steps=opts.min_interval_steps,
-                 max_steps=opts.max_interval_steps, writer=self._writer),
-            tier("remote", opts.remote_interval_steps, min_steps=opts.remote_min_interval_steps,
-                 max_steps=opts.remote_max_interval_steps, writer=self.remote._writer),
+            tier("local", opts.local_interval_steps, mtbf_hours=opts.mtbf_hours,
+                 min_steps=opts.min_interval_steps, max_steps=opts.max_interval_steps,
+                 writer=self._writer),
+            tier("remote", ro.save_interval_steps, mtbf_hours=ro.mtbf_hours,
+                 min_steps=ro.min_interval_steps, max_steps=ro.max_interval_steps,
+                 writer=self.remote._writer),
         )  # fmt: skip
         self._reached: int | None = None  # the highest step given to save()
         self.last_report: RecoveryReport | None = None
@@ -146,6 +139,18 @@ class EmergencyCheckpointManager:
         self.last_restore_figures: Figures | None = None
         # the step last restored, and its per-process records (one per saved process; local)
         self._restored: tuple[int, tuple[pp.Record | None, ...] | None] | None = None
+
+    def _warn_if_remote_is_more_frequent(self) -> None:
+        local, remote = self.options.local_interval_steps, self.options.remote.save_interval_steps
+        if not is_auto(local) and not is_auto(remote) and int(remote) < int(local):
+            log.warning(
+                "jaxckpt: the remote tier %s saves every %d steps, more often than the local "
+                "tier's %d; set EmergencyOptions(remote=Options(save_interval_steps=...)) "
+                "(an Options() alone saves at every step)",
+                self.remote.directory.url,
+                remote,
+                local,
+            )
 
     # --- listing -------------------------------------------------------------------------
 

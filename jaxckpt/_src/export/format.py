@@ -35,9 +35,8 @@ from jax.sharding import PartitionSpec
 from ...errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    ExportChecksumError,
+    ChecksumError,
     ExportError,
-    ExportVersionError,
     FormatVersionError,
     ManifestError,
 )
@@ -376,7 +375,7 @@ def signature(path: str | os.PathLike) -> dict[str, Any]:
 
 def read_signature(loc: Location) -> Signature:
     """The export's :class:`Signature`; damage is an ExportError, a newer major format
-    version an ExportVersionError, each naming the file."""
+    version a FormatVersionError, each naming the file."""
     return _read(loc)[1]
 
 
@@ -391,8 +390,6 @@ def _read(loc: Location) -> tuple[dict[str, Any], Signature]:
     try:
         doc = parse_json(text, where=where, what=SIGNATURE_FILE)
         return doc, Signature.from_json(doc, where)
-    except FormatVersionError as e:
-        raise ExportVersionError(str(e)) from e
     except ManifestError as e:
         raise ExportError(f"{e} (re-export it)") from e
 
@@ -405,14 +402,14 @@ def read_artifact(loc: Location, sig: Signature, variant: Variant) -> jax.export
     hi = jax.export.maximum_supported_calling_convention_version
     ccv = variant.calling_convention_version
     if not lo <= ccv <= hi:
-        raise ExportVersionError(
+        raise FormatVersionError(
             f"{where}: written by jax {writer} with calling convention version {ccv} (as "
             f"{SIGNATURE_FILE} records); the installed jax {jax.__version__} supports versions "
             f"{lo}..{hi}. Serve with a jax that supports it, or re-export with the installed jax"
         )
     schema, mine = variant.serialization_version, schema_version()
     if schema is not None and mine is not None and schema > mine:
-        raise ExportVersionError(
+        raise FormatVersionError(
             f"{where}: written by jax {writer} with serialization version {schema} (as "
             f"{SIGNATURE_FILE} records); the installed jax {jax.__version__} reads up to "
             f"version {mine}. Upgrade jax to at least {writer}, or re-export with the installed jax"
@@ -423,7 +420,7 @@ def read_artifact(loc: Location, sig: Signature, variant: Variant) -> jax.export
         raise ExportError(f"{where} is missing; the export is incomplete, re-export it")
     digest = hashlib.sha256(blob).hexdigest()
     if digest != variant.sha256:
-        raise ExportChecksumError(
+        raise ChecksumError(
             f"{where} is corrupt: its SHA-256 is {digest}, {SIGNATURE_FILE} records "
             f"{variant.sha256}; copy the export again or re-export it"
         )

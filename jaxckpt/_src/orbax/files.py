@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from ...errors import OrbaxDependencyError, OrbaxFormatError
+from ...errors import MissingDependencyError, OrbaxFormatError
 from ..fields import MAX_NDIM, numpy_dtype
 from ..storage import Location
 
@@ -255,7 +255,7 @@ def read_aggregate(where: Where) -> dict:
     try:
         import msgpack
     except ImportError as e:
-        raise OrbaxDependencyError(
+        raise MissingDependencyError(
             f"{where.item.url}/{AGGREGATE}: this Orbax checkpoint ({where.era}) keeps some "
             "leaves in a msgpack file, and reading it needs the msgpack package: "
             "pip install 'jaxckpt[orbax]' (or pip install msgpack)"

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ...errors import SafetensorsError, SafetensorsLeafNotFoundError, SafetensorsShapeError
+from ...errors import SafetensorsError
 from .. import tree as tree_lib
 from ..boxes import Index, bounding, extent, volume, whole, within
 from ..io.inflight import READ_BUDGET_BYTES, InFlight
@@ -174,7 +174,7 @@ def _want(
         info = tensors.get(name)
         if info is None:
             close = difflib.get_close_matches(name, list(tensors), n=3, cutoff=0.5)
-            raise SafetensorsLeafNotFoundError(
+            raise SafetensorsError(
                 f"{where}: leaf {m.leaf!r} needs tensor {name!r}, which the files do not "
                 f"hold (closest: {close or sorted(tensors)[:3]}); fix names= or the target"
             )
@@ -182,17 +182,17 @@ def _want(
     first = found[0]
     file = f"{loc.url}/{first.file}"
     if any(f.shape != first.shape or f.dtype != first.dtype for f in found):
-        raise SafetensorsShapeError(
+        raise SafetensorsError(
             f"{where}: the tensors stacked into leaf {m.leaf!r} differ in shape or dtype"
         )
     try:
         got = m.leaf_shape(first.shape, len(found))
-    except SafetensorsShapeError as e:
-        raise SafetensorsShapeError(
+    except SafetensorsError as e:
+        raise SafetensorsError(
             f"{file}: tensor {first.name!r} of shape {list(first.shape)}: {e}"
         ) from None
     if got != shape:
-        raise SafetensorsShapeError(
+        raise SafetensorsError(
             f"{file}: tensor {first.name!r} of shape {list(first.shape)} gives "
             f"leaf {m.leaf!r} shape {list(got)} after the transforms, but the target has "
             f"{list(shape)}; fix the target or the transforms"

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...errors import SafetensorsError, SafetensorsShapeError
+from ...errors import SafetensorsError
 from ..boxes import Index, whole
 from .format import TensorInfo, runs
 
@@ -120,8 +120,8 @@ class LeafMap:
                 shape = tuple(step.shape)
         return (count, *shape) if self.stacked else shape
 
-    def _bad(self, step: Step, shape: tuple[int, ...], verb: str) -> SafetensorsShapeError:
-        return SafetensorsShapeError(
+    def _bad(self, step: Step, shape: tuple[int, ...], verb: str) -> SafetensorsError:
+        return SafetensorsError(
             f"leaf {self.leaf!r}: transform {step} {verb} shape {list(shape)}; fix the "
             "transforms (each step's input is the previous step's output, from the file "
             "towards the leaf)"

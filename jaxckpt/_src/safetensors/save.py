@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
-from ...errors import SafetensorsError, SafetensorsLeafError, SafetensorsShapeError
+from ...errors import SafetensorsError
 from .. import bits, multihost, steps
 from .. import tree as tree_lib
 from ..boxes import Index, bounding, extent, volume, whole, within
@@ -60,7 +60,7 @@ def save(
     the index last. ``names``/``transforms`` as for :func:`load` (the steps inverted, in
     reverse order); ``metadata`` goes in each file's ``__metadata__``. Every leaf is checked
     before anything is written: one that is not an array (None leaves are skipped) raises
-    ``SafetensorsLeafError`` naming it.
+    a ``SafetensorsError`` naming it.
     """
     loc = location(path)
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
@@ -113,12 +113,12 @@ def _save_leaves(
         if v is None:
             continue
         if isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
-            raise SafetensorsLeafError(
+            raise SafetensorsError(
                 f"{loc.url}: leaf {leaf!r} is a PRNG key; safetensors holds plain "
                 "tensors: save jax.random.key_data(key) instead"
             )
         if not isinstance(v, (jax.Array, np.ndarray, np.generic)):
-            raise SafetensorsLeafError(
+            raise SafetensorsError(
                 f"{loc.url}: leaf {leaf!r} is a {type(v).__module__}.{type(v).__qualname__}, "
                 "which safetensors cannot hold (it holds typed arrays); convert it with "
                 "np.asarray(x, dtype) or take it out of the tree (None leaves are skipped)"
@@ -131,7 +131,7 @@ def _save_leaves(
             shape = m.tensor_shape(tuple(arr.shape))
             if m.stacked and not arr.ndim:
                 raise SafetensorsError(f"leaf {leaf!r} is stacked (Stack) but a scalar")
-        except (SafetensorsError, SafetensorsShapeError) as e:
+        except SafetensorsError as e:
             raise type(e)(f"{loc.url}: {e}; nothing was written") from None
         out.append((m, arr))
         specs += [(name, dtype, shape) for name in m.names(arr.shape)]
