@@ -272,7 +272,8 @@ def plan(
             pieces.append(_Piece(w.name, extent(index), get, dtype, chunks, nbytes))
             total += nbytes
     count = max(1, min(DATA_FILES_PER_PROCESS, total // MIN_DATA_FILE_BYTES, len(pieces)))
-    files = [_File(f"d/{uuid.uuid4().hex}") for _ in range(count)]
+    # sorted by path, as TensorStore orders a node's data file table: the node is its bytes
+    files = [_File(name) for name in sorted(f"d/{uuid.uuid4().hex}" for _ in range(count))]
     order = {id(p): i for i, p in enumerate(pieces)}
     for piece in sorted(pieces, key=lambda p: -p.nbytes):  # largest first, onto the emptiest
         f = min(files, key=lambda f: f.size)

@@ -216,9 +216,9 @@ def _issue(
         try:
             data = fut.result()
         except Exception as e:
-            err = e if isinstance(fut, _Failed) else name.error(e, r.leaf)
+            err = e if isinstance(fut, _Failed) else name.error(e, r.leaf)  # (named already)
             if failed is None:
-                raise err from e
+                raise err  # noqa: B904 (its cause is set: ``_Names.error``)
             failed(r, err)
             return
         if mapping:
@@ -247,6 +247,13 @@ class _Names:
     writer: Writer | None
 
     def error(self, e: Exception, rec: LeafRecord) -> Exception:
+        """``e`` as the error that names leaf ``rec``, its chunk and where it lives (its
+        ``__cause__``: ``e``)."""
+        out = self._named(e, rec)
+        out.__cause__ = e
+        return out
+
+    def _named(self, e: Exception, rec: LeafRecord) -> Exception:
         if isinstance(e, crc.Corrupt):
             return arrays.checksum_error(rec.name, e.key, self.where(rec, e.key, e.at), str(e))
         if isinstance(e, StorageError):  # the direct path's own (a truncated file)
