@@ -144,7 +144,8 @@ def worker(
         mgr.close()
     # The first restore in a process pays first-touch page faults for fresh memory, whatever
     # it restores from: do one untimed, so the timed ones compare tiers, not their order.
-    warm = jaxckpt.CheckpointManager(remotes["dir"])
+    reading = jaxckpt.Options(read_only=True)  # restores only: no lease, another may read
+    warm = jaxckpt.CheckpointManager(remotes["dir"], reading)
     timed_restore("restore (warm-up, remote dir, untimed)", lambda: warm.restore(target=state), 1)
     parts = lambda: em.last_restore_figures.phases  # noqa: E731
     timed_restore("restore: local copies", lambda: em.restore(target=state), repeats, parts)
@@ -160,7 +161,7 @@ def worker(
     assert em.last_report.tier == "local"
     assert pid != jax.process_count() - 1 or em.last_report.from_peers
     for name, where in remotes.items():
-        mgr = jaxckpt.CheckpointManager(where)
+        mgr = jaxckpt.CheckpointManager(where, reading)
         timed_restore(f"restore: remote ({name})", lambda m=mgr: m.restore(target=state), repeats)
 
     # overhead per step of local_interval_steps=1 on the example model: the Flax MLP with

@@ -4,12 +4,10 @@ tensorstore that pyproject.toml accepts.
 Each environment is a virtual environment of this Python (``python -m venv``) with pyproject's
 ``dependencies`` and its ``[test]`` extras installed by pip:
 
-- ``lowest``: every ``>=`` floor of ``dependencies`` pinned (``jax>=0.6`` becomes
-  ``jax==0.6``: jax 0.6.0, jaxlib 0.6.0, tensorstore 0.1.72, numpy 1.26.0, crc32c 2.3); the
-  extras take whatever pip resolves with those pins.
-- ``lowest-jax``: only jax, jaxlib and tensorstore pinned to their floors (0.6.0, 0.6.0,
-  0.1.72), the rest as new as pip finds compatible: whether those three floors hold apart
-  from numpy's.
+- ``lowest``: every ``>=`` floor of ``dependencies`` pinned (``jax>=0.10.1`` becomes
+  ``jax==0.10.1``); the extras take whatever pip resolves with those pins.
+- ``lowest-jax``: only jax, jaxlib and tensorstore pinned to their floors, the rest as new
+  as pip finds compatible: whether those three floors hold apart from the others'.
 - ``newest``: everything unpinned, upgraded (the newest pip installs here, at build time).
 
 jaxckpt itself is not installed: each run copies the working tree (the files git tracks or
