@@ -9,7 +9,7 @@ file become a jaxckpt :class:`Manifest`, so the restore onto any mesh, device co
 NumPy is jaxckpt's own. Covered (docs/ORBAX.md, tests/golden/orbax): orbax-checkpoint 0.5 to
 0.12, OCDBT (one process or several) and per-array directories, zarr v2 and v3,
 ``jax.Array``, ``np.ndarray`` and scalar leaves. Every file is read as untrusted input
-(``orbax_files``): what cannot be read is refused with an :class:`OrbaxFormatError` naming
+(``files``): what cannot be read is refused with an :class:`OrbaxFormatError` naming
 the file, never restored in part.
 """
 
