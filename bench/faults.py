@@ -230,16 +230,20 @@ def worker(**cfg) -> dict:
             return bool(old)
         return False
 
+    def settle(saving: int | None) -> None:
+        """Waits for the save in flight (of step ``saving``): reports it committed or failed."""
+        try:
+            mgr.wait_until_finished()
+            if saving is not None:
+                emit("COMMITTED", step=saving)
+        except errors.CheckpointError as e:
+            failed(saving, e)
+
     step = start
     for step in range(start + 1, start + cfg["steps"] + 1):
         state = sharded(step)  # "training"
         if mgr.reached_preemption(step):
-            try:
-                mgr.wait_until_finished()
-                if pending is not None:
-                    emit("COMMITTED", step=pending)
-            except errors.CheckpointError as e:
-                failed(pending, e)
+            settle(pending)
             pending = None
             mgr.save(step, state, force=True)
             emit("SAVE", step=step)
@@ -263,12 +267,7 @@ def worker(**cfg) -> dict:
         if time.monotonic() > deadline:
             break
         time.sleep(cfg["step_s"])
-    try:
-        mgr.wait_until_finished()
-        if pending is not None:
-            emit("COMMITTED", step=pending)
-    except errors.CheckpointError as e:
-        failed(pending, e)
+    settle(pending)
     if cfg.get("prune_to") and cfg["manager"] == "ckpt":
         for s in mgr.all_steps()[: -cfg["prune_to"]]:
             mgr.delete(s)

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import flip_a_chunk_byte, sharded
+from hostile import DTYPES, assert_same_bits, random_bits
 
 import jaxckpt
 from jaxckpt._src.emergency import local
@@ -49,11 +50,20 @@ def peak(monkeypatch):
 
 
 def _tree(mesh):
+    """Random bit patterns of every dtype (NaN payloads, sub-byte kinds), sharded, replicated
+    and split over the other axis: the slices the budget tests bound are at most 16 KiB."""
     rng = np.random.default_rng(4)
-    return {
-        "w": sharded(rng.standard_normal((256, 64)).astype(np.float32), mesh, ("data",)),
-        "b": sharded(rng.integers(0, 1 << 16, (64, 32)).astype(np.uint16), mesh, (None, "model")),
+    specs = [("data",), (), (None, "model")]
+    tree = {
+        d.name: sharded(random_bits((64, 16), d, rng), mesh, specs[i % len(specs)])
+        for i, d in enumerate(DTYPES)
     }
+    tree["w"] = sharded(random_bits((256, 64), np.dtype(np.float32), rng), mesh, ("data",))
+    return tree
+
+
+def _same(want, got, where):
+    assert_same_bits(np.asarray(want), np.asarray(got), where)
 
 
 def _emergency_step(root, mesh):
@@ -98,7 +108,7 @@ def test_a_corrupt_chunk_fails_an_emergency_read_in_the_same_words(tmp_path, mes
     assert len(got) + len(bad) == len(step.held)  # the other slices were read on
     for key, data in got.items():  # and exactly
         want = np.asarray(tree[key.leaf])[tuple(slice(a, b) for a, b in key.box)]
-        assert data.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), key
+        _same(want, data.view(want.dtype), str(key))
 
 
 def test_a_restore_keeps_its_read_budget(tmp_path, mesh42, calls, peak):
@@ -108,7 +118,7 @@ def test_a_restore_keeps_its_read_budget(tmp_path, mesh42, calls, peak):
     target = jax.tree.map(lambda a: a.sharding, tree)
     out = jaxckpt.restore(tmp_path / "c", target=target, read_budget_bytes=budget)
     for k, v in tree.items():
-        assert np.asarray(out[k]).tobytes() == np.asarray(v).tobytes(), k
+        _same(v, out[k], k)
     assert calls[0][2] == budget
     assert 0 < peak["held"] <= max(budget, peak["largest"])
     assert peak["largest"] < budget  # (so the budget, not one slice, bounded the reads)
@@ -125,7 +135,7 @@ def test_an_emergency_read_keeps_its_read_budget(tmp_path, mesh42, calls, peak):
     assert peak["largest"] < budget
     for key, data in got.items():
         want = np.asarray(tree[key.leaf])[tuple(slice(a, b) for a, b in key.box)]
-        assert data.view(np.uint8).tobytes() == want.view(np.uint8).tobytes(), key
+        _same(want, data.view(want.dtype), str(key))
 
 
 def test_fits_takes_a_buffer_only_as_it_is_read():

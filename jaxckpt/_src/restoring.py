@@ -25,8 +25,7 @@ import numpy as np
 from ..errors import OptionsError
 from . import gc_pause, multihost, read_once
 from .boxes import Index, extent, volume, whole
-from .io import arrays, direct, slices
-from .io.inflight import default_budget
+from .io import arrays, slices
 from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
@@ -77,8 +76,7 @@ def restore(
             planned = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
             reading, moves = _read_shardings(loc, planned)
         with fig.phase("read"):  # and onto the devices: the two overlap
-            budget = read_budget_bytes or default_budget(direct.reader_threads())
-            values = _read_all(loc, reading, budget, manifest, source, fig)
+            values = _read_all(loc, reading, read_budget_bytes, manifest, source, fig)
         with fig.phase("move"):
             moved = read_once.move([values[i] for i in moves], list(moves.values()))
         for i, v in zip(moves, moved, strict=True):
@@ -120,13 +118,14 @@ def _read_shardings(
 def _read_all(
     loc: Location,
     reading: list[Want],
-    budget: int,
+    budget: int | None,
     manifest: Manifest,
     source: orbax.OrbaxCheckpoint | None,
     fig: Stopwatch,
 ) -> list[Any]:
     """Every leaf, each distinct slice this process needs read once (``slices.read``), at
-    most ``budget`` bytes read but not yet on a device; two threads place them."""
+    most ``budget`` bytes read but not yet on a device (None: the front door's default);
+    two threads place them."""
     ctx = arrays.new_context()
     opener: Callable[[str], Any]
     if source is None:
