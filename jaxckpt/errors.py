@@ -65,6 +65,12 @@ class StorageError(CheckpointError, OSError):
     """Reading or writing the underlying storage failed."""
 
 
+class ReadStalledError(StorageError):
+    """A read made no progress for the stall bound (``stall_timeout_s``): the message names
+    the process and its host, the file or object it waited for and how long. The read is
+    given up (TensorStore's is cancelled; a thread blocked in the kernel is left behind)."""
+
+
 class DirectoryInUseError(CheckpointError):
     """Another job holds the writer's lease on the run directory (or took it over from this
     manager). ``holder``: its record (host, pid, job, since), when known."""

@@ -10,6 +10,8 @@ and, request by request (keep-alive connections carry several), with a seeded
   after it was (the server acted on it) with the response cut short, half-way through its
   head or body (a dead load balancer, a lost link);
 * ``p_slow``: the response is held back for up to ``slow_s`` seconds (a congested link);
+* ``"stall"`` (only through ``decide``): the request is never answered, its connection
+  held open until the proxy closes (an object store or load balancer that hangs);
 * else the request is forwarded and its response relayed as it comes.
 
 TensorStore retries 503s and broken connections itself, so a client that works through
@@ -197,10 +199,10 @@ class FaultProxy:
     ``If-None-Match``) only before it is forwarded, never after the server acted on it:
     what a client can retry blindly. ``decide(method, path, headers)``, if given, is asked
     first for every request and may return a fault kind ("503", "drop_before",
-    "drop_midway", "slow") to inject that fault on purpose (None: the dice decide).
+    "drop_midway", "slow", "stall") to inject that fault on purpose (None: the dice decide).
     """
 
-    KINDS = ("503", "drop_before", "drop_midway", "slow")
+    KINDS = ("503", "drop_before", "drop_midway", "slow", "stall")
 
     def __init__(
         self,
@@ -296,6 +298,9 @@ class FaultProxy:
                     continue
                 if fault == "drop_before":
                     _reset(client)
+                    return
+                if fault == "stall":  # no answer, the connection open, until the end
+                    self._closed.wait()
                     return
                 if upstream is None:
                     upstream = _Upstream(self)

@@ -1,11 +1,26 @@
 """Reads in flight under a byte budget (jaxckpt/_src/io/inflight.py): the budget holds, reads
-are used in the order added, errors surface in order, and the default budget."""
+are used in the order added, errors surface in order, and the default budget; the watch
+names a read that stalls (with real TensorStore futures and a thread blocked in a real
+``read``), and progress keeps a slow one alive."""
 
+import itertools
+import os
 import threading
+import time
+from concurrent.futures import Future
 
 import pytest
+import tensorstore as ts
 
-from jaxckpt._src.io.inflight import READ_BUDGET_BYTES, InFlight, default_budget
+from jaxckpt._src.io.inflight import (
+    READ_BUDGET_BYTES,
+    InFlight,
+    Raises,
+    Stall,
+    Watch,
+    default_budget,
+)
+from jaxckpt.errors import ReadStalledError, StorageError
 
 
 class Ledger:
@@ -98,3 +113,109 @@ def test_the_default_budget_grows_with_the_reader_threads():
     assert default_budget(1) == default_budget(2) == READ_BUDGET_BYTES == 128 << 20
     assert default_budget(8) == 512 << 20
     assert default_budget(3) == READ_BUDGET_BYTES * 3 // 2
+
+
+WHO = "process 7 of 8 (host h7)"
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_stalled_read_is_handed_to_its_use_named_and_cancelled(threads):
+    """Three TensorStore reads, the middle one never answered: it reaches its use as
+    ``Raises`` after the bound, naming the process and what it read, and is cancelled; the
+    others are used as they are."""
+    promises = [ts.Promise.new() for _ in range(3)]
+    promises[0][0].set_result("a")
+    promises[2][0].set_result("c")
+    got: dict[int, object] = {}
+
+    def use(i):
+        def take(handle):
+            try:
+                got[i] = handle.result()
+            except ReadStalledError as e:
+                got[i] = e
+
+        return take
+
+    reads = InFlight(budget=100, threads=threads, watch=Watch(Stall(0.3, WHO)))
+    started = time.monotonic()
+    try:
+        for i, (_, fut) in enumerate(promises):
+            reads.add(1, lambda fut=fut: fut, use(i), lambda i=i: f"s3://b/x/d/{i} (chunk {i})")
+        reads.drain()
+    finally:
+        reads.close()
+    took = time.monotonic() - started
+    assert got[0] == "a" and got[2] == "c"
+    error = got[1]
+    assert isinstance(error, ReadStalledError) and isinstance(error, StorageError)
+    assert str(error).startswith(f"{WHO}: no answer came for s3://b/x/d/1 (chunk 1)"), error
+    assert "stall_timeout_s=0.3" in str(error)
+    assert promises[1][1].cancelled()
+    assert 0.3 <= took < 5, took
+
+
+def test_progress_keeps_a_slow_read_alive():
+    """A read slower than the bound is waited for while anything progresses: a watched
+    call returning (a ``preadv`` of another read), or the probe's count changing
+    (TensorStore's bytes read)."""
+    slow: Future[str] = Future()
+    watch = Watch(Stall(0.3, WHO))
+    stop = threading.Event()
+
+    def busy():  # another read's calls, returning one after another
+        while not stop.is_set():
+            watch.enter("/data/d/other", 0, 4096)
+            time.sleep(0.02)
+            watch.leave()
+
+    threading.Timer(1.0, slow.set_result, ["done"]).start()
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        assert watch.wait(slow, lambda: "slow") is slow
+    finally:
+        stop.set()
+        thread.join()
+    counted: Future[str] = Future()
+    threading.Timer(1.0, counted.set_result, ["done"]).start()
+    probed = Watch(Stall(0.3, WHO), probe=itertools.count().__next__)
+    assert probed.wait(counted, lambda: "counted") is counted
+    quiet: Future[str] = Future()
+    assert isinstance(Watch(Stall(0.3, WHO)).wait(quiet, lambda: "quiet"), Raises)
+
+
+def test_a_thread_blocked_in_the_kernel_is_named_and_left_behind():
+    """A thread blocked in a real ``read`` (a pipe nobody writes) inside ``enter``: the
+    stall names its file and bytes, ``stop`` gives it up after the bound (its reader then
+    closes without it), and no new watched call starts once stopped."""
+    r, w = os.pipe()
+    watch = Watch(Stall(0.3, WHO))
+    done: Future[bytes] = Future()
+
+    def read():
+        watch.enter("/data/d/abc", 4096, 8192)
+        try:
+            done.set_result(os.read(r, 1))
+        finally:
+            watch.leave()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        handed = watch.wait(done, lambda: "leaf 'w' slice 0:8")
+        assert isinstance(handed, Raises)
+        with pytest.raises(ReadStalledError) as caught:
+            handed.result()
+        text = str(caught.value)
+        assert text.startswith(f"{WHO}: a read of /data/d/abc (bytes 4096-8191) has been blocked")
+        assert "reading leaf 'w' slice 0:8" in text
+        assert watch.stop() is False  # stuck past the bound: left behind
+        with pytest.raises(StorageError, match="given up"):
+            watch.enter("/data/d/abc", 0, 1)
+    finally:
+        os.write(w, b"x")
+        thread.join()
+        os.close(r)
+        os.close(w)
+    assert done.result() == b"x" and watch.stop() is True  # nothing blocked any more

@@ -1,7 +1,10 @@
 """The one way slices are read (jaxckpt/_src/io/slices.py): both restores go through it, a
 corrupt chunk is named one way through either, and the read budget holds through either."""
 
+import os
+import re
 from typing import TypeVar
+from urllib.parse import urlparse
 
 import jax
 import numpy as np
@@ -40,8 +43,8 @@ def peak(monkeypatch):
     seen = {"held": 0, "largest": 0}
 
     class Watched(inflight.InFlight[T]):
-        def add(self, nbytes, start, use):
-            super().add(nbytes, start, use)
+        def add(self, nbytes, start, use, what=None):
+            super().add(nbytes, start, use, what)
             seen["held"] = max(seen["held"], self._held)
             seen["largest"] = max(seen["largest"], nbytes)
 
@@ -147,3 +150,54 @@ def test_fits_takes_a_buffer_only_as_it_is_read():
     assert slices.fits(buf.T, (2, 4), f32, f32) is None  # not C-contiguous
     assert slices.fits(buf, (4, 2), np.dtype(np.int32), np.dtype(np.int32)) is None
     assert slices.fits(None, (4, 2), f32, f32) is None
+
+
+@pytest.mark.slow
+def test_a_stalled_read_fails_the_job_within_the_bound_naming_process_and_object(s3_url):
+    """Two processes restore from S3 through a proxy that never answers the one ranged GET
+    of process 1's chunk: process 1 fails after the stall bound, naming itself, its host,
+    the data file and the chunk; process 0, waiting at the restore's barrier, fails at once
+    naming process 1, long before the barrier's own timeout."""
+    import multiproc
+    import tensorstore as ts
+    from faultproxy import FaultProxy
+
+    from jaxckpt._src.io import arrays
+
+    w = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)
+    mesh = jax.make_mesh((2,), ("d",))
+    jaxckpt.save(s3_url, {"w": sharded(w, mesh, ("d",))})  # chunks w/c/0/0, w/c/1/0
+    db = arrays.database_dir(location(s3_url), None)
+    base = ts.KvStore.open(db.kvstore()).result()
+    stalled = arrays.chunk_bytes(base, db, {"w/c/1/0"})["w/c/1/0"]  # process 1's rows
+    obj = urlparse(stalled.file).path  # /<key> of the data file (bucket: its host)
+
+    def decide(method, path, headers):
+        ranged = {k.lower(): v for k, v in headers.items()}.get("range", "")
+        stall = (
+            method == "GET" and path.endswith(obj) and ranged.startswith(f"bytes={stalled.start}-")
+        )
+        return "stall" if stall else None
+
+    moto = urlparse(os.environ["AWS_ENDPOINT_URL"])
+    worker = os.path.join(os.path.dirname(__file__), "workers", "stall_job.py")
+    stall_s, timeout_s = 2.0, 60.0
+    with FaultProxy((moto.hostname, moto.port), decide=decide) as proxy:
+        job = multiproc.run(
+            worker,
+            2,
+            devices_per_process=1,
+            args=[s3_url, str(stall_s), str(timeout_s)],
+            env={"AWS_ENDPOINT_URL": proxy.endpoint},
+            timeout_s=90,
+        )
+    assert proxy.injected["stall"] >= 1
+    assert job.returncodes == [3, 3], job.outputs
+    p0, p1 = job.outputs
+    took = [float(re.search(r"failed \w+ after ([\d.]+)s", out).group(1)) for out in job.outputs]
+    assert "failed ReadStalledError" in p1 and "process 1 of 2 (host h1)" in p1, p1
+    assert stalled.file in p1 and "'w/c/1/0'" in p1 and "stall_timeout_s=2" in p1, p1
+    assert "failed CoordinationError" in p0, p0
+    assert "process 1 (host h1) failed instead of reaching barrier" in p0, p0
+    assert stalled.file in p0, p0  # the stalled process's error, passed on
+    assert stall_s <= took[1] < stall_s + 15 and took[0] < stall_s + 15 < timeout_s, took

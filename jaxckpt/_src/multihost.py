@@ -5,12 +5,15 @@ cheap no-op, so single-host code pays nothing. Every wait has a timeout; a timeo
 :class:`CoordinationError` naming the processes that did not arrive. A wait given a
 ``check`` (a save that can be cancelled) polls the key-value store in slices and calls
 ``check`` between them, so a cancel stops it within a slice: JAX's ``wait_at_barrier``
-cannot be interrupted. Time spent in coordination is accumulated in :data:`STATS` (see
-:func:`coordination_stats`).
+cannot be interrupted. ``together`` runs a block on every process and then waits for all
+of them at a barrier; a process whose block failed (a stalled read) opens that barrier with
+its error, so the others raise at once, naming it, instead of waiting out the timeout. Time
+spent in coordination is accumulated in :data:`STATS` (see :func:`coordination_stats`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -18,7 +21,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +33,7 @@ from ..errors import CoordinationError, SaveCancelledError
 _counter = itertools.count()
 WAIT_SLICE_S = 0.25  # an interruptible wait calls its check this often
 Check = Callable[[], None]  # raises (SaveCancelledError) to stop an interruptible wait
+AFTER_SAVE = "Nothing was committed; restart the job to restore the previous checkpoint"
 
 # Cheap counters: seconds and calls spent in barriers and key-value traffic. ``protocol_s``
 # is the coordination's own latency: for each barrier, release minus the last process's
@@ -124,17 +128,25 @@ def _missing(error: Exception) -> list[int]:
     return sorted({int(t) for t in itertools.takewhile(str.isdigit, tokens)})
 
 
-def barrier(name: str, timeout_s: float, *, what: str = "", check: Check | None = None) -> None:
+def barrier(
+    name: str,
+    timeout_s: float,
+    *,
+    what: str = "",
+    check: Check | None = None,
+    then: str = AFTER_SAVE,
+) -> None:
     """Waits until every process reaches ``name``; raises CoordinationError on timeout.
 
     ``what`` (e.g. the checkpoint path) is named in the error, with the processes that never
-    arrived (as the coordination service reports them). With ``check``, an interruptible
-    barrier of key-value calls (see :func:`_interruptible_barrier`).
+    arrived (as the coordination service reports them), and ``then``: what it means and
+    what to do. With ``check``, an interruptible barrier of key-value calls (see
+    :func:`_interruptible_barrier`).
     """
     if process_count() == 1:
         return
     if check is not None:
-        _interruptible_barrier(name, timeout_s, what, check)
+        _interruptible_barrier(name, timeout_s, what, check, then=then)
         return
     client = _client()
     try:
@@ -157,34 +169,107 @@ def barrier(name: str, timeout_s: float, *, what: str = "", check: Check | None 
         raise CoordinationError(
             f"{what + ': ' if what else ''}barrier {name!r}: {who} within {timeout_s:g}s "
             f"(this is process {process_index()}): {first}. Those processes died, hang or "
-            "are saving something else; check their logs. Nothing was committed; restart "
-            "the job to restore the previous checkpoint"
+            f"are saving something else; check their logs. {then}"
         ) from e
 
 
-def _interruptible_barrier(name: str, timeout_s: float, what: str, check: Check) -> None:
-    """A barrier that ``check`` can stop: each process marks its arrival and counts itself
-    in; the last one opens it, and the others wait for that key in slices. Three key-value
-    calls a process, and a listing only on timeout (to name who never arrived)."""
+def _interruptible_barrier(
+    name: str,
+    timeout_s: float,
+    what: str,
+    check: Check | None,
+    *,
+    group: Sequence[int] | None = None,
+    then: str = AFTER_SAVE,
+) -> None:
+    """A barrier of key-value calls among the processes of ``group`` (default: all): each
+    marks its arrival and counts itself in; the last one opens it, and the others wait for
+    that key, in slices with ``check`` between them where there is one. Three key-value
+    calls a process, and a listing only on timeout (to name who never arrived). A process
+    that fails instead of arriving may open it with its error (``together``): the others
+    then raise CoordinationError naming it."""
     client = _client()
+    members = list(range(process_count())) if group is None else sorted(group)
+    opened: str | None = None
     with _timed("barrier"):
         client.key_value_set(f"{name}/at/{process_index()}", "")
-        if client.key_value_increment(f"{name}/count", 1) == process_count():
-            client.key_value_set(f"{name}/open", "")
+        if client.key_value_increment(f"{name}/count", 1) == len(members):
+            with contextlib.suppress(Exception):  # (a failed process opened it already)
+                client.key_value_set(f"{name}/open", "")
             return
         try:
-            wait_key(f"{name}/open", timeout_s, check)
-            return
-        except CoordinationError:
+            if check is not None:
+                opened = wait_key(f"{name}/open", timeout_s, check)
+            else:
+                opened = str(client.blocking_key_value_get(f"{name}/open", int(timeout_s * 1000)))
+        except Exception as e:
+            if not isinstance(e, CoordinationError) and "DEADLINE_EXCEEDED" not in str(e):
+                raise
             arrived = {
                 int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(f"{name}/at/")
             }
-    missing = sorted(set(range(process_count())) - arrived)
+    if opened is not None:
+        if opened:
+            raise _failed_elsewhere(name, opened, what, then)
+        return
+    missing = sorted(set(members) - arrived)
     raise CoordinationError(
         f"{what + ': ' if what else ''}barrier {name!r}: process(es) {missing} of "
-        f"{process_count()} never arrived within {timeout_s:g}s (this is process "
+        f"{len(members)} never arrived within {timeout_s:g}s (this is process "
         f"{process_index()}). Those processes died, hang or are saving something else; check "
-        "their logs. Nothing was committed; restart the job to restore the previous checkpoint"
+        f"their logs. {then}"
+    )
+
+
+@contextmanager
+def together(
+    name: str,
+    timeout_s: float,
+    *,
+    what: str = "",
+    processes: Sequence[int] | None = None,
+    then: str = AFTER_SAVE,
+) -> Iterator[None]:
+    """Runs the block, then waits at barrier ``name`` until every process of ``processes``
+    (default: all; every one of them must run it, this one among them) has run it.
+
+    An error in the block is told to the others before it raises here: it opens the barrier
+    with this process's index, host and error, so they raise CoordinationError naming it at
+    once instead of waiting out ``timeout_s`` (a restore's stalled read fails every process
+    of the job within the stall bound). A process that never arrives and told nothing (it
+    died or hangs) is named when ``timeout_s`` runs out."""
+    group = list(range(process_count())) if processes is None else sorted(set(processes))
+    if len(group) <= 1:
+        yield
+        return
+    try:
+        yield
+    except BaseException as e:
+        _tell_failure(name, e)
+        raise
+    _interruptible_barrier(name, timeout_s, what, None, group=group, then=then)
+
+
+def _tell_failure(name: str, error: BaseException) -> None:
+    """Opens barrier ``name`` with this process's failure (see ``together``); never raises
+    (a second failed process finds it opened already)."""
+    text = str(error).strip() or type(error).__name__
+    failure = {"process": process_index(), "host": host_name(), "error": text[:4000]}
+    with contextlib.suppress(Exception):
+        _client().key_value_set(f"{name}/open", json.dumps(failure))
+
+
+def _failed_elsewhere(name: str, opened: str, what: str, then: str) -> CoordinationError:
+    """The error of a process whose barrier ``name`` another opened with its failure."""
+    try:
+        failure = json.loads(opened)
+        who = f"process {int(failure['process'])} (host {failure['host']})"
+        error = str(failure["error"])
+    except (ValueError, KeyError, TypeError):
+        who, error = "another process", opened
+    return CoordinationError(
+        f"{what + ': ' if what else ''}{who} failed instead of reaching barrier {name!r} "
+        f"(this is process {process_index()}): {error}. {then}"
     )
 
 
@@ -253,6 +338,22 @@ def all_gather(name: str, value: str, timeout_s: float, *, what: str = "") -> li
     if process_count() == 1:
         return [value]
     return _exchange(name, value, timeout_s, what, everyone=True)
+
+
+def gather(
+    name: str, value: str, timeout_s: float, *, what: str = "", check: Check | None = None
+) -> list[str]:
+    """Every process's ``value`` in process order on process 0, [] on the others: one set
+    each, one barrier (which every process passes only once all have set theirs), one
+    listing: O(processes) key-value traffic. The values are deleted once read, so that the
+    coordination service keeps nothing of each save."""
+    if process_count() == 1:
+        return [value]
+    values = _exchange(name, value, timeout_s, what, everyone=False, check=check)
+    if values:
+        with _timed("kv"):
+            _client().key_value_delete(f"{name}/value")  # the directory: every process's
+    return values
 
 
 def decided(

@@ -13,8 +13,10 @@ read, the emergency tier's too).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +28,7 @@ from ..errors import OptionsError
 from . import gc_pause, multihost, read_once
 from .boxes import Index, extent, volume, whole
 from .io import arrays, slices
+from .io.inflight import STALL_TIMEOUT_S, Stall
 from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
@@ -44,6 +47,8 @@ def restore(
     *,
     mesh: jax.sharding.Mesh | None = None,
     read_budget_bytes: int | None = None,
+    timeout_s: float = 600.0,
+    stall_timeout_s: float = STALL_TIMEOUT_S,
 ) -> Any:
     """Reads the checkpoint at ``path`` onto the devices and shardings asked for; ``path``
     may also hold a checkpoint written by orbax-checkpoint (docs/ORBAX.md).
@@ -62,6 +67,13 @@ def restore(
     restore faster. Peak host memory is about the result plus the budget, plus as much again
     at most for chunks that several slices need a part of (read once, kept for all of them).
 
+    ``stall_timeout_s``: a read that makes no progress this long (a hung mount, an object
+    store that holds back an answer) fails the restore with ``ReadStalledError`` naming
+    this process, its host, the file or object and how long it waited. In a job of several
+    processes, each waits for the others after its reads, at most ``timeout_s``; a
+    process whose reads failed tells them, so they fail at once with a CoordinationError
+    naming it (and a process that never arrives is named at ``timeout_s``).
+
     >>> state = jaxckpt.restore("/ckpt/step_100", target=abstract_state)
     """
     loc = location(path)
@@ -69,14 +81,26 @@ def restore(
         raise OptionsError(
             f"{loc.url}: read_budget_bytes={read_budget_bytes!r}; pass None or a positive size"
         )
+    if not (timeout_s > 0 and stall_timeout_s > 0):
+        raise OptionsError(
+            f"{loc.url}: timeout_s={timeout_s!r}, stall_timeout_s={stall_timeout_s!r}; both "
+            "must be positive numbers of seconds"
+        )
     fig = Stopwatch("restore", loc.url)
     with gc_pause.paused():  # hundreds of collections over every live object otherwise
         with fig.phase("plan"):
             source, manifest = any_manifest(loc)
             planned = wants(manifest.leaves, manifest.meshes, target, mesh, loc)
             reading, moves = _read_shardings(loc, planned)
-        with fig.phase("read"):  # and onto the devices: the two overlap
-            values = _read_all(loc, reading, read_budget_bytes, manifest, source, fig)
+        stall, group = Stall(stall_timeout_s, _who()), _group(planned)
+        name = _barrier_name(group)
+        # and onto the devices (the two overlap); then wait for the others (a failure here
+        # is told to them: they fail at once, naming this process)
+        with (
+            fig.phase("read"),
+            multihost.together(name, timeout_s, what=loc.url, processes=group, then=THEN),
+        ):
+            values = _read_all(loc, reading, read_budget_bytes, manifest, source, fig, stall)
         with fig.phase("move"):
             moved = read_once.move([values[i] for i in moves], list(moves.values()))
         for i, v in zip(moves, moved, strict=True):
@@ -122,6 +146,7 @@ def _read_all(
     manifest: Manifest,
     source: orbax.OrbaxCheckpoint | None,
     fig: Stopwatch,
+    stall: Stall,
 ) -> list[Any]:
     """Every leaf, each distinct slice this process needs read once (``slices.read``), at
     most ``budget`` bytes read but not yet on a device (None: the front door's default);
@@ -143,8 +168,40 @@ def _read_all(
         use_threads=_place_threads(reading),
         direct_ok=source is None,
         writer=functools.partial(_writer, manifest.meshes),
+        stall=stall,
     )
     return [f() for f in finishers]
+
+
+THEN = "Nothing was restored; fix what the failed process names, then restart the job"
+_restores: collections.Counter[tuple[int, ...]] = collections.Counter()
+
+
+def _group(planned: list[Want]) -> list[int]:
+    """The processes whose devices hold leaves of this restore that span several processes
+    (each of them restores too, and waits for the others after its reads); [] where there
+    are none, or this process holds none of them."""
+    group = {
+        d.process_index  # type: ignore[attr-defined]
+        for w in planned
+        if w.sharding is not None and not w.sharding.is_fully_addressable
+        for d in w.sharding.device_set
+    }
+    return sorted(group) if multihost.process_index() in group else []
+
+
+def _barrier_name(group: list[int]) -> str:
+    """The same name on every process of ``group`` for its n-th restore together."""
+    _restores[tuple(group)] += 1
+    digest = hashlib.sha256(repr(group).encode()).hexdigest()[:12]
+    return f"jaxckpt/restore/{digest}/{_restores[tuple(group)]}"
+
+
+def _who() -> str:
+    """This process, for a stalled read's error."""
+    count = multihost.process_count()
+    where = f"host {multihost.host_name()}"
+    return f"process {multihost.process_index()} of {count} ({where})"
 
 
 def _writer(meshes: list[dict], rec: LeafRecord, coords: tuple[int, ...]) -> int | None:

@@ -20,10 +20,11 @@ read is issued, the kernel is asked to read its chunks ahead (``residency``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
@@ -35,6 +36,7 @@ from . import arrays, crc, linux, mapped, spans
 from .batch import Batcher
 from .chunk_plan import ChunkPart, ChunkRead, SliceRead
 from .files import Files
+from .inflight import Watch
 from .layout import SMALL_CHUNK_BYTES, TRAILER
 from .shared import KEEP_BYTES, SharedChunks
 
@@ -63,13 +65,17 @@ class Reader:
         keep_bytes: int | None = None,
         prefetch: bool = True,
         maps: bool = False,
+        watch: Watch | None = None,
     ) -> None:
         """``keep_bytes``: at most this many bytes of chunks kept for the slices that share
         them (default ``shared.KEEP_BYTES``; a restore passes the smaller of that and its
         budget). ``prefetch``: ask the kernel to read ahead (``Files.prefetch``). ``maps``:
         the files may be mapped (``mapped.enabled``): a chunk a slice needs a part of is
-        then checked and copied from a mapping of its file, not read into a buffer first."""
+        then checked and copied from a mapping of its file, not read into a buffer first.
+        ``watch``: every ``preadv`` and fault-in of a mapping is watched (``Watch.enter``),
+        so a stalled one is named, and ``close`` leaves a thread stuck in one behind."""
         self._maps = maps
+        self.watch = watch
         self.pool = ThreadPoolExecutor(
             threads or reader_threads(), thread_name_prefix="jaxckpt-direct"
         )
@@ -140,6 +146,13 @@ class Reader:
 
     def _map(self, sr: SliceRead, replicas: int) -> tuple[np.ndarray, ...]:
         chunks = sorted(sr.chunks, key=lambda c: c.offset)
+        first = [c.at for c in chunks if c.at.file == chunks[0].at.file]
+        with self._watched(first[0].file, min(a.start for a in first), max(a.stop for a in first)):
+            return self._map_chunks(sr, chunks, replicas)
+
+    def _map_chunks(
+        self, sr: SliceRead, chunks: list[ChunkRead], replicas: int
+    ) -> tuple[np.ndarray, ...]:
         parts = [(self.files.fd(c.at.file), c.at.start, c.nbytes) for c in chunks]
         nbytes = sum(c.nbytes for c in chunks)
 
@@ -172,10 +185,29 @@ class Reader:
         self.files.prefetch([c.at for c in sr.chunks] + [p.at for p in sr.parts])
 
     def close(self) -> None:
+        """Stops the threads and closes the files; where a thread is stuck in the kernel
+        past the watch's bound (``Watch.stop``), it is left behind, and the files with it
+        (closing them could give their descriptors to other files under its reads)."""
         self._batch.cancel()
+        if self.watch is not None and not self.watch.stop():
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            return
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.shared.clear()
         self.files.close()
+
+    @contextlib.contextmanager
+    def _watched(self, file: str, start: int, stop: int) -> Iterator[None]:
+        """A call that may block in the kernel on bytes ``start`` to ``stop`` of ``file``
+        (page faults of a mapping), watched (``Watch.enter``)."""
+        if self.watch is None:
+            yield
+            return
+        self.watch.enter(file, start, stop)
+        try:
+            yield
+        finally:
+            self.watch.leave()
 
     def _read_parts(self, sr: SliceRead, bufs: list[np.ndarray]) -> np.ndarray:
         """The slice's chunks in file order, those another thread is reading for it too
@@ -241,7 +273,8 @@ class Reader:
                 raise StorageError(f"mapping {p.at.file} for chunk {p.key!r}: {e}") from e
             if len(data) < size:
                 raise spans.cut_short(p.at, p.at.start + len(data), repr(p.key), p.at.stop)
-            _fault_in(p, data)
+            with self._watched(p.at.file, p.at.start, p.at.stop):
+                _fault_in(p, data)
         else:
             if spare:
                 data = self.shared.spare(size)
@@ -251,9 +284,8 @@ class Reader:
                     scratch = self._scratch.buf = np.empty(size, np.uint8)
                 data = scratch
             view = data[:size].data
-            spans.preadv_all(
-                self.files.fd(p.at.file), [view], p.at.start, [ChunkRead(p.key, p.at, 0, p.nbytes)]
-            )
+            run = [ChunkRead(p.key, p.at, 0, p.nbytes)]
+            spans.preadv_all(self.files.fd(p.at.file), [view], p.at.start, run, self.watch)
         crc.verify(p.key, p.at, crc32c.crc32c(data[: p.nbytes].data), data[p.nbytes : size].data)
         return data
 
@@ -265,7 +297,7 @@ class Reader:
         return buf
 
     def _read_span(self, span: spans.Span) -> dict[int, list[int]]:
-        return spans.read(self.files.fd(span.file), span)
+        return spans.read(self.files.fd(span.file), span, self.watch)
 
 
 def _fault_in(p: ChunkPart, data: np.ndarray) -> None:

@@ -10,6 +10,14 @@ every slice under one byte budget (``inflight.InFlight``); TensorStore reads the
 chunk's CRC32C is checked, whichever path reads it. An error names the leaf, the chunk, its
 data file and byte range and (where the caller knows it) the process that wrote it, in one
 wording: the caller chooses whether it raises or counts the slice as failed.
+
+One ``inflight.Watch`` bounds every wait, whichever path reads: where no read progresses for
+``Stall.seconds`` (the direct reads' ``preadv`` calls and fault-ins of mappings, watched one
+by one; TensorStore's reads through its byte counters and their futures), the slice waited
+for fails with ``ReadStalledError``, naming the process, the file or object and how long
+(a direct read: the file and bytes its thread is blocked on; TensorStore's: the data files
+of its chunks, where the B-tree tells within ``LOCATE_S``), and TensorStore's reads are
+cancelled; a thread blocked in the kernel is left behind (nothing can interrupt it).
 """
 
 from __future__ import annotations
@@ -23,11 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import StorageError
-from ..boxes import Index, extent, volume
+from ...errors import ReadStalledError, StorageError
+from ..boxes import Index, chunks_in, extent, to_text, volume
 from ..storage import Location
 from . import arrays, chunk_plan, crc, direct, mapped, residency
-from .inflight import InFlight, default_budget
+from .inflight import Describe, InFlight, Raises, Stall, Watch, default_budget
 
 if TYPE_CHECKING:
     from ..manifest import LeafRecord
@@ -86,6 +94,8 @@ def fits(
 
 Failed = Callable[[Request, Exception], None]
 Writer = Callable[["LeafRecord", tuple[int, ...]], "int | None"]
+LOCATE_S = 10.0  # a stalled TensorStore read's data files: the B-tree asked this long at most
+LOCATE_KEYS = 16  # chunks of a stalled slice located (its first ones)
 
 
 def read(
@@ -98,6 +108,7 @@ def read(
     direct_ok: bool = True,
     writer: Writer | None = None,
     failed: Failed | None = None,
+    stall: Stall | None = None,
 ) -> int:
     """Reads every request of the OCDBT database ``db`` and hands it to its ``consume``;
     returns the bytes read.
@@ -109,6 +120,8 @@ def read(
     (an Orbax checkpoint's is read by TensorStore alone). ``writer(leaf, chunk coords)``:
     the process that wrote a chunk, for errors. ``failed``: takes each slice whose read
     failed (with the error), and the others are read on; None: the first error raises.
+    ``stall``: a read that makes no progress this long fails with ``ReadStalledError``
+    naming ``stall.who`` (default: ``Stall()``, ``inflight.STALL_TIMEOUT_S``).
     """
     budget = budget or default_budget(direct.reader_threads())
     stores = {r.leaf.name: arrays.Opening(open_leaf, r.leaf.name) for r in requests}
@@ -123,6 +136,7 @@ def read(
     fills = [
         b for i in order if i not in maps for b in requests[i].buffers(plans[i].dtype)
     ] if on_disk is True else []  # fmt: skip
+    watch = Watch(stall or Stall(), probe=arrays.bytes_read)  # (its clock starts here)
     # no thread outlives the read; the direct reads' threads stop after their users'
     with (
         _populating(fills),
@@ -131,9 +145,10 @@ def read(
                 keep_bytes=min(direct.KEEP_BYTES, budget),
                 prefetch=on_disk is not False,
                 maps=direct_ok and mapped.enabled(db.url),
+                watch=watch,
             )
         ) as reader,
-        contextlib.closing(InFlight[Any](budget, threads=use_threads)) as reads,
+        contextlib.closing(InFlight[Any](budget, threads=use_threads, watch=watch)) as reads,
     ):
         for i, r in enumerate(requests):
             _issue(reads, r, plans.get(i), i in maps, reader, stores[r.leaf.name], name, failed)
@@ -199,24 +214,34 @@ def _issue(
     fill = r.buffers(plan.dtype) if plan is not None and not mapping else []
     into, copies = (fill[0], fill[1:]) if fill else (None, [])
 
+    def what() -> str:  # (a stall's error only)
+        head = f"leaf {r.leaf.name!r} slice {to_text(r.index)}"
+        if plan is None:
+            return f"{head} in {name.objects(r.leaf, r.index)}"
+        files = sorted({c.at.file for c in plan.chunks} | {p.at.file for p in plan.parts})
+        return f"{head} in {', '.join(files)}"
+
     def start() -> Any:
         try:
             if plan is not None and mapping:
                 return reader.map(plan, r.maps or 0)
             if plan is not None:
                 return reader.start(plan, into, copies)
-            ts_store = store.result()
+            opening = store.start()
+            if reads.watch is not None:  # (the open is shared by the leaf's reads: kept)
+                opening = reads.watch.wait(opening, _opening(r, name), cancel=False)
+            ts_store = opening.result()
             dtype = ts_store.dtype.numpy_dtype
             got = fits(r.into, extent(r.index), dtype, r.leaf.data_dtype)
             return arrays.read_slice(ts_store, r.index, got)
         except Exception as e:
-            return _Failed(name.error(e, r.leaf))
+            return Raises(e if isinstance(e, ReadStalledError) else name.error(e, r.leaf))
 
     def use(fut: Any) -> None:
         try:
             data = fut.result()
         except Exception as e:
-            err = e if isinstance(fut, _Failed) else name.error(e, r.leaf)  # (named already)
+            err = e if isinstance(fut, Raises) else name.error(e, r.leaf)  # (named already)
             if failed is None:
                 raise err  # noqa: B904 (its cause is set: ``_Names.error``)
             failed(r, err)
@@ -226,17 +251,11 @@ def _issue(
         else:
             r.consume(data, copies or None)
 
-    reads.add(r.nbytes, start, use)
+    reads.add(r.nbytes, start, use, what)
 
 
-class _Failed:
-    """A read that failed as it started: ``result`` raises its error (named already)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-    def result(self) -> Any:
-        raise self.error
+def _opening(r: Request, name: _Names) -> Describe:
+    return lambda: f"leaf {r.leaf.name!r}'s zarr.json in the OCDBT database under {name.db.url}"
 
 
 @dataclass(frozen=True)
@@ -261,6 +280,24 @@ class _Names:
         return arrays.read_error(
             e, leaf=rec.name, db=self.db, writers=lambda key: self.where(rec, key)
         )
+
+    def objects(self, rec: LeafRecord, index: Index) -> str:
+        """The data files (objects) holding the chunks of slice ``index`` of ``rec`` (its
+        first ``LOCATE_KEYS``), as far as the B-tree tells within ``LOCATE_S``; else the
+        database."""
+        keys: set[str] = set()
+        if rec.chunk_shape is not None and len(rec.chunk_shape) == len(index):
+            for coords in chunks_in(index, rec.chunk_shape):
+                keys.add(f"{rec.name}/c/" + "/".join(str(c) for c in coords))
+                if len(keys) >= LOCATE_KEYS:
+                    break
+        found = arrays.locate_within(self.db, keys, LOCATE_S) if keys else {}
+        if not found:
+            return f"the OCDBT database under {self.db.url}"
+        by_file: dict[str, list[str]] = {}
+        for key, at in sorted(found.items()):
+            by_file.setdefault(at.file, []).append(f"{key!r} at bytes {at.start}-{at.stop - 1}")
+        return "; ".join(f"{f} (chunk {', '.join(ks)})" for f, ks in by_file.items())
 
     def where(self, rec: LeafRecord, key: str, at: arrays.ChunkBytes | None = None) -> str:
         """Where chunk ``key`` lives: its data file and byte range, and its writer."""

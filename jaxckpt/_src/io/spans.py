@@ -20,6 +20,7 @@ import numpy as np
 from ...errors import StorageError
 from . import arrays, crc
 from .chunk_plan import ChunkRead
+from .inflight import Watch
 from .layout import ALIGN, TRAILER
 
 PIECE_BYTES = 1 << 20  # read and checksummed at a time: stays in cache between the two
@@ -131,14 +132,32 @@ def check(chunks: list[ChunkRead], trailers: bytearray, partial: Sequence[Any]) 
         crc.verify(r.key, r.at, got.get(i), trailers[TRAILER * i : TRAILER * (i + 1)])
 
 
-def preadv_all(fd: int, views: list[memoryview], pos: int, run: list[ChunkRead]) -> int:
-    """Fills ``views`` from ``pos`` on (a read may return less); returns the next position."""
+def preadv_all(
+    fd: int,
+    views: list[memoryview],
+    pos: int,
+    run: list[ChunkRead],
+    watch: Watch | None = None,
+    nbytes: int | None = None,
+) -> int:
+    """Fills ``views`` (``nbytes`` in all, where the caller knows) from ``pos`` on (a read
+    may return less); returns the next position. ``watch``: each ``preadv`` is watched
+    (``Watch.enter``), so a stalled one is named with its file and bytes."""
+    end = 0
+    if watch is not None:
+        end = pos + (sum(map(len, views)) if nbytes is None else nbytes)
     at = 0  # the first view not yet filled
     while at < len(views):
+        todo = views[at:] if at else views
+        if watch is not None:
+            watch.enter(run[0].at.file, pos, end)
         try:
-            n = os.preadv(fd, views[at:] if at else views, pos)
+            n = os.preadv(fd, todo, pos)
         except OSError as e:
             raise StorageError(f"reading {run[0].at.file} at byte {pos} failed: {e}") from e
+        finally:
+            if watch is not None:
+                watch.leave()
         if n == 0:
             raise cut_short(run[0].at, pos, f"{run[0].key!r} and those after it", run[-1].at.stop)
         pos += n
@@ -162,10 +181,10 @@ def cut_short(
     )
 
 
-def read(fd: int, span: Span) -> dict[int, list[int]]:
+def read(fd: int, span: Span, watch: Watch | None = None) -> dict[int, list[int]]:
     """Reads ``span`` of the file ``fd`` in ``preadv`` calls of about ``PIECE_BYTES``, each
     piece checksummed (and copied into the slice's copies) as soon as it is in; returns
-    {chunk: [CRC32C, length] of its bytes in the span}."""
+    {chunk: [CRC32C, length] of its bytes in the span}. ``watch``: see ``preadv_all``."""
     pos = span.start
     crcs: dict[int, list[int]] = {}
     group: list[Piece] = []
@@ -173,7 +192,7 @@ def read(fd: int, span: Span) -> dict[int, list[int]]:
     for piece in [*span.pieces, Piece(memoryview(b""), -2)]:  # -2: the end
         i, view = piece.chunk, piece.view
         if group and (i == -2 or size + len(view) > PIECE_BYTES or len(group) == IOV_MAX):
-            pos = preadv_all(fd, [g.view for g in group], pos, span.chunks)
+            pos = preadv_all(fd, [g.view for g in group], pos, span.chunks, watch, size)
             for g in group:
                 if g.chunk >= 0:
                     c = crcs.setdefault(g.chunk, [0, 0])
