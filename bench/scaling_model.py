@@ -1,11 +1,14 @@
 """The scaling model of docs/SCALING.md, and its figure (docs/scaling.png).
 
     python bench/scaling_model.py [--measured bench/results/data_parallel.json]
+                                  [--simulated bench/results/scale_sim.json]
 
 A 70B-parameter train state (bf16 parameters and Adam moments in f32: 140 + 560 = 700 GB)
 fully sharded over H hosts of 8 accelerators. Every input is a figure measured on this
 project's machines (named below, with the command that gives it) or a stated hardware
-assumption; the measured points of bench/data_parallel.py are drawn beside the model.
+assumption; the measured points of bench/data_parallel.py, and bench/scale_sim.py's (the
+library's own code for everything but bulk bytes, N = 64 ... 4,096 on one core), are drawn
+beside the model.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ KV_VALUE_BYTES = 60  # one process's value in a key-value round (digest, host, s
 COORDINATOR_GBS = 1.0  # assumed: what the coordination service serves per second
 MERGE_READ_S = {"nvme": 0.0005, "object": 0.03}  # assumed: one per-process database's root
 MERGE_CONCURRENCY = 32  # assumed: databases opened at once by the merge
+MERGE_KEY_US = 2.5  # bench/scale_sim.py: the merge's cost per chunk key, one core
+CHUNKS_PER_LEAF_HOST = DEVICES_PER_HOST  # a sharded leaf: one chunk per device
 
 # Hardware assumptions (per host):
 NVME_WRITE_GBS, NVME_READ_GBS = 3.0, 6.0  # local NVMe
@@ -53,9 +58,13 @@ def kv_s(hosts: int) -> float:
     return 2 * hosts * KV_VALUE_BYTES / (COORDINATOR_GBS * 1e9)
 
 
-def merge_s(hosts: int, storage: str) -> float:
-    """Process 0 links every process's OCDBT database into the root one at commit."""
-    return math.ceil(hosts / MERGE_CONCURRENCY) * MERGE_READ_S[storage]
+def merge_s(hosts: int, storage: str, leaves: int = LEAVES_SHARDED) -> float:
+    """Process 0 links every process's OCDBT database into the root one at commit: the
+    databases' roots read, then every chunk key copied into the root's B-tree (measured
+    per key on one core by bench/scale_sim.py; the key count is leaves x devices)."""
+    keys = leaves * CHUNKS_PER_LEAF_HOST * hosts
+    reads = math.ceil(hosts / MERGE_CONCURRENCY) * MERGE_READ_S[storage]
+    return reads + keys * MERGE_KEY_US / 1e6
 
 
 def model(hosts: int, storage: str) -> dict:
@@ -89,6 +98,7 @@ def lost_fraction(hosts: int, host_hours_per_failure: float, interval_s: float) 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--measured", default=os.path.join(harness.RESULTS, "data_parallel.json"))
+    ap.add_argument("--simulated", default=os.path.join(harness.RESULTS, "scale_sim.json"))
     ap.add_argument("--out", default=os.path.join(harness.ROOT, "docs", "scaling.png"))
     a = ap.parse_args()
     table = harness.Table(
@@ -109,7 +119,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     grid = [2**k for k in range(0, 13)]
     ax = axes[0]
     for storage, style in (("nvme", "-"), ("object", "--")):
@@ -169,9 +179,47 @@ def main() -> None:
     ax.set(xscale="log", yscale="log", xlabel="hosts", ylabel="% of time lost",
            title="emergency tier, local save every 10 min")  # fmt: skip
     ax.legend(fontsize=8)
+    simulated(axes[3], a.simulated)
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
     print("wrote", a.out)
+
+
+def simulated(ax: object, path: str) -> None:
+    """bench/scale_sim.py's points (the library's code, one core) beside the model's lines
+    for the same state (the simulation's leaves, one chunk a process)."""
+    if not os.path.exists(path):
+        ax.set_title("no simulated points: run bench/scale_sim.py")  # type: ignore[attr-defined]
+        return
+    with open(path) as f:
+        doc = json.load(f)
+    rows = sorted(doc["rows"].values(), key=lambda r: r["n"])
+    ns = [r["n"] for r in rows]
+    leaves = doc["leaves"]
+    points = (
+        ("merge_s", "C3", "merge (process 0)"),
+        ("planner_s", "C0", "emergency planner (process 0)"),
+        ("manifest_parse_s", "C2", "manifest.json parse"),
+    )
+    for key, color, label in points:
+        ax.plot(ns, [r[key] for r in rows], color + "o", label=f"{label}, measured")  # type: ignore[attr-defined]
+    keys_per_host = leaves / CHUNKS_PER_LEAF_HOST  # the simulation: one chunk a leaf a host
+    ax.plot(ns, [merge_s(n, "nvme", keys_per_host) for n in ns], "C3-", label="merge, model")  # type: ignore[attr-defined]
+    ax2 = ax.twinx()  # type: ignore[attr-defined]
+    ax2.plot(ns, [r["restore_bytes"] / 1e6 for r in rows], "C1s--", label="emergency restore KV MB")
+    before = [r for r in rows if r["restore_before_bytes"] > 0]  # (run up to --before-max)
+    ax2.plot(
+        [r["n"] for r in before],
+        [r["restore_before_bytes"] / 1e6 for r in before],
+        "C1x:",
+        label="... before (O(N²))",
+    )
+    ax2.plot(ns, [r["save_bytes"] / 1e6 for r in rows], "C4s--", label="save KV MB")
+    ax2.set(yscale="log", ylabel="key-value MB through the coordinator")
+    ax2.legend(fontsize=7, loc="lower right")
+    ax.set(xscale="log", yscale="log", xlabel="processes (simulated, one core)", ylabel="seconds",  # type: ignore[attr-defined]
+           title=f"simulated: {leaves} leaves, one chunk each a process")  # fmt: skip
+    ax.legend(fontsize=7, loc="upper left")  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ from jaxckpt._src.emergency.planner import (
     Holdings,
     SliceKey,
     StepHolding,
+    StepPlan,
     StepUnusable,
+    by_sender,
     candidates,
     plan_sends,
     shift_rounds,
@@ -80,6 +82,59 @@ def test_plan_sends(held, needs, bad, sends):
     holders = [p for p, h in enumerate(held) if h]
     bad = {(p, key(k)): BadCopy(p, "w", k, "crc") for p, k in bad}
     assert plan_sends(S, views, holders, [[key(k) for k in n] for n in needs], bad) == sends
+
+
+def test_plan_sends_matches_the_lowest_verified_holder_rule_on_random_holdings():
+    """The indexed plan against the rule written out (every holder scanned per slice)."""
+    rng = np.random.default_rng(3)
+    slices = [f"{i}:{i + 1}" for i in range(12)]
+    for _ in range(30):
+        count = int(rng.integers(2, 7))
+        held = [[k for k in slices if rng.random() < 0.4] for _ in range(count)]
+        held[0] = slices  # every slice has a holder
+        views = [view({"w": h}) for h in held]
+        holders = [p for p, h in enumerate(held) if h]
+        needs = [[key(k) for k in slices if rng.random() < 0.3] for _ in range(count)]
+        bad = {(p, key(k)): BadCopy(p, "w", k, "crc") for p in range(1, count) for k in held[p][:1]}
+        want: dict = {}
+        for q, need in enumerate(needs):
+            for k in need:
+                if not (views[q].holds(S, k) and (q, k) not in bad):
+                    ok = [p for p in holders if views[p].holds(S, k) and (p, k) not in bad]
+                    want.setdefault((ok[0], q), set()).add(k)
+        assert plan_sends(S, views, holders, needs, bad) == want
+
+
+def test_step_plan_replans_around_a_failed_copy_and_tells_only_what_is_new():
+    views = [view({"w": ALL}), view({"w": []}), view({"w": ALL})]
+    plan = StepPlan.start(S, views, [[], [key("2:4"), key("4:6")], []])
+    assert by_sender(plan.sends) == {0: {1: keys(["2:4", "4:6"])}}
+    assert plan.replan([[], [], []]) == [set(), set(), set()]  # nothing failed: final
+    unread = plan.replan([[(key("4:6"), "crc")], [], []])  # process 0's copy of 4:6 is bad
+    assert unread == [set(), set(), {key("4:6")}]  # process 2 now reads it, nobody else more
+    assert by_sender(plan.sends) == {0: {1: keys(["2:4"])}, 2: {1: keys(["4:6"])}}
+    assert list(plan.bad.values()) == [BadCopy(0, "w", "4:6", "crc")]
+    assert plan.replan([[], [], []]) == [set(), set(), set()]
+
+
+def test_record_holders_are_the_lowest_holder_of_each_record():
+    def holding(per_process):
+        return Holdings((), {S: StepHolding("d", {"w": 4}, keys(ALL), per_process)})
+
+    views = [Holdings((), {}), holding((1, 2)), holding((2, 0))]
+    plan = StepPlan.start(S, views, [[], [], []])
+    assert plan.record_holders() == {1: 1, 2: 1, 0: 2}
+
+
+def test_emergency_restore_publishes_through_process_zero_alone():
+    """One process: ``share_holdings`` decides on its own value, and keeps the views."""
+    from jaxckpt._src.emergency.restore import share_holdings
+
+    mine = Holdings((3,), {S: StepHolding("d", {"w": 4}, keys(ALL))})
+    got = share_holdings(mine, tag="t", timeout_s=5)
+    assert (got.tries, got.rejected, got.remote, got.count) == ((S,), (), (3,), 1)
+    assert got.views == (mine,)
+    assert share_holdings(mine, tag="t2", timeout_s=5, step=9).tries == ()
 
 
 def test_candidates_newest_coverable_first_and_why_the_others_are_not():

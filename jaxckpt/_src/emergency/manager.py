@@ -38,7 +38,7 @@ from .. import per_process as pp
 from ..goodput.cadence import Blocking, Cadence, start_run
 from ..manager import CANCEL_TIMEOUT_S, CheckpointManager
 from ..monitoring import Figures, Stopwatch
-from ..options import EmergencyOptions, is_auto, signal_numbers
+from ..options import EmergencyOptions, signal_numbers
 from ..preemption import Watch, name_for
 from ..storage import location
 from ..writer import Writer
@@ -46,7 +46,7 @@ from . import restore as local_restore
 from . import save as local_save
 from .local import LocalStep
 from .peers import peer_shifts
-from .planner import BadCopy, Holdings, Rejected, StepUnusable, candidates
+from .planner import BadCopy, Rejected, StepUnusable
 from .recovery import RecoveryReport
 
 log = logging.getLogger("jaxckpt")
@@ -142,7 +142,8 @@ class EmergencyCheckpointManager:
 
     def _warn_if_remote_is_more_frequent(self) -> None:
         local, remote = self.options.local_interval_steps, self.options.remote.save_interval_steps
-        if not is_auto(local) and not is_auto(remote) and int(remote) < int(local):
+        fixed = not isinstance(local, str) and not isinstance(remote, str)  # not "auto" etc.
+        if fixed and int(remote) < int(local):
             log.warning(
                 "jaxckpt: the remote tier %s saves every %d steps, more often than the local "
                 "tier's %d; set EmergencyOptions(remote=Options(save_interval_steps=...)) "
@@ -177,17 +178,20 @@ class EmergencyCheckpointManager:
             return max(self.all_steps(), default=None)
         self.remote.reload()
         _, views = self._publish_holdings(self._tag("latest"))
-        tries, _ = candidates(views)
-        return tries[0] if tries else max(views[0].remote, default=None)
+        return views.tries[0] if views.tries else max(views.remote, default=None)
 
-    def _publish_holdings(self, tag: str) -> tuple[dict[int, LocalStep], list[Holdings]]:
-        """This process's local steps, and every process's holdings (one key-value round)."""
+    def _publish_holdings(
+        self, tag: str, step: int | None = None
+    ) -> tuple[dict[int, LocalStep], local_restore.Published]:
+        """This process's local steps, and the steps to try, chosen by process 0 from every
+        process's holdings (one key-value round)."""
         return local_restore.publish_holdings(
             self.local_directory,
             self.remote.all_steps(),
             tag=tag,
             timeout_s=self.options.timeout_s,
             digits=self.options.step_digits,
+            step=step,
         )
 
     def reached_preemption(self, step: int) -> bool:
@@ -353,8 +357,8 @@ class EmergencyCheckpointManager:
         self._saver = self._local_saver()
         tag = self._tag("restore")
         fig = Stopwatch("emergency_restore", self.local_directory.url)
-        mine, views = self._publish_holdings(tag)
-        tries, rejected = candidates(views, step)
+        mine, views = self._publish_holdings(tag, step)
+        tries, rejected = views.tries, list(views.rejected)
         bad_copies: list[BadCopy] = []
         req = local_restore.Request(
             self.local_directory, views, target, mesh, tag, o.timeout_s, fig
@@ -383,12 +387,12 @@ class EmergencyCheckpointManager:
                 )
             break
         else:
-            remote_steps = views[0].remote
+            remote_steps = views.remote
             chosen = step if step is not None else max(remote_steps, default=None)
             if chosen is None or chosen not in remote_steps:
                 raise CheckpointNotFoundError(
                     f"no step to restore{f' (asked for {step})' if step is not None else ''}: "
-                    f"no local step is complete on the {len(views)} processes "
+                    f"no local step is complete on the {views.count} processes "
                     f"({rejected or 'none'}) and the remote tier {self.remote.directory.url} "
                     f"has {list(remote_steps)}"
                 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..boxes import Index, from_text, to_text
@@ -33,8 +33,17 @@ def keys_to_json(keys: Iterable[SliceKey]) -> dict[str, list[str]]:
 
 
 def keys_from_json(doc: dict[str, list[str]]) -> list[SliceKey]:
-    """The slices ``keys_to_json`` wrote, in its order."""
-    return [SliceKey(leaf, from_text(text)) for leaf, texts in doc.items() for text in texts]
+    """The slices ``keys_to_json`` wrote, in its order. (Leaves sharded alike share their
+    indices: each distinct text is parsed once.)"""
+    parsed: dict[str, Index] = {}
+    out = []
+    for leaf, texts in doc.items():
+        for text in texts:
+            box = parsed.get(text)
+            if box is None:
+                box = parsed[text] = from_text(text)
+            out.append(SliceKey(leaf, box))
+    return out
 
 
 @dataclass(frozen=True)
@@ -125,27 +134,124 @@ def plan_sends(
     ``needs``, without the copies in ``bad``.
 
     For every slice a process needs and has no verified copy of, the lowest process holding
-    a verified copy sends it. Every process computes the same plan from the same facts.
+    a verified copy sends it. The lowest holders are found for those slices only, in one
+    pass over the holders (``first_holders``): the plan costs the slices needed plus at most
+    the slices held, not their product with the process count.
     """
+    lacking = [
+        (q, key)
+        for q, need in enumerate(needs)
+        for held in [_held(views[q], s)]
+        for key in need
+        if key not in held or (q, key) in bad
+    ]
+    first = first_holders(s, views, holders, bad, {key for _, key in lacking})
     sends: Moves = {}
-    for q, need in enumerate(needs):
-        for key in need:
-            if views[q].holds(s, key) and (q, key) not in bad:
-                continue
-            ok = [p for p in holders if views[p].holds(s, key) and (p, key) not in bad]
-            if not ok:
-                raise StepUnusable(
-                    f"no verified copy of {key.leaf}[{to_text(key.box)}] is left (bad copies: "
-                    f"{sorted(b[:3] for b in bad.values())})",
-                    tuple(bad.values()),
-                )
-            sends.setdefault((ok[0], q), set()).add(key)
+    for q, key in lacking:
+        sender = first.get(key)
+        if sender is None:
+            raise StepUnusable(
+                f"no verified copy of {key.leaf}[{to_text(key.box)}] is left (bad copies: "
+                f"{sorted(b[:3] for b in bad.values())})",
+                tuple(bad.values()),
+            )
+        sends.setdefault((sender, q), set()).add(key)
     return sends
+
+
+def _held(view: Holdings, s: int) -> frozenset[SliceKey]:
+    entry = view.steps.get(s)
+    return entry.held if entry is not None else frozenset()
+
+
+def first_holders(
+    s: int, views: Sequence[Holdings], holders: Sequence[int], bad: Bad, keys: set[SliceKey]
+) -> dict[SliceKey, int]:
+    """{slice of ``keys``: the lowest of ``holders`` with a verified copy of it in step
+    ``s``}. Each holder's copies are met with the slices still unplaced (a set
+    intersection walks the smaller side): the cost is the slices held, or less."""
+    first: dict[SliceKey, int] = {}
+    left = set(keys)
+    for p in sorted(holders):
+        if not left:
+            break
+        found = [key for key in left & _held(views[p], s) if (p, key) not in bad]
+        first.update((key, p) for key in found)
+        left.difference_update(found)
+    return first
 
 
 def sent_by(sends: Moves, p: int) -> set[SliceKey]:
     """Every slice process ``p`` sends, to anybody."""
     return set().union(*(keys for (a, _), keys in sends.items() if a == p))
+
+
+def by_sender(sends: Moves) -> dict[int, dict[int, set[SliceKey]]]:
+    """The plan per sender: {sender: {receiver: {slice}}}, in one pass (what each process
+    is told of the plan: its own sends)."""
+    out: dict[int, dict[int, set[SliceKey]]] = {}
+    for (a, b), keys in sends.items():
+        out.setdefault(a, {})[b] = keys
+    return out
+
+
+@dataclass
+class StepPlan:
+    """Process 0's plan of one step, kept across the read rounds of a restore.
+
+    Process 0 alone holds every process's ``Holdings`` and needs; the others are told only
+    their own part (what to read, whom to send what) and the ``ppermute`` rounds, so the
+    restore's exchanges grow with the processes, not with their square.
+    ``read_by[p]``: the slices process ``p`` has been told to read (its own needs it holds,
+    and what it sends), kept once a copy failed.
+    """
+
+    s: int
+    views: Sequence[Holdings]
+    holders: list[int]
+    needs: list[list[SliceKey]]
+    sends: Moves
+    bad: Bad = field(default_factory=dict)
+    read_by: list[set[SliceKey]] | None = None  # made when a copy first fails
+
+    @classmethod
+    def start(cls, s: int, views: Sequence[Holdings], needs: list[list[SliceKey]]) -> StepPlan:
+        """The first plan: every copy assumed good (raises StepUnusable if one is missing)."""
+        holders = [p for p, v in enumerate(views) if s in v.steps]
+        return cls(s, views, holders, needs, plan_sends(s, views, holders, needs, {}))
+
+    def replan(self, failed: Sequence[Iterable[tuple[SliceKey, str]]]) -> list[set[SliceKey]]:
+        """Adds the copies each process ``failed`` to read or verify, plans again without
+        them (StepUnusable if a slice has no verified copy left) and returns what each
+        process must read in addition (all empty: the plan is final)."""
+        count = len(self.needs)
+        new = [(p, key, why) for p, theirs in enumerate(failed) for key, why in theirs]
+        if not new:  # nothing failed: the plan stands, and everybody read what it needs
+            return [set() for _ in range(count)]
+        if self.read_by is None:  # what the first plan had each process read
+            senders = by_sender(self.sends)
+            self.read_by = [
+                {k for k in need if k in _held(self.views[p], self.s)}.union(
+                    *senders.get(p, {}).values()
+                )
+                for p, need in enumerate(self.needs)
+            ]
+        for p, key, why in new:
+            self.bad[(p, key)] = BadCopy(p, key.leaf, to_text(key.box), why)
+        self.sends = plan_sends(self.s, self.views, self.holders, self.needs, self.bad)
+        senders = by_sender(self.sends)
+        unread = [set().union(*senders.get(p, {}).values()) - self.read_by[p] for p in range(count)]
+        for p, more in enumerate(unread):
+            self.read_by[p] |= more
+        return unread
+
+    def record_holders(self) -> dict[int, int]:
+        """{saved process: the lowest holder whose copy has its per-process record}."""
+        holder: dict[int, int] = {}
+        for p in self.holders:
+            for q in self.views[p].steps[self.s].per_process:
+                holder.setdefault(q, p)
+        return holder
 
 
 def shift_rounds(sends: Moves, count: int) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
