@@ -468,7 +468,7 @@ def _any_tree(data: st.DataObject, tmp_path_factory) -> None:
     tree = data.draw(trees(mesh), "tree")
     chunk_bytes = data.draw(st.sampled_from([None, None, 1, 7, 64, 300]), "chunk_bytes")
     budget = data.draw(st.sampled_from([None, None, 1, 100, 4096]), "read_budget_bytes")
-    compression = data.draw(st.sampled_from([None, "zstd"]), "compression")
+    compression = data.draw(st.sampled_from([None, "zstd", "blosc"]), "compression")
     staged = data.draw(st.booleans(), "staged")
     pinned = data.draw(st.booleans(), "device parts through pinned memory")
     path = tmp_path_factory.mktemp("ckpt") / "c"
@@ -636,7 +636,7 @@ def test_manager_saves_and_restores_the_latest_step_bit_exactly(
         max_to_keep=2,
         chunk_bytes=data.draw(st.sampled_from([None, 1, 64]), "chunk_bytes"),
         read_budget_bytes=data.draw(st.sampled_from([None, 1, 1000]), "read_budget_bytes"),
-        compression=data.draw(st.sampled_from([None, "zstd"]), "compression"),
+        compression=data.draw(st.sampled_from([None, "zstd", "blosc"]), "compression"),
         staging_budget_bytes=data.draw(st.sampled_from([None, None, 1]), "staging_budget_bytes"),
     )
     event(f"async_save: {opts.async_save}")

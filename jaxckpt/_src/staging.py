@@ -292,6 +292,7 @@ def describe(
     writes, read from the live arrays when written (``snapshot`` copies them now)."""
     if isinstance(tree, Staged):
         return tree
+    chunk_bytes = arrays.chunk_bytes_for(compression, chunk_bytes)  # (checks compression)
     meshes: list[dict] = []
     leaves = tuple(
         _describe(p, name, leaf, meshes, compression, chunk_bytes, salt)
