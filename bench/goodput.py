@@ -1,9 +1,10 @@
 """Goodput under injected failures: measured ETTR against the interval model, 2 processes.
 
-usage: python bench/goodput.py [--quick] [--intervals 1,5,25,100,auto] [--mtbf-s 10]
-                               [--failures 10] [--seed 5] [--no-wipe] [--plot docs/goodput.png]
+usage: python bench/goodput.py [--quick] [--intervals 1,5,25,100,auto,continuous]
+                               [--mtbf-s 10] [--failures 10] [--seed 5] [--no-wipe]
+                               [--plot docs/goodput.png]
 
-For each local save interval (steps, or "auto"), a 2-process jax.distributed job on 127.0.0.1
+For each local save interval (steps, "auto" or "continuous"), a 2-process jax.distributed job on 127.0.0.1
 (bench/goodput_worker.py: a Flax MLP with Optax AdamW, a Grain pipeline per process, an
 EmergencyCheckpointManager with replication=1 and each process's iterator state saved with
 each step) trains until one of its processes is SIGKILLed; the other is killed too (a real
@@ -31,7 +32,14 @@ launcher's around kills; all ``time.time()`` of this one machine):
            job's first step: whole cycles of (run, failure, restart), so every failure's
            rework is inside it and no unfailed tail dilutes it;
   ETTR     (step at the window's end - step at its start) x step / the window's seconds:
-           each step counted once, at its pure cost.
+           each step counted once, at its pure cost;
+  loop     the loop's mean step over the jobs' runs, less the saves' blocking: the pure step
+           slowed by the background writes (and, for "continuous", the agreement each step
+           makes while a save is in flight); ``x pure`` is it over the pure step;
+  MB/h     bytes of files both processes wrote (``/proc/self/io`` write_bytes: what the
+           storage gets; ``wchar`` would count the collectives' sockets too) from each
+           job's first to its last recorded step, per hour of those runs: what the policy
+           writes while training (the checkpoints; the run log and event lines are small).
 Predicted: ``jaxckpt._src.goodput.intervals.ettr(interval_s = steps between saves x step, save_s,
 mtbf_s, restart_s)``, with means for save and restart (what the wall pays; medians printed
 too). That model (Daly's complete one) lets failures strike a restart too (its e^(R/M)
@@ -44,7 +52,9 @@ its background write slows the steps around it (on 2 cores it competes with trai
 them): the model's work between saves is those steps at the window's mean step time, of
 which only the pure step's share counts as productive (both measured here, from outside).
 "auto": ``EmergencyOptions(local_interval_steps="auto", mtbf_hours=--mtbf-s x processes /
-3600)`` (a per-host MTBF: the library divides it by the process count).
+3600)`` (a per-host MTBF: the library divides it by the process count). "continuous":
+``local_interval_steps="continuous"``, the next save at the first step after the last one
+committed (Orbax 0.12's default); its row is compared with auto's at the end, as ratios.
 
 Targets: measured ETTR within 3 points of predicted for each interval; "auto" within 1 point
 of the best fixed interval and at least 5 points above the worst; every resume restored the
@@ -135,6 +145,7 @@ class Run:
     failures: int
     lost_steps: tuple[int, ...]  # per failure: last step reached - step restored
     checks: tuple[str, ...]  # what failed the resume checks (empty: all good)
+    written_per_h: float  # bytes handed to write calls per hour of the jobs' runs
 
     @property
     def ettr(self) -> float:
@@ -296,7 +307,24 @@ def measure(interval: int | str, lives: Sequence[Life], events: Sequence[dict], 
         failures=failures,
         lost_steps=tuple(reached[life - 1] - step_of[life] for life in range(1, len(lives))),
         checks=tuple(checks),
+        written_per_h=written_per_hour(window),
     )
+
+
+def written_per_hour(window: Sequence[dict]) -> float:
+    """Bytes of files both processes wrote per hour of training: per job and process, the
+    ``written`` of its last recorded step less its first's, over those steps' time apart
+    (start-up, restores and the restored step's save are left out)."""
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for e in window:
+        if e["e"] == "step" and "written" in e:
+            runs.setdefault((e["life"], e["p"]), []).append(e)
+    written = seconds = 0.0
+    for (_, p), steps in runs.items():
+        first, last = min(steps, key=lambda e: e["t"]), max(steps, key=lambda e: e["t"])
+        written += last["written"] - first["written"]
+        seconds += (last["t"] - first["t"]) if p == 0 else 0.0  # the job's time, once
+    return written / seconds * 3600 if seconds > 0 else math.nan
 
 
 def restart_parts(lives: Sequence[Life], events: Sequence[dict]) -> tuple[tuple[str, float], ...]:
@@ -319,9 +347,10 @@ def restart_parts(lives: Sequence[Life], events: Sequence[dict]) -> tuple[tuple[
     return tuple((name, median(v)) for name, v in parts.items())
 
 
-def auto_supported(mtbf_hours: float) -> bool:
-    """Whether this jaxckpt's emergency manager saves with ``local_interval_steps="auto"``:
-    a few one-process saves of a small tree (options that accept "auto" are not enough)."""
+def supported(interval: str, mtbf_hours: float) -> bool:
+    """Whether this jaxckpt's emergency manager saves with ``local_interval_steps=interval``
+    ("auto" or "continuous"): a few one-process saves of a small tree (options that accept
+    the value are not enough)."""
     import jax.numpy as jnp
     from goodput_worker import options
 
@@ -329,10 +358,12 @@ def auto_supported(mtbf_hours: float) -> bool:
 
     with harness.scratch("jaxckpt_goodput_probe_") as d:
         try:
-            opts = options("auto", mtbf_hours)
+            opts = options(interval, mtbf_hours)
             with jaxckpt.EmergencyCheckpointManager(f"{d}/local", f"{d}/remote", opts) as mgr:
-                for step in range(1, 4):
-                    mgr.save(step, {"x": jnp.arange(4.0)})
+                saved = [mgr.save(step, {"x": jnp.arange(4.0)}) for step in range(1, 4)]
+                mgr.wait_until_finished()
+                if not any(saved) or not mgr.save(4, {"x": jnp.arange(4.0)}):
+                    return False
         except (TypeError, ValueError, jaxckpt.errors.CheckpointError):
             return False
     return True
@@ -358,7 +389,7 @@ def plot(runs: Sequence[Run], path: str) -> None:
     c = pooled(runs)
     every = [1.08**i for i in range(100)]  # 1 to ~2000 steps
     ax.plot(every, [c.ettr(k) for k in every], "-", color="0.6", label="model (median costs)")
-    fixed = [r for r in runs if r.interval != "auto"]
+    fixed = [r for r in runs if isinstance(r.interval, int)]
     ax.plot([r.save_every for r in fixed], [r.ettr for r in fixed], "o", label="measured")
     ax.plot(
         [r.save_every for r in fixed],
@@ -370,6 +401,14 @@ def plot(runs: Sequence[Run], path: str) -> None:
     for r in runs:
         if r.interval == "auto":
             ax.plot([r.save_every], [r.ettr], "*", ms=14, label=f"auto (every {r.save_every:g})")
+        if r.interval == "continuous":
+            ax.plot(
+                [r.save_every],
+                [r.ettr],
+                "D",
+                ms=9,
+                label=f"continuous (every {r.save_every:g}, median)",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("local save interval (steps)")
     ax.set_ylabel("ETTR (productive / wall)")
@@ -396,7 +435,7 @@ def targets(runs: Sequence[Run]) -> None:
     for r in runs:
         what = f"interval {r.interval}: measured ETTR within 3 points of predicted"
         line(abs(r.ettr - r.predicted) <= 0.03, what, r.ettr / r.predicted)
-    fixed = [r.ettr for r in runs if r.interval != "auto"]
+    fixed = [r.ettr for r in runs if isinstance(r.interval, int)]
     for auto in [r for r in runs if r.interval == "auto"]:
         if not fixed:
             print("  SKIP auto against the fixed intervals (none ran)")
@@ -414,6 +453,36 @@ def targets(runs: Sequence[Run]) -> None:
             "  PASS every resume: step restored = model's step = data position; "
             "a wiped host restored from its peer's copy"
         )
+    versus(runs)
+
+
+def versus(runs: Sequence[Run]) -> None:
+    """What "continuous" costs against "auto", in this run (same failure times)."""
+    by = {r.interval: r for r in runs}
+    if "continuous" not in by or "auto" not in by:
+        return
+    c, a = by["continuous"], by["auto"]
+    pure = c.costs.step_s
+    print(
+        f"\ncontinuous against auto (same failures): ETTR {c.ettr:.3f} vs {a.ettr:.3f} "
+        f"({(c.ettr - a.ettr) * 100:+.1f} points, {c.ettr / a.ettr:.2f}x); saves every "
+        f"{c.save_every:g} vs {a.save_every:g} steps; bytes written per hour "
+        f"{c.written_per_h / 1e6:.0f} vs {a.written_per_h / 1e6:.0f} MB "
+        f"({c.written_per_h / a.written_per_h:.1f}x; per step "
+        f"{_per_step(c) / _per_step(a):.1f}x); loop step "
+        f"{c.costs.loop_step_s * 1e3:.1f} vs {a.costs.loop_step_s * 1e3:.1f} ms "
+        f"({c.costs.loop_step_s / a.costs.loop_step_s:.2f}x; pure {pure * 1e3:.1f} ms); lost "
+        f"steps per failure {_mean(c.lost_steps):.1f} vs {_mean(a.lost_steps):.1f}"
+    )
+
+
+def _per_step(r: Run) -> float:
+    """Bytes written per training step: the hourly bytes over the steps of an hour."""
+    return r.written_per_h * r.costs.loop_step_s / 3600
+
+
+def _mean(values: Sequence[int]) -> float:
+    return statistics.fmean(values) if values else math.nan
 
 
 def report(runs: Sequence[Run], s: Settings) -> None:
@@ -437,6 +506,9 @@ def report(runs: Sequence[Run], s: Settings) -> None:
             ("restart s med/mean", ">18"),
             ("baseline ms", ">11.1f"),
             ("in window", ">9.1f"),
+            ("loop ms", ">7.1f"),
+            ("x pure", ">6.2f"),
+            ("MB/h", ">6.0f"),
             ("run s/f", ">7.2f"),
             ("wall s", ">6.1f"),
         ),
@@ -448,7 +520,9 @@ def report(runs: Sequence[Run], s: Settings) -> None:
             statistics.fmean(r.lost_steps) if r.lost_steps else None,
             f"{r.save_median_s * 1e3:.1f}/{r.costs.save_s * 1e3:.1f}",
             f"{r.restart_median_s:.2f}/{r.costs.restart_s:.2f}",
-            median(r.baseline_s) * 1e3, r.window_step_s * 1e3, r.costs.uptime_s, r.wall_s,
+            median(r.baseline_s) * 1e3, r.window_step_s * 1e3, r.costs.loop_step_s * 1e3,
+            r.costs.loop_step_s / r.costs.step_s, r.written_per_h / 1e6,
+            r.costs.uptime_s, r.wall_s,
         )
         for r in runs
     )  # fmt: skip
@@ -464,14 +538,18 @@ def report(runs: Sequence[Run], s: Settings) -> None:
         "predicted: the model with each run's save and restart (means), run to a failure, and "
         "the loop's step (launcher's clock, saves' blocking out; baseline's share productive);\nM=wall/f: the same with mtbf_s = wall / failures (see "
         "the docstring: the bench's failures never strike a restart);\nin window: the median "
-        "step between failures (above the baseline's: background writes compete for the cores)"
+        "step between failures (above the baseline's: background writes compete for the cores);"
+        "\nloop ms: the mean step of the jobs' runs without the saves' blocking (x pure: over "
+        "the pure step); MB/h: bytes of files written per hour of training, both processes"
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a ~1 minute smoke run")
-    ap.add_argument("--intervals", default="1,5,25,100,auto", help="steps, or auto")
+    ap.add_argument(
+        "--intervals", default="1,5,25,100,auto,continuous", help="steps, auto or continuous"
+    )
     ap.add_argument("--mtbf-s", type=float, default=10.0, help="mean run time to a failure")
     ap.add_argument("--failures", type=int, default=10, help="per interval")
     ap.add_argument("--seed", type=int, default=5, help="of the delays and victims")
@@ -486,7 +564,7 @@ def main() -> None:
     args = ap.parse_args()
     harness.cpu_devices(1)  # this process only probes the manager; the jobs have their own
     if args.quick:
-        args.intervals, args.failures, args.mtbf_s = "1,25,auto", 1, 5.0
+        args.intervals, args.failures, args.mtbf_s = "1,25,auto,continuous", 1, 5.0
     import numpy as np
 
     rng = np.random.default_rng(args.seed)
@@ -508,9 +586,11 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             turns: dict[int | str, tuple[str, Iterator[Life], list[Life]]] = {}
             for item in args.intervals.split(","):
-                interval: int | str = item if item == "auto" else int(item)
-                if interval == "auto" and not auto_supported(args.mtbf_s * PROCESSES / 3600):
-                    notes.append("auto: not supported by this jaxckpt yet")
+                interval: int | str = item if item in ("auto", "continuous") else int(item)
+                if isinstance(interval, str) and not supported(
+                    interval, args.mtbf_s * PROCESSES / 3600
+                ):
+                    notes.append(f"{interval}: not supported by this jaxckpt yet")
                     continue
                 root = stack.enter_context(harness.scratch("jaxckpt_goodput_"))
                 turns[interval] = (root, run_interval(interval, root, s), [])

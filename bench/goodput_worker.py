@@ -43,9 +43,16 @@ class Events:
         os.write(self.fd, (json.dumps(line) + "\n").encode())
 
 
+def written() -> int:
+    """Bytes of files this process has written so far, as the kernel counts them for the
+    storage (``/proc/self/io`` write_bytes: pages dirtied or written directly; not the
+    collectives' socket traffic, which ``wchar`` would count too)."""
+    return int(harness.io()["write_bytes"])
+
+
 def options(interval: int | str, mtbf_hours: float) -> Any:
-    """The managers' options: local saves every ``interval`` steps (or ``"auto"``), one peer
-    copy, no remote saves in practice."""
+    """The managers' options: local saves every ``interval`` steps (or ``"auto"``, or
+    ``"continuous"``), one peer copy, no remote saves in practice."""
     import jaxckpt
 
     extra = {"mtbf_hours": mtbf_hours} if interval == "auto" else {}
@@ -185,7 +192,7 @@ def worker(
         lap, top = (None if top is None else now - top), now
         state, dt = one_step(state)
         step += 1
-        events("step", step=step, dt=dt, lap=lap)
+        events("step", step=step, dt=dt, lap=lap, written=written())
         if first and pid == 0:
             with open(os.path.join(root, f"first-{life}.tmp"), "w") as f:
                 json.dump({"t": time.time(), "step": step}, f)

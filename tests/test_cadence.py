@@ -104,6 +104,35 @@ def test_fixed_interval_saves_the_multiples():
     assert [s for s in range(1, 20) if c.due(s)] == [4, 8, 12, 16]
 
 
+def test_continuous_is_due_at_the_first_step_after_the_last_save_committed():
+    w = Writer("test-writer", timeout_s=10)
+    c = Cadence("dir", "continuous", writer=w)
+    assert c.due(7)  # nothing saved by this job yet: the first step is due
+    go = threading.Event()
+    w.submit("a write", go.wait)
+    c.saved(7, 0.001)
+    assert not any(c.due(s) for s in range(8, 20))  # the write is in flight
+    go.set()
+    w.wait("here")
+    assert c.due(20) and c.due(20)  # committed: due, and asking again changes nothing
+    c.saved(20, 0.001)  # saved synchronously (nothing submitted): the next step is due
+    assert c.due(21)
+    w.close("here")
+
+
+def test_continuous_counts_a_cancelled_save_as_ended():
+    w = Writer("test-writer", timeout_s=10)
+    c = Cadence("dir", "continuous", writer=w)
+    go = threading.Event()
+    w.submit("a write", go.wait)
+    c.saved(1, 0.001)
+    assert not c.due(2)
+    assert w.cancel(0.05)  # never commits: the next save need not wait for it
+    assert c.due(3)
+    go.set()
+    w.close("here")
+
+
 def test_auto_waits_for_measurements_then_follows_its_choice():
     c = Cadence("dir", "auto", mtbf_hours=1.0, min_steps=2, max_steps=50)
     assert c.interval == 2 and c.due(1)  # nothing measured: the first step is due
@@ -221,12 +250,15 @@ def test_run_log_off_writes_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_processes_agree_on_the_auto_interval(tmp_path):
+def test_processes_agree_on_the_auto_interval_and_the_continuous_steps(tmp_path):
     res = multiproc.run(LOOP, 2, args=["agree", str(tmp_path)], timeout_s=180).check()
     got = [json.loads(o.split("SAVED ", 1)[1].splitlines()[0]) for o in res.outputs]
     assert got[0]["saved"] == got[1]["saved"] and got[0]["steps"] == got[1]["steps"]
     assert got[0]["step_s"] == got[1]["step_s"] >= 0.016  # the slower process's steps
     assert len(got[0]["saved"]) < 60
+    continuous = [json.loads(o.split("CONTINUOUS ", 1)[1].splitlines()[0]) for o in res.outputs]
+    assert continuous[0] == continuous[1] and continuous[0][:1] == [1], continuous
+    assert len(continuous[0]) >= 2, continuous
 
 
 @pytest.mark.slow

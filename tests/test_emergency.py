@@ -417,6 +417,25 @@ def test_options(tmp_path):
         jaxckpt.EmergencyOptions(1, 100)
 
 
+def test_continuous_on_both_tiers(tmp_path, mesh42):
+    """Each tier saves the first step after its last save committed; the options refuse a
+    continuous tier without async saves, naming the field."""
+    remote = jaxckpt.Options(save_interval_steps="continuous", max_to_keep=3)
+    o = opts(local_interval_steps="continuous", remote=remote)
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", o) as mgr:
+        assert mgr.should_save(1) == (True, True)  # nothing saved yet
+        assert mgr.save(1, make_state(mesh42, 1))
+        mgr.wait_until_finished()
+        assert mgr.should_save(2) == (True, True)
+        assert mgr.save(2, make_state(mesh42, 2))
+        mgr.wait_until_finished()
+        assert mgr.local_steps() == [1, 2] and mgr.remote.all_steps() == [1, 2]
+    with pytest.raises(OptionsError, match="local_interval_steps='continuous' needs async"):
+        jaxckpt.EmergencyOptions(local_interval_steps="continuous", async_save=False)
+    with pytest.raises(OptionsError, match="local_interval_steps must be .* 'continuous'"):
+        jaxckpt.EmergencyOptions(local_interval_steps="always")
+
+
 def test_every_remote_option_reaches_the_remote_manager(tmp_path, mesh42, monkeypatch, caplog):
     """``EmergencyOptions.remote`` is the remote tier's manager's ``Options``, whole (less its
     run log: the emergency manager logs both tiers): ``chunk_bytes`` bounds the remote

@@ -3,7 +3,8 @@
 usage: goodput_loop.py agree ROOT       2 processes, a CheckpointManager with an "auto"
                                         interval; process p's steps take (p + 1) * 8 ms:
                                         prints ``SAVED <json>`` (the steps saved and the
-                                        chosen interval) on every process
+                                        chosen interval) on every process, then the
+                                        same loop with "continuous": ``CONTINUOUS <json>``
        goodput_loop.py train ROOT K N   an EmergencyCheckpointManager (local every 5 steps,
                                         replication 1, heartbeat at every save call):
                                         restores if it can (``RESTORED <json>``), trains to
@@ -55,6 +56,15 @@ if mode == "agree":
         choice = mgr._cadence.choice
     out = {"saved": saved, "steps": choice.steps, "step_s": choice.costs.step_s}
     print("SAVED", json.dumps(out), flush=True)
+    # each process sees its writer finish at its own step: the steps saved are agreed
+    opts = jaxckpt.Options(save_interval_steps="continuous", heartbeat_s=0)
+    saved = []
+    with jaxckpt.CheckpointManager(os.path.join(root, "continuous"), opts) as mgr:
+        for step in range(1, 41):
+            time.sleep((pid + 1) * 0.004)
+            if mgr.save(step, state(step)):
+                saved.append(step)
+    print("CONTINUOUS", json.dumps(saved), flush=True)
 else:
     kill_at, last = int(sys.argv[3]), int(sys.argv[4])
     auto = sys.argv[5:] == ["auto"]

@@ -1,6 +1,12 @@
-"""Which steps a tier saves: a fixed interval, or ``"auto"``, chosen from measurement.
+"""Which steps a tier saves: a fixed interval, ``"continuous"``, or ``"auto"``, chosen from
+measurement.
 
-A fixed interval saves the multiples of it, as always. ``"auto"`` saves every ``interval``
+A fixed interval saves the multiples of it, as always. ``"continuous"`` saves the first step
+after the previous save committed (the tier's writer has no save in flight): the next save
+starts as soon as the last one is written. With several processes, whether it committed is
+agreed at each step until it has, in one key-value round (``multihost.decided``: process 0
+says yes once every process's writer is done), so every process saves the same steps; the
+first step of a job is due. ``"auto"`` saves every ``interval``
 steps after the last save, the interval being the one that maximizes the expected goodput
 (:mod:`jaxckpt._src.goodput.intervals`) given the step time, the save's blocking time and the
 restart cost measured here, and the job's MTBF (``mtbf_hours`` per host, divided by the
@@ -122,9 +128,10 @@ class Cadence:
         where: str = "",
     ) -> None:
         self.tier, self.auto = tier, interval == "auto"
+        self.continuous = interval == "continuous"
         # every process starts "auto" at the same interval, whatever its log says (a
         # replaced host has none): they must save the same steps before they first agree
-        self.interval = min_steps if self.auto else int(interval)
+        self.interval = min_steps if self.auto else 1 if self.continuous else int(interval)
         self.min_steps, self.max_steps = min_steps, max_steps
         self.history = history or History()
         self.measured = intervals.Measurements()
@@ -141,6 +148,8 @@ class Cadence:
         self._measuring = False  # the warm-up's writes ended before the last due()
         self._last: int | None = None
         self._saves = 0
+        self._committed = True  # "continuous": the last save committed on every process
+        self._rounds = 0  # "continuous": agreement rounds so far (their names)
         run = f"{hashlib.sha256(where.encode()).hexdigest()[:12]}/{tier}"
         self._name = f"jaxckpt/cadence/{run}/{_instances[run]}"
         _instances[run] += 1
@@ -148,6 +157,8 @@ class Cadence:
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is one this tier saves (also records when it was reached)."""
+        if self.continuous:
+            return self._last_committed()
         if not self.auto:
             return step % self.interval == 0
         busy = None
@@ -161,6 +172,27 @@ class Cadence:
         self.measured.step(step, time.perf_counter(), busy)
         return self._last is None or step - self._last >= self.interval
 
+    def _last_committed(self) -> bool:
+        """Whether this tier's last save committed on every process ("continuous"): this
+        process's writer has no save in flight (a cancelled one counts as ended), agreed in
+        one round per call while any process may still be writing."""
+        if self._committed:
+            return True
+        mine = self._writer is None or self._writer.idle_within(0.0)
+        if multihost.process_count() == 1:
+            self._committed = mine
+        else:
+            self._rounds += 1
+            agreed = multihost.decided(
+                f"{self._name}/committed/{self._rounds}",
+                "1" if mine else "0",
+                _all_committed,
+                self._timeout_s,
+                what=f"agreeing whether the {self.tier} tier's last save committed (continuous)",
+            )
+            self._committed = agreed == "1"
+        return self._committed
+
     def restored(self, step: int, seconds: float) -> None:
         """A restore of ``step`` took ``seconds``: part of the restart cost; saves count
         from it."""
@@ -170,6 +202,7 @@ class Cadence:
     def saved(self, step: int, blocking_s: float) -> None:
         """``step`` was saved, blocking the caller ``blocking_s``; maybe decides again."""
         self._last = step
+        self._committed = False  # "continuous": due again once this one committed
         if not self.auto:
             return
         self._saves += 1
@@ -238,6 +271,12 @@ class Cadence:
                 restart_s=costs.restart_s,
                 mtbf_s=costs.mtbf_s,
             )
+
+
+def _all_committed(values: list[str]) -> str:
+    """Process 0's part of a "continuous" round: "1" when every process's last save
+    committed."""
+    return "1" if all(v == "1" for v in values) else "0"
 
 
 def _worst(values: list[str]) -> str:
