@@ -162,7 +162,7 @@ def test_refuses_to_overwrite(tmp_path):
 
 
 def test_bad_compression_is_refused_naming_path_and_fix(tmp_path):
-    with pytest.raises(errors.OptionsError, match=r"/c: compression='lz4'.*None or 'zstd'"):
+    with pytest.raises(errors.OptionsError, match=r"/c: compression='lz4'.*'zstd' or 'blosc'"):
         jaxckpt.save(tmp_path / "c", {"a": np.ones(2)}, compression="lz4")
     assert os.listdir(tmp_path) == []
 
@@ -274,3 +274,41 @@ def test_python_float_nans_keep_sign_and_payload(tmp_path):
     assert [leaf.get("float_bits") for leaf in leaves[:4]] == [
         "7ff8000000000000", "fff8000000000000", "7ff0000000000001", None
     ]  # fmt: skip
+
+
+def _fingerprints(path) -> dict:
+    with open(os.path.join(path, "manifest.json")) as f:
+        leaves = json.load(f)["leaves"]
+    return {leaf["name"]: leaf.get("fingerprint") for leaf in leaves}
+
+
+def test_fingerprints_follow_the_values_not_the_layout(tmp_path, mesh42):
+    """The same values saved from two meshes, as NumPy in small chunks, and through
+    TensorStore's writer (zstd) have one fingerprint per leaf; one changed leaf changes
+    only its own. (Two processes, every dtype: tests/workers/hostile_job.py.)"""
+    rng = np.random.default_rng(0)
+    values = {
+        "w": rng.standard_normal((16, 24)).astype(jnp.bfloat16),
+        "m": rng.standard_normal((8, 4, 16)).astype(np.float32),
+        "k": rng.integers(-(2**31), 2**31, (16,), dtype=np.int32),
+    }
+    other = jax.make_mesh((8,), ("a",))
+    layouts = {
+        "mesh42": {k: sharded(v, mesh42, P("data")) for k, v in values.items()},
+        "mesh8": {k: sharded(v, other, P(*[None] * (v.ndim - 1), "a")) for k, v in values.items()},
+        "numpy": values,
+    }
+    for name, tree in layouts.items():
+        jaxckpt.save(tmp_path / name, {**tree, "step": 3})
+    jaxckpt.save(tmp_path / "chunked", values, chunk_bytes=64)
+    jaxckpt.save(tmp_path / "zstd", layouts["mesh8"], compression="zstd")
+    want = _fingerprints(tmp_path / "mesh42")
+    assert want["step"] is None and all(len(want[k]) == 24 for k in values)
+    for name in ["mesh8", "numpy", "chunked", "zstd"]:
+        got = _fingerprints(tmp_path / name)
+        assert {k: got[k] for k in values} == {k: want[k] for k in values}, name
+    changed = dict(values, m=values["m"].copy())
+    changed["m"][3, 2, 1] = np.nextafter(changed["m"][3, 2, 1], np.float32(np.inf))
+    jaxckpt.save(tmp_path / "changed", changed)
+    got = _fingerprints(tmp_path / "changed")
+    assert [k for k in values if got[k] != want[k]] == ["m"]

@@ -58,7 +58,7 @@ def test_every_written_version_has_golden_files():
 CHECKPOINTS = [
     (v, name)
     for v in VERSIONS
-    for name in ("checkpoint", "checkpoint_2proc", "checkpoint_chunked")
+    for name in ("checkpoint", "checkpoint_2proc", "checkpoint_chunked", "checkpoint_blosc")
     if os.path.isdir(os.path.join(GOLDEN, f"v{v}", name))
 ]
 
@@ -249,3 +249,21 @@ def test_the_current_versions_leaf_records_are_written_as_read(name):
     assert list(json.loads(manifest.to_json()).items()) == list(json.loads(text).items())
     empty = json.loads(dataclasses.replace(manifest, leaves=[]).to_json())
     assert empty["leaves"] == [] and empty["meshes"] == json.loads(text)["meshes"]
+
+
+@pytest.mark.parametrize("version, name", [(v, n) for v, n in CHECKPOINTS if _at_least(v, 1, 10)])
+def test_golden_fingerprints_are_the_values(version, name):
+    """(1.10) The fingerprint definition is part of the contract: every golden checkpoint's
+    (one process or two, chunked, blosc) is that of the values it was written from, computed
+    here from the whole arrays; ``jaxckpt verify`` agrees."""
+    from jaxckpt._src.cli.verify import verify
+    from jaxckpt._src.io import fingerprint
+    from jaxckpt._src.manifest import read_manifest
+
+    path = os.path.join(GOLDEN, f"v{version}", name)
+    records = {r.name: r for r in read_manifest(location(path)).leaves}
+    arrays = {k: v for k, v in values.expected().items() if isinstance(v, np.ndarray)}
+    assert arrays and all(
+        records[k].fingerprint == fingerprint.of_array(v) for k, v in arrays.items()
+    )
+    assert verify(path).ok

@@ -125,6 +125,30 @@ def test_intervals_and_force(mesh42, tmp_path):
             mgr.save(5, {"s": 5}, force=True)
 
 
+def test_continuous_skips_steps_while_the_last_save_is_written(tmp_path):
+    """``"continuous"``: the first step is saved; while its write is in flight (16 MiB: it
+    outlasts the next call by far) a step is skipped; the first step after it committed is
+    saved. Invalid values name the field and the fix."""
+    state = {"w": np.arange(4 << 20, dtype=np.float32)}
+    opts = jaxckpt.Options(save_interval_steps="continuous")
+    with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:
+        assert mgr.save(1, state)
+        assert not mgr.save(2, state)  # step 1 is being written
+        mgr.wait_until_finished()
+        assert mgr.save(3, state)  # the first step after step 1 committed
+        assert not mgr.should_save(4)
+        mgr.wait_until_finished()
+        assert mgr.should_save(5) and mgr.save(5, state)
+    assert mgr.all_steps() == [1, 3, 5]
+    with pytest.raises(OptionsError, match="save_interval_steps.*'continuous'"):
+        jaxckpt.Options(save_interval_steps="continous")
+    with pytest.raises(OptionsError, match="save_interval_steps='continuous' needs async_save"):
+        jaxckpt.Options(save_interval_steps="continuous", async_save=False)
+    toml = tmp_path / "continuous.toml"
+    toml.write_text('save_interval_steps = "continuous"\n')
+    assert jaxckpt.Options.from_file(toml).save_interval_steps == "continuous"
+
+
 def test_max_to_keep_and_keep_period(tmp_path):
     opts = jaxckpt.Options(max_to_keep=2, keep_period=4)
     with jaxckpt.CheckpointManager(tmp_path, opts) as mgr:

@@ -25,6 +25,7 @@ from ..errors import (
     ManifestError,
 )
 from . import gc_pause, lease, monitoring, multihost, preemption, readers, saving, steps
+from .changes import Changes
 from .goodput.cadence import Blocking, Cadence, start_run
 from .goodput.runlog import RunLog
 from .manifest import MANIFEST_FILE, read_manifest
@@ -94,6 +95,7 @@ class CheckpointManager:
         self._metrics: dict[int, dict | None] = {}
         self._broken: set[int] = set()  # marked steps without a manifest, warned about
         self._restored_step: int | None = None
+        self._changes = Changes(self.directory.url)  # stale saves (process 0)
         read_only = self._verdict.read_only
         if self.options.cleanup_tmp and not read_only and multihost.process_index() == 0:
             # Leftovers of interrupted saves; a save still in progress (another manager on
@@ -316,7 +318,12 @@ class CheckpointManager:
 
     def _write(self, step: int, prepared: saving.Prepared, blocking: Blocking) -> None:
         fig = self.last_save_figures = saving.commit(prepared, self.options.timeout_s)
+        before = max((s for s in self._metrics if s < step), default=None)
         self._metrics[step] = prepared.metrics
+        changed = None
+        if multihost.process_index() == 0:  # it wrote the manifest: leaves changed, stale?
+            previous = None if before is None else (before, self.step_path(before))
+            changed = self._changes.committed(step, self.step_path(step), previous)
         if self._log is not None:
             self._log.append(
                 "save",
@@ -325,6 +332,7 @@ class CheckpointManager:
                 blocking_s=blocking.seconds(),
                 write_s=fig.total_s,
                 bytes=fig.bytes,
+                **({} if changed is None else {"leaves_changed": changed}),
             )
         self._apply_retention()
 
@@ -406,6 +414,8 @@ class CheckpointManager:
                     target=target,
                     mesh=mesh,
                     read_budget_bytes=self.options.read_budget_bytes,
+                    timeout_s=self.options.timeout_s,
+                    stall_timeout_s=self.options.stall_timeout_s,
                 )
             except ManifestError as e:
                 if step is not None or s == tries[-1]:

@@ -22,7 +22,7 @@ from .sharding import spec_from_json
 from .storage import Location, location
 
 FORMAT_NAME = "jaxckpt"
-FORMAT_VERSION = (1, 9)  # (major, minor): a reader accepts any minor of its own major
+FORMAT_VERSION = (1, 10)  # (major, minor): a reader accepts any minor of its own major
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMITTED"
 ARRAYS_DIR = "arrays"
@@ -53,6 +53,7 @@ class LeafRecord:
     prng_impl: str | None = None
     scalar: bool = False  # a NumPy scalar (np.float32(1.0)) rather than a 0-d array
     float_bits: str | None = None  # 1.5: a NaN Python float's 64 bits (JSON drops its payload)
+    fingerprint: str | None = None  # 1.10: the values' fingerprint, 3 lanes (io/fingerprint.py)
 
     @property
     def has_array(self) -> bool:
@@ -325,6 +326,10 @@ def leaf_from_json(f: Fields, doc: Any, at: str, meshes: list[dict], count: int)
         )
     if doc.get("writer_salt") is not None:
         f.integer(doc["writer_salt"], at + "writer_salt")
+    if doc.get("fingerprint") is not None:  # 1.10: compared as text, so held to its form
+        text = f.text(doc["fingerprint"], at + "fingerprint")
+        if not re.fullmatch(r"[0-9a-f]{24}", text):
+            f.bad(at + "fingerprint", "must be 24 lower-case hex digits (format 1.10)", text)
     grid = [max(-(-n // c), 1) for n, c in zip(shape, chunks, strict=True)]
     if doc.get("chunk_writers") is not None:
         writers = f.items(
@@ -398,6 +403,7 @@ class ArrayInfo:
     mesh_shape: tuple[int, ...] | None = None
     spec: PartitionSpec | None = None
     value: Any = None
+    fingerprint: str | None = None  # the values' (format 1.10): equal ones, equal values
 
     @property
     def size(self) -> int:
@@ -421,6 +427,7 @@ def array_info(leaf: LeafRecord, meshes: list[dict]) -> ArrayInfo:
         mesh_shape=mesh_shape,
         spec=spec,
         value=leaf.value if leaf.kind == "python" else None,
+        fingerprint=leaf.fingerprint,
     )
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 from ..errors import OptionsError
+from .io.arrays import parse_compression
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["AUTO", "EmergencyOptions", "Options", "OptionsError", "is_auto"]
+__all__ = ["AUTO", "CONTINUOUS", "EmergencyOptions", "Options", "OptionsError", "is_auto"]
 
 AUTO = "auto"
 """An interval chosen from measured costs and an MTBF (``jaxckpt._src.goodput.intervals``)."""
@@ -28,6 +29,11 @@ def is_auto(value: object) -> TypeGuard[Literal["auto"]]:
     return isinstance(value, str) and value == AUTO
 
 
+CONTINUOUS = "continuous"
+"""The next save is due at the first step after the previous one committed
+(``jaxckpt._src.goodput.cadence``)."""
+
+
 @dataclass(frozen=True)
 class Options:
     """Policies of a :class:`CheckpointManager`.
@@ -35,7 +41,9 @@ class Options:
     save_interval_steps: save when ``step % save_interval_steps == 0`` (``force`` overrides),
         or ``"auto"``: an interval that maximizes the expected effective training time
         ratio given the measured step, save and restore times and the MTBF, re-chosen as the
-        measurements change, within [``min_interval_steps``, ``max_interval_steps``].
+        measurements change, within [``min_interval_steps``, ``max_interval_steps``], or
+        ``"continuous"``: the first step after the previous save committed (the next save
+        starts as soon as the last one is written; needs ``async_save``).
     mtbf_hours: mean time between failures of one host, in hours (the job's is this over
         the process count, refined by the failures in the run log); needed by ``"auto"``.
     run_log: append the run's events to ``<directory>/runlog/`` (``jaxckpt goodput``).
@@ -54,11 +62,20 @@ class Options:
     create: create the directory if missing. cleanup_tmp: delete leftovers of
         interrupted saves when the manager starts.
     timeout_s: bound on every cross-process wait and on ``close``.
-    compression: None or ``"zstd"``.
+    compression: None (raw), ``"zstd"`` (zstd, level 3) or ``"blosc"`` (blosc's byte
+        shuffle by the element's size, then zstd, level 1: the exponent bytes of float
+        weights are compressed apart from their mantissas, to fewer bytes than zstd alone
+        gives, for less CPU: docs/MEASURED.md); a level after a colon picks another
+        (``"zstd:9"``, ``"blosc:5"``). TensorStore writes and reads compressed leaves (the
+        direct paths take raw ones only); a blosc save keeps each chunk to at most 1 GiB.
+        None for the emergency tier's remote too (why: docs/MEASURED.md).
     chunk_bytes: store each shard as chunks of at most this many bytes (see
         ``jaxckpt.save``); None: chunks follow the shards.
     read_budget_bytes: host memory for slices read but not yet on a device during a
         restore (None: 64 MiB per reader thread, at least 128 MiB; ``inflight.default_budget``).
+    stall_timeout_s: a restore's read that makes no progress this long fails with
+        ``ReadStalledError`` naming the process, its host, the file or object and how long;
+        the job's other processes then fail at their barrier naming it (``jaxckpt.restore``).
     drop_page_cache: keep a save's files out of the page cache (local directories): their
         pages are dropped as they are written, so a save of any size holds a few hundred
         MiB of cache at most instead of its whole size, and does not evict what training
@@ -73,7 +90,7 @@ class Options:
         (uncompressed), else through the page cache; False: always through it.
     """
 
-    save_interval_steps: int | Literal["auto"] = 1
+    save_interval_steps: int | Literal["auto", "continuous"] = 1
     max_to_keep: int | None = None
     keep_period: int | None = None
     best_fn: Callable[[dict], float] | None = None
@@ -87,6 +104,7 @@ class Options:
     compression: str | None = None
     chunk_bytes: int | None = None
     read_budget_bytes: int | None = None
+    stall_timeout_s: float = 300.0
     mtbf_hours: float | None = None
     min_interval_steps: int = 1
     max_interval_steps: int = 10_000
@@ -103,14 +121,16 @@ class Options:
     def __post_init__(self) -> None:
         _preemption(self)
         _interval(self, "save_interval_steps", "min_interval_steps", "max_interval_steps")
+        _continuous_needs_async(self, "save_interval_steps")
         _at_least(self, 0, "heartbeat_s")
         _at_least(
             self, 1, "read_budget_bytes", "chunk_bytes", "max_to_keep", "keep_period", none=True
         )
+        if not self.stall_timeout_s > 0:
+            raise OptionsError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.best_mode not in ("min", "max"):
             raise OptionsError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
-        if self.compression not in (None, "zstd"):
-            raise OptionsError(f"compression must be None or 'zstd', got {self.compression!r}")
+        parse_compression(self.compression)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **overrides: Any) -> Options:
@@ -162,7 +182,9 @@ class EmergencyOptions:
 
     local_interval_steps: save to the local tier when ``step`` is a multiple of it
         (``force=True`` saves both tiers), or ``"auto"`` (see ``Options``), chosen within
-        [``min_interval_steps``, ``max_interval_steps``] from ``mtbf_hours``.
+        [``min_interval_steps``, ``max_interval_steps``] from ``mtbf_hours``, or
+        ``"continuous"``: the first step after the previous local save committed (needs
+        ``async_save``; the remote tier's ``save_interval_steps`` takes it too).
     mtbf_hours: mean time between failures of one host, in hours; needed by ``"auto"``.
     local_max_to_keep: committed local steps kept (None: all).
     replication: how many other processes (on other hosts where the layout allows) keep a
@@ -195,7 +217,7 @@ class EmergencyOptions:
         changes only the keys it names.
     """
 
-    local_interval_steps: int | Literal["auto"] = 10
+    local_interval_steps: int | Literal["auto", "continuous"] = 10
     # the rest by keyword only: the second field was remote_interval_steps before 0.1.0, and
     # an old call giving it by position fails instead of setting another field
     _: dataclasses.KW_ONLY
@@ -220,6 +242,7 @@ class EmergencyOptions:
     def __post_init__(self) -> None:
         _preemption(self)
         _interval(self, "local_interval_steps", "min_interval_steps", "max_interval_steps")
+        _continuous_needs_async(self, "local_interval_steps")
         _at_least(self, 0, "heartbeat_s")
         _at_least(self, 1, "local_max_to_keep", none=True)
         _at_least(self, 0, "replication")
@@ -284,8 +307,8 @@ def _at_least(options: Any, least: int, *names: str, none: bool = False) -> None
 
 
 def _interval(options: Any, name: str, low: str, high: str) -> None:
-    """Checks an interval field (a step count >= 1, or ``"auto"`` with an ``mtbf_hours`` to
-    work from) and the bounds ``low`` <= ``high`` of its ``"auto"`` choice."""
+    """Checks an interval field (a step count >= 1, ``"continuous"``, or ``"auto"`` with an
+    ``mtbf_hours`` to work from) and the bounds ``low`` <= ``high`` of its ``"auto"`` choice."""
     _at_least(options, 1, low)
     if getattr(options, high) < getattr(options, low):
         raise OptionsError(
@@ -302,8 +325,24 @@ def _interval(options: Any, name: str, low: str, high: str) -> None:
                 f"{name}='auto' needs mtbf_hours: pass the mean time between failures "
                 "of one host in hours (e.g. mtbf_hours=1000), or a number of steps"
             )
+    elif isinstance(value, str) and value == CONTINUOUS:
+        pass
     elif isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise OptionsError(f"{name} must be a number of steps >= 1 or 'auto', got {value!r}")
+        raise OptionsError(
+            f"{name} must be a number of steps >= 1, 'auto' or 'continuous', got {value!r}"
+        )
+
+
+def _continuous_needs_async(options: Any, name: str) -> None:
+    """Refuses ``"continuous"`` without ``async_save``: every save would commit before
+    ``save`` returns, so every step would be saved, each blocking the loop."""
+    value = getattr(options, name)
+    if isinstance(value, str) and value == CONTINUOUS and not options.async_save:
+        raise OptionsError(
+            f"{name}='continuous' needs async_save=True (a synchronous save commits before "
+            f"save returns, so every step would be saved, each one blocking): set "
+            f"async_save=True, or {name}=1 to save every step on purpose"
+        )
 
 
 def option_file(path: str | os.PathLike) -> dict:

@@ -29,7 +29,7 @@ import jax
 from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
 from . import gc_pause, multihost, staging, steps, writer
 from . import per_process as pp
-from .io import arrays, ocdbt_write
+from .io import arrays, fingerprint, ocdbt_write
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
 from .options import Options
@@ -134,10 +134,10 @@ def prepare(
     """Checks a save's arguments and describes ``tree`` (see :func:`save`); writes nothing
     and reads no storage (``commit`` checks the path is free)."""
     loc = location(path)
-    if compression not in (None, "zstd"):
-        raise OptionsError(
-            f"{loc.url}: compression={compression!r} is not supported; pass None or 'zstd'"
-        )
+    try:
+        arrays.parse_compression(compression)
+    except OptionsError as e:
+        raise OptionsError(f"{loc.url}: {e}") from None
     if chunk_bytes is not None and chunk_bytes < 1:
         raise OptionsError(f"{loc.url}: chunk_bytes={chunk_bytes!r}; pass None or a positive size")
     check_json(custom_metadata, "custom_metadata", loc)
@@ -216,6 +216,7 @@ def commit(
                 # the cancelled save of this step may have written here after process 0
                 # cleared the step's objects: a leftover database would refuse ``create``
                 db.remove()
+            sums = fingerprint.Sums()
             try:
                 ocdbt_write.write(
                     db,
@@ -223,6 +224,7 @@ def commit(
                     direct_io=prepared.writes.direct_io,
                     drop_page_cache=prepared.writes.drop_page_cache,
                     fetch=staging.to_host_all,
+                    sums=sums,
                 )
             except OSError as e:  # a StorageError too: named by the step, not its work dir
                 raise storage_error(e, loc, "saving") from e
@@ -233,13 +235,17 @@ def commit(
                 )
         with clock.phase("commit"):
             cancel.check()
-            multihost.barrier(f"jaxckpt/{save_id}/written", timeout_s, what=loc.url, check=check)
+            # each process's fingerprint sums reach process 0 once every process has written
+            sums_of = multihost.gather(
+                f"jaxckpt/{save_id}/written", json.dumps(sums.texts()), timeout_s,
+                what=loc.url, check=check,
+            )  # fmt: skip
             if pid == 0:
                 if count > 1:
                     arrays.merge(work, count)
                 got = [_Writer(**json.loads(e)) for e in agreed.all or []]
                 manifest = manifest_of(
-                    leaves,
+                    with_fingerprints(leaves, [json.loads(t) for t in sums_of]),
                     prepared.staged.meshes,
                     [w.host for w in got],
                     [w.nbytes for w in got],
@@ -253,6 +259,29 @@ def commit(
     with clock.phase("commit"):
         multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url, check=check)
     return clock.done()
+
+
+def with_fingerprints(
+    leaves: Sequence[StagedLeaf], sums: Sequence[dict[str, str]]
+) -> list[StagedLeaf]:
+    """``leaves`` with each array leaf's fingerprint: the sum of what the processes that
+    write it added up (``sums``, one dict a process); a leaf no process wrote a byte of is
+    empty. Where the record lists the chunks' writers (not a named sharding), only theirs:
+    a single-device array of each process's own is written by each, and read back as one."""
+    out = []
+    for leaf in leaves:
+        name, listed = leaf.record.name, leaf.record.chunk_writers
+        if leaf.record.has_array:
+            writers = None if listed is None else {int(p) for _, p in listed}
+            value = fingerprint.combine(
+                fingerprint.from_text(s[name])
+                for p, s in enumerate(sums)
+                if name in s and (writers is None or p in writers)
+            )
+            record = dataclasses.replace(leaf.record, fingerprint=fingerprint.to_text(value))
+            leaf = dataclasses.replace(leaf, record=record)
+        out.append(leaf)
+    return out
 
 
 def check_json(value: Any, what: str, loc: Location) -> None:

@@ -2,8 +2,8 @@
 
     jaxckpt ls DIR                 the steps of a manager directory (and leftovers)
     jaxckpt info PATH [--json]     what a checkpoint holds
-    jaxckpt verify PATH [--all]    read every chunk, check every CRC32C (exit 1 on damage)
-    jaxckpt diff A B [--atol X --rtol Y]   per-leaf differences (exit 1 when they differ)
+    jaxckpt verify PATH [--all]    read every chunk, check CRC32Cs, fingerprints (exit 1 on damage)
+    jaxckpt diff A B [--atol X --rtol Y]   per-leaf differences; equal fingerprints: not read
     jaxckpt convert SRC DST [--to jaxckpt|safetensors]   Orbax/safetensors <-> jaxckpt
     jaxckpt goodput RUN [--process N] [--json] [--plot out.png]   ETTR, failures, costs
 
@@ -142,6 +142,8 @@ def leaf_json(rec: LeafRecord, manifest: Manifest) -> dict[str, Any]:
         out["sharding"] = sharding
     if rec.kind == "python":
         out["value"] = rec.value
+    if rec.fingerprint is not None:
+        out["fingerprint"] = rec.fingerprint
     return out
 
 
@@ -175,6 +177,7 @@ def info(args: argparse.Namespace) -> int:
         if "mesh" in leaf:
             where = f"  mesh {leaf['mesh']} spec {spec_from_json(leaf['spec'])}"
         value = f" = {leaf['value']!r}" if "value" in leaf else ""
+        value += f"  fingerprint {leaf['fingerprint']}" if "fingerprint" in leaf else ""
         print(f"  {leaf['path']:<40} {leaf['kind']:<8} {str(tuple(leaf['shape'])):<16} "
               f"{leaf['dtype'] or '':<10} {_size(leaf['bytes']):>10}{where}{value}")  # fmt: skip
     print(f"total {_size(doc['bytes'])} in {len(doc['leaves'])} leaves; bytes per process "
@@ -259,7 +262,7 @@ def diff(args: argparse.Namespace) -> int:
     a, b = location(args.a), location(args.b)
     ma, mb = read_manifest(a), read_manifest(b)
     ra, rb = {r.name: r for r in ma.leaves}, {r.name: r for r in mb.leaves}
-    different = 0
+    different = unchanged = 0
     same_layout = []
     for name in sorted(set(ra) | set(rb)):
         x, y = ra.get(name), rb.get(name)
@@ -275,6 +278,8 @@ def diff(args: argparse.Namespace) -> int:
             if x.value != y.value:
                 print(f"{name}: {x.value!r} -> {y.value!r}")
                 different += 1
+        elif x.fingerprint is not None and x.fingerprint == y.fingerprint:
+            unchanged += 1  # equal values (format 1.10): nothing to read
         else:
             same_layout.append(name)
     # the arrays: read a batch of each side at a time, never a whole checkpoint
@@ -297,5 +302,7 @@ def diff(args: argparse.Namespace) -> int:
               f"{' (within tolerance)' if close else ''}")  # fmt: skip
         different += not close
     print(f"{'differ' if different else 'equal'}: {different} leaf(s) differ"
-          f"{f' beyond atol={args.atol} rtol={args.rtol}' if args.atol or args.rtol else ''}")  # fmt: skip
+          f"{f' beyond atol={args.atol} rtol={args.rtol}' if args.atol or args.rtol else ''}"
+          f"; {unchanged} array leaf(s) unchanged by fingerprint (not read), "
+          f"{len(same_layout)} read")  # fmt: skip
     return 1 if different else 0

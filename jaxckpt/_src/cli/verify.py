@@ -1,5 +1,6 @@
 """Checking a committed checkpoint end to end: every chunk the manifest implies exists, and
-reads back with its CRC32C intact (TensorStore checks the checksum as it decodes a chunk).
+reads back with its CRC32C intact (TensorStore checks the checksum as it decodes a chunk),
+and every leaf's values have the fingerprint its record gives (1.10).
 
 Reads run concurrently through TensorStore's thread pool (every core), at most
 ``budget`` bytes in flight, one chunk at a time per read: a corrupt chunk is named alone,
@@ -20,7 +21,7 @@ import tensorstore as ts
 
 from .. import per_process as pp
 from ..boxes import chunks_in, volume, whole
-from ..io import arrays
+from ..io import arrays, fingerprint
 from ..io.inflight import READ_BUDGET_BYTES, InFlight
 from ..manifest import LeafRecord, Manifest, read_manifest
 from ..sharding import saved_writers
@@ -79,9 +80,13 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int], None] | None = 
     def damaged(rec: LeafRecord, coords: tuple[int, ...], why: str) -> None:
         report.problems.append(Problem(rec.name, coords, _where(rec, coords, manifest, db), why))
 
-    def check(rec: LeafRecord, coords: tuple[int, ...], nbytes: int, fut: Any) -> None:
+    sums = fingerprint.Sums()
+
+    def check(rec: LeafRecord, coords: tuple[int, ...], box: Any, nbytes: int, fut: Any) -> None:
         try:
-            fut.result()
+            data = fut.result()
+            if rec.fingerprint is not None:
+                sums.add(rec.name, data, box, rec.shape)
             report.chunks += 1
             report.bytes += nbytes
         except Exception as e:
@@ -111,9 +116,10 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int], None] | None = 
             reads.add(
                 nbytes,
                 functools.partial(arrays.read_slice, store, box),
-                functools.partial(check, rec, coords, nbytes),
+                functools.partial(check, rec, coords, box, nbytes),
             )
     reads.drain()
+    _check_fingerprints(leaves, sums.texts(), report, db)
     report.problems[:] = _with_bytes(report.problems, kv, db)
     for i in manifest.per_process or ():  # 1.4: each process's record and its checksum
         try:
@@ -122,6 +128,29 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int], None] | None = 
             where = loc.join(pp.DIRECTORY).join(pp.file_name(i)).url
             report.problems.append(Problem(f"per_process[{i}]", None, where, _first_line(e)))
     return report
+
+
+def _check_fingerprints(
+    leaves: Sequence[LeafRecord], got: dict[str, str], report: Report, db: Location
+) -> None:
+    """A problem for each leaf read whole whose values' fingerprint is not its record's."""
+    damaged = {p.leaf for p in report.problems}
+    for rec in leaves:
+        if rec.fingerprint is None or rec.name in damaged:
+            continue
+        have = got.get(rec.name, fingerprint.to_text((0,) * fingerprint.LANES))
+        if have != rec.fingerprint:
+            report.problems.append(
+                Problem(
+                    rec.name,
+                    None,
+                    db.url,
+                    f"its values' fingerprint is {have}, the manifest records "
+                    f"{rec.fingerprint}: every chunk is intact, so the arrays are not the ones "
+                    "that were saved (the manifest belongs to other arrays, or they were "
+                    "rewritten since)",
+                )
+            )
 
 
 def _where(rec: LeafRecord, coords: tuple[int, ...], manifest: Manifest, db: Location) -> str:

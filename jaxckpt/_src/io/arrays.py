@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ...errors import ChecksumError, StorageError
+from ...errors import ChecksumError, OptionsError, StorageError
 from ..boxes import Index
 from ..storage import Location
-from . import linux
+from . import fingerprint, linux
 from .layout import ADOPT_ALIGN
 
 MIN_DATA_FILE_BYTES = 64 << 20
@@ -72,14 +72,82 @@ def stored_dtype(dtype: np.dtype) -> str:
     return dtype.name if _zarr_supports(dtype.name) else f"uint{dtype.itemsize * 8}"
 
 
+# --- compression ----------------------------------------------------------------------------
+
+LEVELS = {"zstd": (3, 1, 22), "blosc": (1, 1, 9)}  # name: (default level, lowest, highest)
+BLOSC_BLOCK_BYTES = 1 << 20
+"""Blosc's block: blosc shuffles each block (every element's first byte, then every
+second byte, ...) and gives it to zstd, whose own blocks of 128 KiB each get entropy tables
+of their own. At 1 MiB each byte plane of a bf16 or f32 block fills whole zstd blocks and
+gets its own tables (the exponent bytes are what compresses); blosc's automatic choice at
+level 1, a few dozen KiB, put the planes into one zstd block and gave plain zstd's ratio
+(docs/MEASURED.md). So chunks of less than a few hundred KiB gain little over zstd."""
+BLOSC_MAX_CHUNK_BYTES = 1 << 30
+"""Blosc compresses at most 2 GiB - 16 bytes at once (TensorStore refuses a larger chunk
+when it writes it): a blosc save keeps its chunks to at most this (``chunk_bytes``)."""
+
+
+@dataclass(frozen=True)
+class Compression:
+    """A save's ``compression`` read: ``"zstd"`` or ``"blosc"``, and its level."""
+
+    name: str
+    level: int
+
+
+def parse_compression(value: str | None) -> Compression | None:
+    """``value`` (None, ``"zstd"``, ``"blosc"``, or either with ``":<level>"``) read and
+    checked; an unknown name or a level out of range is an ``OptionsError`` naming the fix."""
+    if value is None:
+        return None
+    name, colon, level = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if name in LEVELS:
+        default, low, high = LEVELS[name]
+        if not colon:
+            return Compression(name, default)
+        if level.isascii() and level.isdigit() and low <= int(level) <= high:
+            return Compression(name, int(level))
+    raise OptionsError(
+        f"compression={value!r} is not supported; pass None, 'zstd' or 'blosc', or one with a "
+        "level after a colon ('zstd:1' to 'zstd:22', 'blosc:1' to 'blosc:9')"
+    )
+
+
+def compression_codec(value: str | None, typesize: int) -> dict | None:
+    """The zarr v3 bytes-to-bytes codec of ``value`` for elements of ``typesize`` bytes
+    (None: no compression). ``"blosc"``: blosc's byte shuffle with the element's size, then
+    zstd, what groups the exponent bytes of float weights together (docs/FORMAT.md)."""
+    c = parse_compression(value)
+    if c is None:
+        return None
+    if c.name == "zstd":
+        return {"name": "zstd", "configuration": {"level": c.level}}
+    config = {
+        "cname": "zstd",
+        "clevel": c.level,
+        "shuffle": "shuffle",
+        "typesize": typesize,
+        "blocksize": BLOSC_BLOCK_BYTES,
+    }
+    return {"name": "blosc", "configuration": config}
+
+
+def chunk_bytes_for(value: str | None, chunk_bytes: int | None) -> int | None:
+    """The chunk size bound a save with ``compression=value`` uses: ``chunk_bytes``, at most
+    ``BLOSC_MAX_CHUNK_BYTES`` with blosc."""
+    c = parse_compression(value)
+    if c is None or c.name != "blosc":
+        return chunk_bytes
+    return min(chunk_bytes or BLOSC_MAX_CHUNK_BYTES, BLOSC_MAX_CHUNK_BYTES)
+
+
 def zarr_metadata(
     shape: Sequence[int], data_type: str, chunks: Sequence[int], compression: str | None
 ) -> dict:
     codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if compression == "zstd":
-        codecs.append({"name": "zstd", "configuration": {"level": 3}})
-    elif compression is not None:
-        raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+    codec = compression_codec(compression, ts.dtype(data_type).numpy_dtype.itemsize)
+    if codec is not None:
+        codecs.append(codec)
     codecs.append({"name": "crc32c"})
     return {
         "shape": list(shape),
@@ -128,8 +196,9 @@ def new_context() -> ts.Context:
 # --- writing --------------------------------------------------------------------------------
 
 
-def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
-    """Writes every piece of ``writes`` into the OCDBT database at ``db``."""
+def write(db: Location, writes: Sequence[ArrayWrite], sums: fingerprint.Sums | None = None) -> None:
+    """Writes every piece of ``writes`` into the OCDBT database at ``db`` (``sums``: adds
+    each piece's fingerprint sum, as ``ocdbt_write.write``)."""
     ctx = new_context()
     total = sum(w.nbytes for w in writes)
     file_bytes = max(MIN_DATA_FILE_BYTES, -(-total // DATA_FILES_PER_PROCESS))
@@ -156,6 +225,8 @@ def write(db: Location, writes: Sequence[ArrayWrite]) -> None:
                 data = get()
                 if data.dtype != store.dtype.numpy_dtype:
                     data = data.view(store.dtype.numpy_dtype)
+                if sums is not None:
+                    sums.add(w.name, data, index, w.metadata["shape"])
                 pending.append(
                     store[_slices(index)].write(data, can_reference_source_data_indefinitely=True)
                 )
@@ -247,14 +318,38 @@ def _slices(index: Index) -> tuple[slice, ...]:
 
 
 class _ReadInto:
-    """A read into a buffer we own; ``result()`` waits and returns the buffer."""
+    """A read into a buffer we own; ``result()`` waits and returns the buffer (at most
+    ``timeout`` seconds: TimeoutError), ``done()`` and ``cancel()`` as a future's."""
 
     def __init__(self, fut: ts.Future | ts.WriteFutures, buf: np.ndarray) -> None:
         self.fut, self.buf = fut, buf
 
-    def result(self) -> np.ndarray:
-        self.fut.result()
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        self.fut.result(timeout=timeout)
         return self.buf
+
+    def done(self) -> bool:
+        return bool(self.fut.done())
+
+    def cancel(self) -> None:
+        self.fut.cancel()
+
+
+def bytes_read() -> int:
+    """Bytes TensorStore's key-value stores have read in this process, every driver
+    (file, s3, gcs, http; its ``/tensorstore/kvstore/<driver>/bytes_read`` counters): the
+    progress of reads whose futures show none until they are done. 0 where TensorStore
+    keeps no such counters."""
+    try:
+        metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
+    except Exception:  # (an experimental function)
+        return 0
+    return sum(
+        int(v.get("value", 0))
+        for m in metrics
+        if m.get("name", "").endswith("/bytes_read")
+        for v in m.get("values", [])
+    )
 
 
 HUGE_PAGE_MIN_BYTES = 2 << 20  # one huge page on x86-64 and most arm64 kernels
@@ -408,6 +503,23 @@ def _reference(db: Location, ref: str, files: dict[str, str], *, inline: bool) -
         url = files[head] = db.join(urllib.parse.unquote(base_path + relative)).url
     start = int(offset)
     return ChunkBytes(url, start, start + int(length), inline)
+
+
+def locate_within(db: Location, keys: set[str], timeout_s: float) -> dict[str, ChunkBytes]:
+    """Where the values of ``keys`` live (``chunk_bytes``), as far as the B-tree tells
+    within ``timeout_s``: {} where it can't (its own reads stall or fail). An error's
+    detail (a stalled read's file): it never raises nor waits longer."""
+    found: list[dict[str, ChunkBytes]] = []
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            base = ts.KvStore.open(db.kvstore()).result()
+            found.append(chunk_bytes(base, db, keys))
+
+    thread = threading.Thread(target=run, name="jaxckpt-locate", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return found[0] if found else {}
 
 
 def locate(db: Location, key: str) -> ChunkBytes | None:

@@ -46,7 +46,7 @@ from ...errors import StorageError
 from .. import boxes
 from ..boxes import Index, extent
 from ..storage import Location, fsync_dir, storage_error
-from . import arrays, chunk_plan, linux, page_cache
+from . import arrays, chunk_plan, fingerprint, linux, page_cache
 from .arrays import DATA_FILES_PER_PROCESS, MIN_DATA_FILE_BYTES, ArrayWrite
 from .layout import ALIGN, SMALL_CHUNK_BYTES
 
@@ -193,6 +193,8 @@ class _Piece:
     dtype: np.dtype  # stored
     chunks: list[_Chunk]
     nbytes: int  # stored, CRC32C trailers included
+    index: Index  # where the piece lies in its leaf (for the leaf's fingerprint)
+    leaf_shape: tuple[int, ...]
 
 
 @dataclass
@@ -269,7 +271,8 @@ def plan(
                 return None  # (two pieces of one chunk: TensorStore writes the last, as ever)
             entries.update((c.key, b"") for c in chunks)  # their places: below
             nbytes = len(chunks) * (math.prod(chunk) * dtype.itemsize + 4)
-            pieces.append(_Piece(w.name, extent(index), get, dtype, chunks, nbytes))
+            shape = tuple(w.metadata["shape"])
+            pieces.append(_Piece(w.name, extent(index), get, dtype, chunks, nbytes, index, shape))
             total += nbytes
     count = max(1, min(DATA_FILES_PER_PROCESS, total // MIN_DATA_FILE_BYTES, len(pieces)))
     # sorted by path, as TensorStore orders a node's data file table: the node is its bytes
@@ -464,7 +467,9 @@ def _fetched(pieces: Sequence[_Piece], fetch: Fetch) -> Iterator[tuple[_Piece, n
     yield from zip(run, fetch([p.get for p in run]), strict=True)
 
 
-def _write_file(path: str, f: _File, direct_io: bool, drop: bool, fetch: Fetch) -> None:
+def _write_file(
+    path: str, f: _File, direct_io: bool, drop: bool, fetch: Fetch, sums: fingerprint.Sums | None
+) -> None:
     sink = _Sink(path, direct_io, drop)
     try:
         sink.write(np.frombuffer(f.head, np.uint8))
@@ -476,6 +481,8 @@ def _write_file(path: str, f: _File, direct_io: bool, drop: bool, fetch: Fetch) 
                 )
             if data.dtype != piece.dtype:
                 data = data.view(piece.dtype)
+            if sums is not None:
+                sums.add(piece.leaf, data, piece.index, piece.leaf_shape)
             for c in piece.chunks:
                 raw = c.bytes_of(data)
                 at = sink.pos + sink.fill - len(f.head)
@@ -503,10 +510,12 @@ def write(
     direct_io: bool | None = False,
     drop_page_cache: bool = False,
     fetch: Fetch = each,
+    sums: fingerprint.Sums | None = None,
 ) -> None:
     """Writes every piece of ``writes`` into a new OCDBT database at ``db``: ourselves where
     the module's docstring says we can, else through TensorStore (``arrays.write``).
     ``fetch`` brings pieces' bytes to the host (:data:`Fetch`; the pieces' own calls).
+    ``sums``: adds each piece's fingerprint sum as its bytes pass (``fingerprint``).
     ``direct_io``: our files with O_DIRECT (None: where ``db`` is on a disk filesystem,
     ``page_cache.direct_io``); True: TensorStore's have their pages dropped as they are
     written, as ``drop_page_cache`` does (``page_cache.dropping``; ours are dropped every
@@ -515,10 +524,10 @@ def write(
     planned = _ours(db, writes)
     if planned is None:
         with page_cache.dropping(db.url, db.is_local and (direct_io is True or drop_page_cache)):
-            arrays.write(db, writes)
+            arrays.write(db, writes, sums)
         return
     try:
-        _write(db, *planned, page_cache.direct_io(db.url, direct_io), drop_page_cache, fetch)
+        _write(db, *planned, page_cache.direct_io(db.url, direct_io), drop_page_cache, fetch, sums)
     except OSError as e:
         raise storage_error(e, db, "writing arrays into") from e
 
@@ -554,12 +563,14 @@ def _moved(v: bytes | Ref, home: int, shift: int) -> bytes | Ref:
 
 def _write(
     db: Location, entries: list[tuple[bytes, bytes | Ref]], files: list[_File], root: Ref,
-    root_file: str, direct_io: bool, drop: bool, fetch: Fetch,
+    root_file: str, direct_io: bool, drop: bool, fetch: Fetch, sums: fingerprint.Sums | None,
 ) -> None:  # fmt: skip
     os.makedirs(os.path.join(db.url, "d"), exist_ok=True)
     _in_threads(
         [
-            functools.partial(_write_file, os.path.join(db.url, f.name), f, direct_io, drop, fetch)
+            functools.partial(
+                _write_file, os.path.join(db.url, f.name), f, direct_io, drop, fetch, sums
+            )
             for f in files
         ]
     )
