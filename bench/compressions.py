@@ -209,7 +209,7 @@ def part_ratios(state: dict, root: str) -> list[dict]:
 def sweep(state: dict) -> None:
     """Blosc's level and block size against zstd's on the largest trained kernel (bf16) and
     its mu (float32): each written as one chunk into memory by TensorStore (one thread),
-    ratio and GB/s of the write and the read (``--sweep``; what ``arrays.BLOSC_BLOCK_BYTES``
+    ratio and GB/s of the write and the read (``--sweep``; what ``codecs.BLOSC_BLOCK_BYTES``
     and the default level come from)."""
     import tensorstore as ts
 

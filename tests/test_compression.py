@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import errors
-from jaxckpt._src.io import arrays, linux, mapped
+from jaxckpt._src.io import codecs, linux, mapped
 
 
 def _zarr_json(ckpt, name: str) -> dict:
@@ -158,7 +158,7 @@ def test_blosc_chunks_stay_under_its_limit(mesh42, tmp_path, monkeypatch):
     """Blosc compresses at most 2 GiB at once: a blosc save cuts shards into chunks of at
     most ``BLOSC_MAX_CHUNK_BYTES`` (here made 4 KiB), a smaller ``chunk_bytes`` still
     wins, and zstd keeps whole shards."""
-    monkeypatch.setattr(arrays, "BLOSC_MAX_CHUNK_BYTES", 4 << 10)
+    monkeypatch.setattr(codecs, "BLOSC_MAX_CHUNK_BYTES", 4 << 10)
     x = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)  # shards of 8 KiB on (4, 2)
     tree = {"x": sharded(x, mesh42, ("data", None))}
     for name, compression, chunk_bytes, want in [

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 from ..errors import OptionsError
-from .io.arrays import parse_compression
+from .io.codecs import parse as parse_compression
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

@@ -29,7 +29,7 @@ import jax
 from ..errors import CheckpointExistsError, ManifestError, OptionsError, UnsupportedLeafError
 from . import gc_pause, multihost, staging, steps, writer
 from . import per_process as pp
-from .io import arrays, fingerprint, ocdbt_write
+from .io import arrays, codecs, fingerprint, ocdbt_write
 from .manifest import COMMIT_FILE, MANIFEST_FILE, Manifest
 from .monitoring import Figures, Stopwatch
 from .options import Options
@@ -61,9 +61,12 @@ def save(
     close to cubes): a restore that needs a thin slice of a shard reads only the chunks it
     touches. ``per_process``: this process's own value (a data iterator's ``get_state()``,
     bytes, JSON, or a pytree of NumPy arrays), which may differ between processes; read back
-    by :func:`per_process`. A local save's files are written with O_DIRECT where the
-    directory is on a disk filesystem (``Options.direct_io``'s default; a manager's
-    ``Options`` choose otherwise: ``direct_io``, ``drop_page_cache``).
+    by :func:`per_process`. ``compression``: None, ``"zstd"`` or ``"blosc"`` (byte
+    shuffle by the element's size, then zstd: fits float weights), a level after a colon
+    (``"blosc:5"``); see :class:`jaxckpt.Options`. A local save's files are written with
+    O_DIRECT where the directory is on a disk filesystem (``Options.direct_io``'s default;
+    a manager's ``Options`` choose otherwise: ``direct_io``, ``drop_page_cache``). Every
+    array leaf's fingerprint goes into the manifest (format 1.10, ``io/fingerprint.py``).
 
     Shards held by several processes are written in parts, one part by each (see
     ``sharding.write_split``), so save time falls with the number of hosts. Returns this
@@ -135,7 +138,7 @@ def prepare(
     and reads no storage (``commit`` checks the path is free)."""
     loc = location(path)
     try:
-        arrays.parse_compression(compression)
+        codecs.parse(compression)
     except OptionsError as e:
         raise OptionsError(f"{loc.url}: {e}") from None
     if chunk_bytes is not None and chunk_bytes < 1:

@@ -25,7 +25,7 @@ import numpy as np
 from . import multihost
 from . import tree as tree_lib
 from .boxes import Index, volume, whole, within
-from .io import arrays
+from .io import arrays, codecs
 from .manifest import LeafRecord
 from .records import check_alive, leaf_record, numpy_writer, stored_as
 from .sharding import layout, write_split
@@ -292,7 +292,7 @@ def describe(
     writes, read from the live arrays when written (``snapshot`` copies them now)."""
     if isinstance(tree, Staged):
         return tree
-    chunk_bytes = arrays.chunk_bytes_for(compression, chunk_bytes)  # (checks compression)
+    chunk_bytes = codecs.chunk_bytes_for(compression, chunk_bytes)  # (checks compression)
     meshes: list[dict] = []
     leaves = tuple(
         _describe(p, name, leaf, meshes, compression, chunk_bytes, salt)

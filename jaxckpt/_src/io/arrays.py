@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ...errors import ChecksumError, OptionsError, StorageError
+from ...errors import ChecksumError, StorageError
 from ..boxes import Index
 from ..storage import Location
-from . import fingerprint, linux
+from . import codecs, fingerprint, linux
 from .layout import ADOPT_ALIGN
 
 MIN_DATA_FILE_BYTES = 64 << 20
@@ -72,89 +72,22 @@ def stored_dtype(dtype: np.dtype) -> str:
     return dtype.name if _zarr_supports(dtype.name) else f"uint{dtype.itemsize * 8}"
 
 
-# --- compression ----------------------------------------------------------------------------
-
-LEVELS = {"zstd": (3, 1, 22), "blosc": (1, 1, 9)}  # name: (default level, lowest, highest)
-BLOSC_BLOCK_BYTES = 1 << 20
-"""Blosc's block: blosc shuffles each block (every element's first byte, then every
-second byte, ...) and gives it to zstd, whose own blocks of 128 KiB each get entropy tables
-of their own. At 1 MiB each byte plane of a bf16 or f32 block fills whole zstd blocks and
-gets its own tables (the exponent bytes are what compresses); blosc's automatic choice at
-level 1, a few dozen KiB, put the planes into one zstd block and gave plain zstd's ratio
-(docs/MEASURED.md). So chunks of less than a few hundred KiB gain little over zstd."""
-BLOSC_MAX_CHUNK_BYTES = 1 << 30
-"""Blosc compresses at most 2 GiB - 16 bytes at once (TensorStore refuses a larger chunk
-when it writes it): a blosc save keeps its chunks to at most this (``chunk_bytes``)."""
-
-
-@dataclass(frozen=True)
-class Compression:
-    """A save's ``compression`` read: ``"zstd"`` or ``"blosc"``, and its level."""
-
-    name: str
-    level: int
-
-
-def parse_compression(value: str | None) -> Compression | None:
-    """``value`` (None, ``"zstd"``, ``"blosc"``, or either with ``":<level>"``) read and
-    checked; an unknown name or a level out of range is an ``OptionsError`` naming the fix."""
-    if value is None:
-        return None
-    name, colon, level = value.partition(":") if isinstance(value, str) else ("", "", "")
-    if name in LEVELS:
-        default, low, high = LEVELS[name]
-        if not colon:
-            return Compression(name, default)
-        if level.isascii() and level.isdigit() and low <= int(level) <= high:
-            return Compression(name, int(level))
-    raise OptionsError(
-        f"compression={value!r} is not supported; pass None, 'zstd' or 'blosc', or one with a "
-        "level after a colon ('zstd:1' to 'zstd:22', 'blosc:1' to 'blosc:9')"
-    )
-
-
-def compression_codec(value: str | None, typesize: int) -> dict | None:
-    """The zarr v3 bytes-to-bytes codec of ``value`` for elements of ``typesize`` bytes
-    (None: no compression). ``"blosc"``: blosc's byte shuffle with the element's size, then
-    zstd, what groups the exponent bytes of float weights together (docs/FORMAT.md)."""
-    c = parse_compression(value)
-    if c is None:
-        return None
-    if c.name == "zstd":
-        return {"name": "zstd", "configuration": {"level": c.level}}
-    config = {
-        "cname": "zstd",
-        "clevel": c.level,
-        "shuffle": "shuffle",
-        "typesize": typesize,
-        "blocksize": BLOSC_BLOCK_BYTES,
-    }
-    return {"name": "blosc", "configuration": config}
-
-
-def chunk_bytes_for(value: str | None, chunk_bytes: int | None) -> int | None:
-    """The chunk size bound a save with ``compression=value`` uses: ``chunk_bytes``, at most
-    ``BLOSC_MAX_CHUNK_BYTES`` with blosc."""
-    c = parse_compression(value)
-    if c is None or c.name != "blosc":
-        return chunk_bytes
-    return min(chunk_bytes or BLOSC_MAX_CHUNK_BYTES, BLOSC_MAX_CHUNK_BYTES)
-
-
 def zarr_metadata(
     shape: Sequence[int], data_type: str, chunks: Sequence[int], compression: str | None
 ) -> dict:
-    codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    codec = compression_codec(compression, ts.dtype(data_type).numpy_dtype.itemsize)
-    if codec is not None:
-        codecs.append(codec)
-    codecs.append({"name": "crc32c"})
+    """A leaf's zarr v3 metadata: raw little-endian bytes, ``compression``'s codec if any
+    (``codecs``), then a CRC32C of every chunk."""
+    chain: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    compressed = codecs.codec(compression, ts.dtype(data_type).numpy_dtype.itemsize)
+    if compressed is not None:
+        chain.append(compressed)
+    chain.append({"name": "crc32c"})
     return {
         "shape": list(shape),
         "data_type": data_type,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
         "chunk_key_encoding": {"name": "default"},
-        "codecs": codecs,
+        "codecs": chain,
     }
 
 
