@@ -212,8 +212,16 @@ def test_verify_checks_the_fingerprints(ckpt):
 
 
 def test_user_mistakes_print_one_line_and_exit_2(tmp_path):
-    for args in (("info", tmp_path / "nope"), ("verify", tmp_path), ("ls", tmp_path)):
-        res = command(*args)
+    cases = (("info", tmp_path / "nope"), ("verify", tmp_path), ("ls", tmp_path))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [  # side by side: each is mostly its interpreter starting
+        subprocess.Popen([sys.executable, "-m", "jaxckpt", *map(str, args)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for args in cases
+    ]  # fmt: skip
+    for args, proc in zip(cases, procs, strict=True):
+        out, err = proc.communicate(timeout=120)
+        res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
         assert str(tmp_path) in res.stderr

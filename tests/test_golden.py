@@ -180,38 +180,40 @@ def test_local_step_versions(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", VERSIONS)
-def test_golden_local_step_restores_from_peer_copies(version, tmp_path):
-    """The golden local tier, with host 1's disk wiped (a replaced host): host 0 holds
-    process 1's peer copy, and the restore is exact. Then with a newer minor's fields."""
-    root = tmp_path / "root"
-    shutil.copytree(os.path.join(GOLDEN, f"v{version}", "local"), root / "local")
-    shutil.rmtree(root / "local" / "host1")
-    remote = str(tmp_path / "remote")
+def test_golden_local_steps_restore_from_peer_copies(tmp_path):
+    """Every version's golden local tier, with host 1's disk wiped (a replaced host), in one
+    2-process job: host 0 holds process 1's peer copy, and each restore is exact."""
+    roots = []
+    for version in VERSIONS:
+        root = tmp_path / f"v{version}"
+        shutil.copytree(os.path.join(GOLDEN, f"v{version}", "local"), root / "local")
+        shutil.rmtree(root / "local" / "host1")
+        roots.append(str(root))
     res = multiproc.run(
-        os.path.join(GOLDEN, "worker.py"), 2, args=["restore_local", str(root), remote],
-        timeout_s=90,
+        os.path.join(GOLDEN, "worker.py"), 2,
+        args=["restore_local", str(tmp_path / "remote"), *roots], timeout_s=150,
     )  # fmt: skip
     res.check()
-    reports = [
-        json.loads(line.split(" ", 1)[1])
-        for out in res.outputs
-        for line in out.splitlines()
-        if line.startswith("REPORT ")
-    ]
-    assert len(reports) == 2 and all(r["tier"] == "local" for r in reports)
-    assert reports[1]["from_peers"], "process 1 restored nothing from process 0's copies"
-    saved = [
-        json.loads(line.split(" ", 1)[1])
-        for out in res.outputs
-        for line in out.splitlines()
-        if line.startswith("PER_PROCESS ")
-    ]
-    if _at_least(version, 1, 4):  # process 1's value, from process 0's copy
-        assert saved == [[values.per_process(0), values.per_process(1)]] * 2
-        assert reports[1]["per_process_from"] == 0
-    else:
-        assert saved == [[None, None]] * 2
+
+    def lines(tag: str, i: int) -> list:
+        prefix = f"{tag} {i} "
+        return [
+            json.loads(line[len(prefix) :])
+            for out in res.outputs
+            for line in out.splitlines()
+            if line.startswith(prefix)
+        ]
+
+    for i, version in enumerate(VERSIONS):
+        reports = lines("REPORT", i)
+        assert len(reports) == 2 and all(r["tier"] == "local" for r in reports), version
+        assert reports[1]["from_peers"], f"{version}: process 1 restored nothing from peers"
+        saved = lines("PER_PROCESS", i)
+        if _at_least(version, 1, 4):  # process 1's value, from process 0's copy
+            assert saved == [[values.per_process(0), values.per_process(1)]] * 2, version
+            assert reports[1]["per_process_from"] == 0, version
+        else:
+            assert saved == [[None, None]] * 2, version
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -363,6 +363,8 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
     straight = run(straight_proc)
     assert straight.returncode == 0, straight.stderr
     assert killed.returncode == -signal.SIGKILL, killed.stderr
+    # the resume and a run that gets SIGTERM at step 7 (below), side by side too
+    termed_proc = start(tmp_path / "c", tmp_path / "c.log", "--term-at", "7")
     resumed = run(start(tmp_path / "b", tmp_path / "b.log", "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step 6" in resumed.stdout
@@ -377,7 +379,7 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
 
     # SIGTERM at step 7 (saves every 3): the example saves step 7 itself and exits 0 (the
     # resume from such a step: test_preemption.py)
-    termed = run(start(tmp_path / "c", tmp_path / "c.log", "--term-at", "7"))
+    termed = run(termed_proc)
     assert termed.returncode == 0, termed.stderr
     assert "preempted: saved step 7" in termed.stdout
     with jaxckpt.CheckpointManager(tmp_path / "c", jaxckpt.Options(read_only=True)) as mgr:

@@ -2,10 +2,11 @@
 
 usage: worker.py save ROOT            writes ROOT/checkpoint_2proc and ROOT/local/host<p>
                                       (with per-process values since 1.4)
-       worker.py restore_local ROOT REMOTE
-                                      restores the local tier of ROOT/local (copies of the
-                                      golden directories) and checks every value; prints
-                                      ``REPORT <json>`` and ``PER_PROCESS <json>``
+       worker.py restore_local REMOTE ROOT...
+                                      restores the local tier of each ROOT/local (copies of
+                                      the golden directories; remote tier REMOTE/<i>) and
+                                      checks every value; prints ``REPORT <i> <json>`` and
+                                      ``PER_PROCESS <i> <json>``
 """
 
 import dataclasses
@@ -61,18 +62,19 @@ def main(mode, root, rest):
         mgr = manager(root, os.path.join(root, "remote"))
         mgr.save(values.STEP, local_state(mesh, values.STEP), per_process=own)
         mgr.close()
-    else:
-        mgr = manager(root, rest[0])
-        out = mgr.restore()
-        report = mgr.last_report
-        assert (report.tier, report.step) == ("local", values.STEP), report
-        assert out["step"] == values.STEP
-        for k, v in values.local_values(values.STEP).items():
-            for shard in out[k].addressable_shards:
-                np.testing.assert_array_equal(np.asarray(shard.data), v[shard.index])
-        print("REPORT", json.dumps(dataclasses.asdict(report)), flush=True)
-        print("PER_PROCESS", json.dumps(mgr.per_process(all=True)), flush=True)
-        mgr.close()
+    else:  # restore_local REMOTE ROOT...: each root's local tier in turn, in one job
+        for i, local_root in enumerate(rest):
+            mgr = manager(local_root, os.path.join(root, str(i)))
+            out = mgr.restore()
+            report = mgr.last_report
+            assert (report.tier, report.step) == ("local", values.STEP), (local_root, report)
+            assert out["step"] == values.STEP
+            for k, v in values.local_values(values.STEP).items():
+                for shard in out[k].addressable_shards:
+                    np.testing.assert_array_equal(np.asarray(shard.data), v[shard.index])
+            print("REPORT", i, json.dumps(dataclasses.asdict(report)), flush=True)
+            print("PER_PROCESS", i, json.dumps(mgr.per_process(all=True)), flush=True)
+            mgr.close()
     print("ok", mode, jax.process_index(), flush=True)
 
 
