@@ -21,7 +21,7 @@ Per N:
   and bytes it serves. The restore's rounds as they were before (every process gathering
   every process's holdings, needs and failures: ``multihost.all_gather``) run beside them,
   with the same values, as the baseline. ``peers.send_rows`` agrees on a row width per move
-  round with an ``all_gather`` too; its keys are counted on their own line.
+  round through process 0 (``multihost.decided``); its keys are counted on their own line.
 
 Seconds are CPU seconds of this process (``time.process_time``: every thread's, so one
 core's worth, and steadier than the wall clock on a shared machine); the key-value columns
@@ -317,7 +317,9 @@ def planner(n: int, leaves: int) -> dict:
 
 
 def save_rounds(n: int, leaves: int) -> dict:
-    """``saving.commit``'s coordination: one ``agree`` round and two barriers."""
+    """``saving.commit``'s coordination: one ``agree`` round, the "written" round that
+    brings every process's fingerprint sums (one 24-digit text a leaf it wrote) to process
+    0 (``multihost.gather``, keys deleted after), and the "committed" barrier."""
     tree = [(name, "array", [n * CHUNK], "float32") for name in leaf_names(leaves)]
     description = {"path": "/ckpt/00001000", "leaves": leaves, "tree": tree}
 
@@ -326,7 +328,8 @@ def save_rounds(n: int, leaves: int) -> dict:
         extra = json.dumps(dataclasses.asdict(me))
         agreed = multihost.agree("jaxckpt/save/0", description, 600, extra=extra)
         save_id = json.loads(agreed.first)["save_id"]
-        multihost.barrier(f"jaxckpt/{save_id}/written", 600)
+        sums = {name: f"{pid:024x}" for name in leaf_names(leaves)}
+        multihost.gather(f"jaxckpt/{save_id}/written", json.dumps(sums), 600)
         multihost.barrier(f"jaxckpt/{save_id}/committed", 600)
 
     client, _ = run_all(n, job)
@@ -357,11 +360,12 @@ def restore_rounds(n: int, leaves: int, before_max: int) -> dict:
         multihost.all_gather("b/bad0", json.dumps([]), 600)
 
     def widths(pid: int) -> None:  # peers.send_rows: one per move round (one round here)
-        multihost.all_gather("w/len", str(64 * leaves if pid == wiped + 1 else 0), 600)
+        size = str(64 * leaves if pid == wiped + 1 else 0)
+        multihost.decided("w/len", size, lambda sizes: str(max(map(int, sizes))), 600)
 
     out: dict[str, Any] = {"restore_before_keys": -1, "restore_before_bytes": -1}
     for what, job in (("restore", now), ("restore_before", before), ("send_rows", widths)):
-        if what != "restore" and n > before_max:
+        if what == "restore_before" and n > before_max:
             continue  # (N² key-value entries in one Python process: minutes)
         client, seconds = run_all(n, job)
         out.update({f"{what}_keys": client.keys, f"{what}_bytes": client.bytes})
