@@ -46,6 +46,14 @@ def reference(a: np.ndarray) -> str:
     return "".join(f"{v:08x}" for v in lanes)
 
 
+@pytest.fixture(params=["small", "tiled"], autouse=True)
+def path(request, monkeypatch):
+    """Every test twice: small pieces' one-shot path, and the tiled path of large ones."""
+    if request.param == "tiled":
+        monkeypatch.setattr(fp, "SMALL_PIECE_LIMBS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_documented_formula(dtype):
     rng = np.random.default_rng(0)

@@ -102,6 +102,9 @@ def of_piece(data: np.ndarray, index: Index, shape: Sequence[int]) -> tuple[int,
     grid = bits.reshape(-1, cols)
     per = cols // data.shape[-1] if data.ndim else cols
     first = (index[-1][0] if len(index) else 0) * per  # global column of grid[:, 0]
+    rows = _global_rows(index, shape)
+    if grid.size <= SMALL_PIECE_LIMBS:
+        return _small(grid, first, rows)
     block, off = divmod(first, B)
     head = 0 if off == 0 else min(cols, B - off)  # the rest of a block begun elsewhere
     whole = (cols - head) // B
@@ -113,8 +116,42 @@ def of_piece(data: np.ndarray, index: Index, shape: Sequence[int]) -> tuple[int,
             sums.whole(grid[:, head : head + whole * B], block)
         if head + whole * B < cols:
             sums.partial(grid[:, head + whole * B :], block + whole, 0)
-    lanes = _mod(_weights_of("row", _global_rows(index, shape)) * sums.lanes)
+    lanes = _mod(_weights_of("row", rows) * sums.lanes)
     return tuple(int(v) % P for v in lanes.sum(axis=1))
+
+
+SMALL_PIECE_LIMBS = 1 << 15
+"""Pieces of at most this many limbs go through :func:`_small`: a dozen NumPy calls in all,
+where the tiled path's fixed work (a few dozen calls) was most of a small leaf's time."""
+
+
+_PERIODIC = np.tile(_COLUMN.T, (SMALL_PIECE_LIMBS // B + 2, 1))  # c_l(j % B) from j = 0
+
+
+def _small(grid: np.ndarray, first: int, rows: np.ndarray) -> tuple[int, ...]:
+    """:func:`of_piece` of a small ``grid`` (rows x columns of limbs, global columns from
+    ``first``, global rows ``rows``): every limb times its in-block weight at once (exact
+    in float64), summed per block with ``reduceat``, then the block and row weights."""
+    n, off = grid.shape[1], first % B
+    starts = np.arange(B - off if off else B, n, B)  # where each next block begins
+    starts = np.concatenate([[0], starts]).astype(np.intp)
+    terms = grid.astype(np.float64)[:, :, None] * _PERIODIC[off : off + n][None, :, :]
+    # one fold (see _fold) before each product keeps every value under 2**63
+    sums = _fold(np.add.reduceat(terms, starts, axis=1).astype(np.int64))  # rows, blocks, 3
+    blocks = np.arange(first // B, first // B + len(starts))
+    sums *= _weights_of("block", blocks).T[None, :, :]
+    per_row = _fold(_fold(sums).sum(axis=1))  # rows, lanes: under 2**33 each before the sum
+    per_row *= _weights_of("row", rows).T
+    return tuple(int(v) % P for v in _fold(per_row).sum(axis=0))
+
+
+def _fold(x: np.ndarray) -> np.ndarray:
+    """``(x & P) + (x >> 31)`` in place: the same value modulo P, under 2**33 for any
+    non-negative int64 (under 2**32 for ``x`` under 2**62), cheaper than a whole ``_mod``."""
+    high = x >> 31
+    x &= P
+    x += high
+    return x
 
 
 def _mod(x: np.ndarray) -> np.ndarray:
