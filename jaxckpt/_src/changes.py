@@ -4,7 +4,7 @@ fingerprints (format 1.10), and the warning when a step changed none: a stale sa
 Async saves that keep a cached structure can write the first step's tensors again and
 again (NVIDIA-NeMo/RL#3312: steps 90, 110 and 120 bit-identical, found only on resume);
 every chunk is intact, so no checksum notices. A manager asks :class:`Changes` after each
-commit (process 0, which wrote the manifest) and records the count in the run log.
+commit (process 0, with the manifest it wrote) and records the count in the run log.
 """
 
 from __future__ import annotations
@@ -47,17 +47,14 @@ class Changes:
     warned: bool = False
 
     def committed(
-        self, step: int, path: Location, previous: tuple[int, Location] | None
+        self, step: int, manifest: Manifest, previous: tuple[int, Location] | None
     ) -> int | None:
-        """The number of array leaves committed ``step`` (at ``path``) changed against the
-        ``previous`` committed step (its number and path; None: the first); None when
-        unknown (no previous step, one written before 1.10, or a manifest that does not
-        read: the save itself has committed, and a warning is no reason to fail it)."""
-        try:
-            now = fingerprints(read_manifest(path))
-        except Exception as e:  # noqa: BLE001 - see above
-            log.warning("jaxckpt: cannot read back step %d's manifest at %s: %s", step, path.url, e)
-            now = None
+        """The number of array leaves committed ``step`` (whose ``manifest`` process 0 just
+        wrote) changed against the ``previous`` committed step (its number and path; None:
+        the first); None when unknown (no previous step, or one written before 1.10 or
+        whose manifest does not read: the save itself has committed, and a warning is no
+        reason to fail it)."""
+        now = fingerprints(manifest)
         before = self._before(previous)
         self.last = None if now is None else (step, now)
         if now is None or before is None or previous is None:

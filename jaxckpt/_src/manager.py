@@ -317,13 +317,14 @@ class CheckpointManager:
         return True
 
     def _write(self, step: int, prepared: saving.Prepared, blocking: Blocking) -> None:
-        fig = self.last_save_figures = saving.commit(prepared, self.options.timeout_s)
+        fig, written = saving.committed(prepared, self.options.timeout_s)
+        self.last_save_figures = fig
         before = max((s for s in self._metrics if s < step), default=None)
         self._metrics[step] = prepared.metrics
         changed = None
-        if multihost.process_index() == 0:  # it wrote the manifest: leaves changed, stale?
+        if written is not None:  # process 0 wrote the manifest: leaves changed, stale?
             previous = None if before is None else (before, self.step_path(before))
-            changed = self._changes.committed(step, self.step_path(step), previous)
+            changed = self._changes.committed(step, written, previous)
         if self._log is not None:
             self._log.append(
                 "save",

@@ -166,7 +166,17 @@ class _Writer:
 def commit(
     prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S, cancel: writer.Cancel | None = None
 ) -> Figures:
+    """Writes a prepared save on every process and commits it; blocks until committed
+    (:func:`committed`, its figures only)."""
+    return committed(prepared, timeout_s, cancel)[0]
+
+
+def committed(
+    prepared: Prepared, timeout_s: float = DEFAULT_TIMEOUT_S, cancel: writer.Cancel | None = None
+) -> tuple[Figures, Manifest | None]:
     """Writes a prepared save on every process and commits it; blocks until committed.
+    Returns this process's figures and, on process 0, the manifest it wrote (a manager
+    compares its fingerprints with the previous step's without reading it back).
 
     ``cancel`` (default: that of the manager's job running this, ``writer.current``, or
     ``writer.NEVER`` outside one) is checked between phases and while waiting for the other
@@ -177,6 +187,7 @@ def commit(
     stay until the next manager's ``steps.clean_leftovers``.
     """
     loc, leaves, clock = prepared.loc, prepared.staged.leaves, prepared.clock
+    manifest: Manifest | None = None
     cancel = cancel or writer.current() or writer.NEVER
     check = cancel.waits_check()
     # first, so that every process takes the same name even if it stops below
@@ -261,7 +272,7 @@ def commit(
                 cancel.claim()  # the commit point: leaving ``committing`` publishes
     with clock.phase("commit"):
         multihost.barrier(f"jaxckpt/{save_id}/committed", timeout_s, what=loc.url, check=check)
-    return clock.done()
+    return clock.done(), manifest
 
 
 def with_fingerprints(

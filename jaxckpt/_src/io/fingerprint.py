@@ -158,10 +158,7 @@ def _mod(x: np.ndarray) -> np.ndarray:
     """``x % P`` of non-negative int64 values under 2**62, in place: P is 2**31 - 1, so a
     value folds as ``(x & P) + (x >> 31)`` (NumPy's integer ``%`` and ``fmod`` divide one
     element at a time, several times slower)."""
-    for _ in range(2):  # under 2**32, then under 2**31 + 2
-        high = x >> 31
-        x &= P
-        x += high
+    _fold(_fold(x))  # under 2**32, then under 2**31 + 2
     x -= P * (x >= P)
     return x
 
