@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .boxes import Index, extent, from_slices
-from .io import arrays
+from .io import arrays, linux
 from .io.layout import ADOPT_ALIGN
 
 
@@ -45,7 +45,9 @@ class Placement:
         self.index_map = sharding.addressable_devices_indices_map(shape)
         self.devices, cpu = _slices(sharding, shape)
         self.placed: dict[jax.Device, jax.Array] = {}
-        self._cpu = cpu and _adopted(self.dtype)  # devices that take host buffers as they are
+        adopt = cpu and linux.switched_on(linux.ADOPT)
+        self._cpu = adopt and _adopted(self.dtype)  # devices that take host buffers as they are
+        self._copies = not cpu  # devices that copy host buffers (CPU ones too, JAXCKPT_ADOPT=0)
         self._host = self._host_buffers() if self._cpu else {}
         self._waiting: dict[Index, tuple[np.ndarray, Sequence[np.ndarray] | None]] = {}
         _release_dropped()  # before this leaf's memory is filled
@@ -81,20 +83,31 @@ class Placement:
         return list(self.devices)
 
     def put(
-        self, index: Index, data: np.ndarray, replicas: Sequence[np.ndarray] | None = None
-    ) -> None:
+        self,
+        index: Index,
+        data: np.ndarray,
+        replicas: Sequence[np.ndarray] | None = None,
+        *,
+        borrowed: bool = False,
+    ) -> list[jax.Array]:
         """Slice ``index``'s host data; ``replicas``: buffers that hold the same bytes
         already, one for each of its other devices (a reader that filled
         ``replica_buffers`` as it read, or mapped each copy of a chunk: ``mapped``), so that
-        nothing is copied onto CPU devices."""
+        nothing is copied onto CPU devices. ``borrowed``: ``data``'s memory is reused once
+        the copies onto the devices are done (a ``ring`` slot): no device keeps it as its
+        own. Returns the arrays copied out of ``data`` (none where the slice waits for
+        ``array``, which CPU devices adopt)."""
         if self._cpu:
             self._waiting[index] = (data, replicas)
-            return
+            return []
         first, *rest = self.devices[index]
+        if borrowed and not self._copies:  # a CPU device keeps the host bytes it is given
+            data = _copied(data)  # (``may_alias=False`` does not stop it: jax 0.10)
         self.placed[first] = jax.device_put(data, self._on(first), may_alias=True)
         if rest:
             copies = jax.device_put([self.placed[first]] * len(rest), [self._on(d) for d in rest])
             self.placed.update(zip(rest, copies, strict=True))
+        return [self.placed[first]]
 
     def array(self) -> jax.Array:
         if self._waiting:
@@ -169,6 +182,13 @@ def _places(
                 starts[i].append(at)
                 at += -(-nbytes[i] // ADOPT_ALIGN) * ADOPT_ALIGN
     return at, [(i, tuple(extent(i)), nbytes[i], starts[i]) for i in slices]
+
+
+def _copied(data: np.ndarray) -> np.ndarray:
+    """``data`` in fresh memory a CPU device can adopt."""
+    out = arrays.aligned_empty(data.shape, data.dtype, ADOPT_ALIGN)
+    np.copyto(out, data)
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -246,7 +266,7 @@ def cpu_replicas(
     reader that fills or maps that many more copies saves ``put`` the copying. Empty for
     any other leaf."""
     slices, cpu = _slices(sharding, shape)
-    if not (cpu and _adopted(np.dtype(dtype))):
+    if not (cpu and linux.switched_on(linux.ADOPT) and _adopted(np.dtype(dtype))):
         return {}
     return {index: len(devices) - 1 for index, devices in slices.items()}
 
@@ -254,6 +274,12 @@ def cpu_replicas(
 def on_cpu(devices: Iterable[jax.Device]) -> bool:
     """Whether every one of ``devices`` is a CPU device, whose memory is host memory."""
     return all(d.platform == "cpu" for d in devices)
+
+
+def adopts(devices: Iterable[jax.Device]) -> bool:
+    """Whether ``devices`` take host buffers as they are: all CPU devices, unless
+    ``JAXCKPT_ADOPT=0`` has them copy each slice as an accelerator does (``ring``)."""
+    return on_cpu(devices) and linux.switched_on(linux.ADOPT)
 
 
 def _adopted(dtype: np.dtype) -> bool:

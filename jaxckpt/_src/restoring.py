@@ -5,7 +5,8 @@ A restore goes: the manifest (``readers.any_manifest``: jaxckpt's, or an Orbax c
 once with a finer sharding and moved afterwards (``read_once``) -> each leaf's slices, one
 per distinct device index, are read under a byte budget (``inflight.InFlight``) while two
 threads copy them onto their devices (``placement.Placement``; CPU devices adopt a leaf's
-slices together, no thread needed) -> the tree (``result``).
+slices together, no thread needed; an accelerator's slices are read into the process's
+reused host ring, ``ring``, and copied onto it from there) -> the tree (``result``).
 The reads themselves are the storage engine's (``io.slices.read``, the one way slices are
 read, the emergency tier's too).
 (Named ``restoring`` so that ``jaxckpt.restore`` stays the function, unshadowed.)
@@ -14,26 +15,27 @@ read, the emergency tier's too).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from ..errors import OptionsError
-from . import gc_pause, multihost, read_once
+from . import gc_pause, multihost, read_once, ring
 from .boxes import Index, extent, volume, whole
-from .io import arrays, slices
-from .io.inflight import STALL_TIMEOUT_S, Stall
+from .io import arrays, direct, slices
+from .io.inflight import STALL_TIMEOUT_S, Stall, default_budget
 from .leaf_plan import Want, result, wants, whole_on_host
 from .manifest import LeafRecord, Manifest
 from .monitoring import Stopwatch
 from .orbax import checkpoint as orbax
-from .placement import Placement, on_cpu
+from .placement import Placement, adopts
 from .readers import any_manifest
 from .sharding import saved_writers
 from .storage import Location, location
@@ -158,19 +160,27 @@ def _read_all(
         opener = functools.partial(arrays.open_leaf, db, ctx=ctx)
     else:  # an Orbax checkpoint: its own layout, the same reads
         db, opener = source.item, source.opener(ctx)
-    requests: list[slices.Request] = []
-    finishers = [_plan_leaf(w, requests) for w in reading]
-    fig.bytes += slices.read(
-        db,
-        requests,
-        opener,
-        budget=budget,
-        use_threads=_place_threads(reading),
-        direct_ok=source is None,
-        writer=functools.partial(_writer, manifest.meshes),
-        stall=stall,
-    )
-    return [f() for f in finishers]
+    budget = budget or default_budget(direct.reader_threads())
+    devices = {d for w in reading if w.sharding is not None for d in w.sharding.device_set}
+    with ring.for_restore(budget, devices) if not adopts(devices) else _no_ring() as host:
+        requests: list[slices.Request] = []
+        finishers = [_plan_leaf(w, requests, host) for w in reading]
+        fig.bytes += slices.read(
+            db,
+            requests,
+            opener,
+            budget=budget,
+            use_threads=0 if adopts(devices) else _place_threads(),
+            direct_ok=source is None,
+            writer=functools.partial(_writer, manifest.meshes),
+            stall=stall,
+        )
+        return [f() for f in finishers]
+
+
+@contextlib.contextmanager
+def _no_ring() -> Iterator[None]:
+    yield None
 
 
 THEN = "Nothing was restored; fix what the failed process names, then restart the job"
@@ -209,18 +219,20 @@ def _writer(meshes: list[dict], rec: LeafRecord, coords: tuple[int, ...]) -> int
     return saved_writers(rec, meshes).get(coords)
 
 
-def _place_threads(reading: list[Want]) -> int:
-    """Threads that put read slices onto devices: none where every leaf goes to CPU devices
-    (``Placement`` only sets a slice aside there, and a hand-over to a thread cost more);
-    else 2, or 1 on a host of 2 cores or fewer (there the readers need the cores)."""
-    if on_cpu(d for w in reading if w.sharding is not None for d in w.sharding.device_set):
-        return 0
+def _place_threads() -> int:
+    """Threads that put read slices onto devices that copy them: 2, or 1 on a host of 2
+    cores or fewer (there the readers need the cores). None where every leaf goes to CPU
+    devices that adopt its slices (``Placement`` only sets a slice aside there, and a
+    hand-over to a thread cost more)."""
     return 1 if (os.cpu_count() or 1) <= 2 else 2
 
 
-def _plan_leaf(w: Want, requests: list[slices.Request]) -> Callable[[], Any]:
+def _plan_leaf(
+    w: Want, requests: list[slices.Request], host: ring.Ring | None
+) -> Callable[[], Any]:
     """Adds the reads of one leaf to ``requests``; returns what gives its value once they
-    are done."""
+    are done. ``host``: the ring that slices going to devices that copy them are read into
+    (each slot given back once its copy is under way: ``ring.Ring.give_back``)."""
     rec = w.record
     if not rec.has_array:
         value = rec.value
@@ -253,7 +265,10 @@ def _plan_leaf(w: Want, requests: list[slices.Request]) -> Callable[[], Any]:
 
     def place(index: Index, data: np.ndarray, replicas: Sequence[np.ndarray] | None) -> None:
         value = convert(data)
-        out.put(index, value, [convert(r) for r in replicas] if viewed and replicas else None)
+        given = [convert(r) for r in replicas] if viewed and replicas else None
+        moving = out.put(index, value, given, borrowed=host is not None)
+        if host is not None:
+            host.give_back(data, moving)
 
     for index in out.indices:
         if not rec.nbytes or not volume(index):
@@ -263,7 +278,10 @@ def _plan_leaf(w: Want, requests: list[slices.Request]) -> Callable[[], Any]:
         # as mappings of the chunks that become it
         into, copies = out.host_buffer(index), out.replica_buffers(index)
         maps = None if into is None else len(copies)
+        stage = host.take if host is not None and into is None else None
         requests.append(
-            slices.Request(rec, index, functools.partial(place, index), into, copies, maps)
+            slices.Request(
+                rec, index, functools.partial(place, index), into, copies, maps, stage=stage
+            )
         )
     return out.array

@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import warnings
+from unittest import mock
 
 import iostats
 import multiproc
@@ -40,6 +41,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
+from jaxckpt._src import ring  # noqa: E402
 
 # Fixed leaves that read once (replicated over 'data') and random ones: each dtype gets
 # ``RANDOM`` leaves of random shapes and PartitionSpecs drawn from $JAXCKPT_TEST_SEED.
@@ -188,6 +190,12 @@ def run(mode: str, path: str) -> None:
         check(
             jaxckpt.restore(path, target=target(other, lambda k, s: random_spec(s, rng))), "random"
         )
+        if mode == "restore":  # as onto accelerators: read into the host ring, copied out
+            with mock.patch.dict(os.environ, {"JAXCKPT_ADOPT": "0", "JAXCKPT_MAP": "0"}):
+                out = jaxckpt.restore(path, target=target(other, lambda k, s: random_spec(s, rng)))
+            assert ring._ring is not None and not ring._ring.pinned
+            ring._ring.region[:] = 0xA5  # nothing restored lives in the ring
+            check(out, "ring")
     elif mode == "manager":
         with jaxckpt.CheckpointManager(path) as mgr:
             mgr.save(1, state(mesh))

@@ -22,6 +22,11 @@ DIRECT_WRITE = "JAXCKPT_DIRECT_WRITE"
 """Saves write every database through TensorStore (``ocdbt_write``'s own writer off)."""
 MAP = "JAXCKPT_MAP"
 """No chunk becomes the memory of a restored array (``mapped`` off)."""
+RING = "JAXCKPT_RING"
+"""Restores onto accelerators read into fresh host memory, not the reused ring (``ring``)."""
+ADOPT = "JAXCKPT_ADOPT"
+"""CPU devices adopt no host buffer: each slice is copied onto its device from where it was
+read, as onto an accelerator (the path a GPU restore takes, run on CPU devices)."""
 
 
 def switched_on(name: str) -> bool:

@@ -54,7 +54,9 @@ class Request:
     the direct path fills with the same bytes as it reads (replicas on CPU devices).
     ``maps``: None, or the slice may become private mappings of its chunks (``mapped``),
     itself and ``maps`` replicas, each a mapping of its own. ``key``: the caller's name for
-    it, handed back with a failure."""
+    it, handed back with a failure. ``stage``: where there is no ``into``, asked for one as
+    the read starts (its bytes, uint8: a slot of a ring of reused host memory, ``ring``),
+    None: fresh memory."""
 
     leaf: LeafRecord
     index: Index
@@ -63,6 +65,7 @@ class Request:
     copies: Sequence[np.ndarray] = ()
     maps: int | None = None
     key: Hashable = None
+    stage: Callable[[int], np.ndarray | None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,6 +77,14 @@ class Request:
         (``fits``); none where it reads into fresh memory."""
         into = fits(self.into, extent(self.index), dtype, self.leaf.data_dtype)
         return [] if into is None else [into, *(c.view(into.dtype) for c in self.copies)]
+
+    def staged(self, dtype: np.dtype) -> np.ndarray | None:
+        """A buffer from ``stage`` for a read of ``dtype`` (the slice's shape), or None."""
+        if self.stage is None or self.into is not None:
+            return None
+        shape = extent(self.index)
+        slot = self.stage(math.prod(shape) * dtype.itemsize)
+        return None if slot is None else slot.view(dtype).reshape(shape)
 
 
 def fits(
@@ -213,6 +224,7 @@ def _issue(
     reader where ``plan`` says how, else by TensorStore."""
     fill = r.buffers(plan.dtype) if plan is not None and not mapping else []
     into, copies = (fill[0], fill[1:]) if fill else (None, [])
+    staged = r.stage is not None and r.into is None and not mapping
 
     def what() -> str:  # (a stall's error only)
         head = f"leaf {r.leaf.name!r} slice {to_text(r.index)}"
@@ -226,14 +238,14 @@ def _issue(
             if plan is not None and mapping:
                 return reader.map(plan, r.maps or 0)
             if plan is not None:
-                return reader.start(plan, into, copies)
+                return reader.start(plan, r.staged(plan.dtype) if staged else into, copies)
             opening = store.start()
             if reads.watch is not None:  # (the open is shared by the leaf's reads: kept)
                 opening = reads.watch.wait(opening, _opening(r, name), cancel=False)
             ts_store = opening.result()
             dtype = ts_store.dtype.numpy_dtype
             got = fits(r.into, extent(r.index), dtype, r.leaf.data_dtype)
-            return arrays.read_slice(ts_store, r.index, got)
+            return arrays.read_slice(ts_store, r.index, r.staged(dtype) if staged else got)
         except Exception as e:
             return Raises(e if isinstance(e, ReadStalledError) else name.error(e, r.leaf))
 

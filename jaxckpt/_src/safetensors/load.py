@@ -251,7 +251,7 @@ class _Reader:
                 self._submit(w, index, functools.partial(out.put, index))
         return out.array
 
-    def _submit(self, w: _Want, box: Index, consume: Callable[[np.ndarray], None]) -> None:
+    def _submit(self, w: _Want, box: Index, consume: Callable[[np.ndarray], object]) -> None:
         """Reads ``box`` of the leaf (its tensors' byte runs, coalesced) under the budget."""
         rbox, pieces = tensor_runs(w.m, box, w.tensors)
 

@@ -1,0 +1,197 @@
+"""Host buffers a restore reads into on their way to an accelerator, reused: a ring.
+
+An accelerator's restore reads each slice into host memory, checks it, and copies it onto
+its device. Read into fresh pageable memory, every slice costs fresh pages (faulted in and
+zeroed by the kernel) and a copy the driver makes into its own page-locked bounce buffers
+before the DMA engine can take it. Read into ``Ring``, the slices land in one region
+allocated once per process and kept, registered with the device's client
+(``Client.dma_map``: page-locked, and known to XLA as such, so the copy onto the device is
+a DMA straight from it, started as the slice is put and overlapped with the next reads);
+a slot is reused once the copies out of it have finished (``jax.Array.is_ready``).
+
+The region is as large as the restore's read budget (``inflight.default_budget`` when none
+is given): the ring adds no host memory beyond what the budget already allows, and keeps it
+after the restore. A slice larger than half the ring, or one asked for while every slot
+holds a read not yet placed, reads into fresh memory as before: ``take`` never waits on a
+read, only on a copy to a device that is under way, so it cannot deadlock.
+
+CPU devices take host buffers as they are (``placement``: no copy, no ring). With
+``JAXCKPT_ADOPT=0`` they are restored the way an accelerator is (each slice copied from a
+ring slot onto its device), so tests and ``bench/compare.py`` run this path on CPU devices;
+``JAXCKPT_RING=0`` reads into fresh memory instead (the path before the ring).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from .io import arrays, linux
+
+log = logging.getLogger("jaxckpt")
+
+SLOT_ALIGN = 4096  # each slot starts on a page: what O_DIRECT and DMA engines want
+
+
+@dataclass
+class _Slot:
+    start: int
+    stop: int
+    moving: Sequence[jax.Array] | None = None  # given back: free once these are ready
+    given: bool = False
+
+
+@dataclass
+class Ring:
+    """``capacity`` bytes of host memory handed out as slots in turn (``take``) and
+    reclaimed oldest first once given back (``give_back``) and copied out."""
+
+    capacity: int
+    pinned: bool = False
+    region: np.ndarray = field(init=False, repr=False)
+    _slots: collections.deque[_Slot] = field(init=False, repr=False)
+    _lock: threading.Lock = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.region = arrays.aligned_empty((self.capacity,), np.dtype(np.uint8), SLOT_ALIGN)
+        self._slots = collections.deque()
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> int:
+        return int(self.region.ctypes.data)
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A slot of ``nbytes`` (uint8, page-aligned), or None where the slice is larger
+        than half the ring or every slot holds a read not yet given back (the caller then
+        reads into fresh memory). Waits only for copies onto devices under way."""
+        size = -(-max(nbytes, 1) // SLOT_ALIGN) * SLOT_ALIGN
+        if size > self.capacity // 2:
+            return None
+        while True:
+            with self._lock:
+                self._reclaim()
+                start = self._fit(size)
+                if start is not None:
+                    self._slots.append(_Slot(start, start + size))
+                    return self.region[start : start + nbytes]
+                oldest = self._slots[0]
+                if oldest.moving is None:  # a read not placed yet: never wait on it
+                    return None
+                moving = oldest.moving
+            jax.block_until_ready(list(moving))  # (outside the lock: placing threads give back)
+            with self._lock:
+                oldest.moving = ()
+
+    def give_back(self, data: np.ndarray, moving: Iterable[jax.Array]) -> None:
+        """The slot holding ``data`` (a view of it; nothing where ``data`` lies outside the
+        ring: a read that got fresh memory) may be reused once each of ``moving`` (the
+        arrays copied out of it) is ready."""
+        at = int(data.__array_interface__["data"][0]) - self.address
+        if not 0 <= at < self.capacity:
+            return
+        with self._lock:
+            for slot in self._slots:
+                if slot.start <= at < slot.stop and not slot.given:
+                    slot.moving, slot.given = list(moving), True
+                    return
+
+    def _reclaim(self) -> None:
+        """Frees the oldest slots whose copies have finished."""
+        while self._slots and self._slots[0].moving is not None:
+            if not all(a.is_ready() for a in self._slots[0].moving):  # type: ignore[attr-defined]
+                return
+            self._slots.popleft()
+
+    def _fit(self, size: int) -> int | None:
+        """Where a slot of ``size`` starts: after the newest slot, or at the ring's start
+        where the end has no room; None where the live slots leave no room."""
+        if not self._slots:
+            return 0
+        oldest, newest = self._slots[0].start, self._slots[-1].stop
+        if newest > oldest:  # live slots in one run: room after it and before it
+            if self.capacity - newest >= size:
+                return newest
+            return 0 if oldest >= size else None
+        return newest if oldest - newest >= size else None
+
+    def settle(self) -> None:
+        """Waits for every copy out of the ring to finish and frees every slot given back
+        (a slot still reading stays: ``take`` never reuses it)."""
+        with self._lock:
+            moving = [a for s in self._slots if s.moving for a in s.moving]
+        jax.block_until_ready(moving)
+        with self._lock:
+            for s in self._slots:
+                if s.moving is not None:
+                    s.moving = ()
+            self._reclaim()
+
+    @property
+    def busy(self) -> int:
+        """Slots not yet reclaimed."""
+        with self._lock:
+            self._reclaim()
+            return len(self._slots)
+
+
+_ring: Ring | None = None
+_ring_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return linux.switched_on(linux.RING)
+
+
+@contextlib.contextmanager
+def for_restore(budget: int, devices: Iterable[jax.Device]) -> Iterator[Ring | None]:
+    """The process's ring for a restore onto ``devices`` with read budget ``budget``: one
+    of at least that many bytes, made (and registered with the devices' client) the first
+    time and kept; None where it is switched off (``JAXCKPT_RING=0``). A restore that fails
+    drops the ring (a reader thread left behind by a stalled read may still write into its
+    slot), and the next restore makes a new one."""
+    global _ring
+    if not enabled():
+        yield None
+        return
+    devices = list(devices)
+    with _ring_lock:
+        ring = _ring
+        if ring is None or ring.capacity < budget:
+            if ring is not None:
+                ring.settle()
+            ring = _ring = Ring(budget, pinned=False)
+            ring.pinned = _pin(ring, devices)
+    try:
+        yield ring
+    except BaseException:
+        with _ring_lock:
+            if _ring is ring:
+                _ring = None
+        raise
+
+
+def _pin(ring: Ring, devices: list[jax.Device]) -> bool:
+    """Registers ``ring``'s region with the client of ``devices`` (page-locked, DMA from it
+    directly); False where the client does not (CPU devices) or refuses (logged)."""
+    clients = {id(d.client): d.client for d in devices if d.platform != "cpu"}
+    for client in clients.values():
+        try:
+            client.dma_map(ring.address, ring.capacity)
+        except Exception as e:  # (jax raises its own runtime error)
+            log.warning(
+                "jaxckpt: host ring of %d bytes not registered with %s (%s): restores copy "
+                "from pageable memory",
+                ring.capacity,
+                devices[0].platform,
+                e,
+            )
+            return False
+    return bool(clients)

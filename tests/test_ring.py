@@ -1,0 +1,156 @@
+"""The host ring an accelerator's restore reads into (``jaxckpt/_src/ring.py``): slots handed
+out in turn and reused only once their copies are done; restores through it (CPU devices
+restored as accelerators are, ``JAXCKPT_ADOPT=0``) bit-exact, holding nothing of the ring."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from hostile import DTYPES, assert_same_bits, random_bits
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxckpt
+from jaxckpt._src import ring
+from jaxckpt.errors import ChecksumError
+
+
+class Moving:
+    """A copy out of a slot that finishes when told (``jax.Array``'s ``is_ready``)."""
+
+    def __init__(self) -> None:
+        self.ready = False
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def block_until_ready(self) -> Moving:
+        self.ready = True
+        return self
+
+
+def span(r: ring.Ring, slot: np.ndarray) -> tuple[int, int]:
+    at = slot.__array_interface__["data"][0] - r.address
+    return at, at + slot.nbytes
+
+
+def test_slots_are_page_aligned_within_the_ring_and_never_overlap():
+    r = ring.Ring(64 << 10)
+    slots = [r.take(n) for n in (1, 5000, 4096, 100)]
+    assert all(s is not None for s in slots)
+    spans = sorted(span(r, s) for s in slots if s is not None)
+    assert all(a % ring.SLOT_ALIGN == 0 and b <= r.capacity for a, b in spans)
+    assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:], strict=False))
+
+
+def test_a_slot_is_reused_only_once_its_copies_are_done():
+    r = ring.Ring(16 << 10)
+    a, b = r.take(8 << 10), r.take(8 << 10)
+    assert a is not None and b is not None
+    copy = Moving()
+    r.give_back(a, [copy])  # type: ignore[list-item]
+    assert r.busy == 2  # given back, still being copied
+    c = r.take(4 << 10)  # no room but ``a``'s: waits for its copy, then reuses it
+    assert copy.ready and c is not None and span(r, c)[0] == span(r, a)[0]
+
+
+def test_a_ring_full_of_unplaced_reads_gives_fresh_memory_instead_of_waiting():
+    r = ring.Ring(16 << 10)
+    assert r.take(8 << 10) is not None and r.take(8 << 10) is not None
+    assert r.take(4096) is None  # both slots hold reads not yet placed: never wait on those
+    assert r.take((8 << 10) + 1) is None  # more than half the ring: always fresh memory
+
+
+def test_the_ring_wraps_around_oldest_first():
+    r = ring.Ring(32 << 10)
+    first = [r.take(8 << 10) for _ in range(3)]  # 24 KiB of 32
+    r.give_back(first[0], [])  # type: ignore[arg-type]
+    r.give_back(first[1], [])  # type: ignore[arg-type]
+    wrapped = r.take(12 << 10)  # 8 KiB left at the end: starts over at 0, before first[2]
+    assert wrapped is not None and span(r, wrapped) == (0, 12 << 10)
+    assert r.take(8 << 10) is None  # 4 KiB free between the wrapped slot and first[2]
+    r.give_back(np.zeros(4), [])  # memory outside the ring: nothing to give back
+    assert r.busy == 2
+
+
+def test_random_takes_and_give_backs_never_hand_out_live_memory():
+    rng = np.random.default_rng(0)
+    r = ring.Ring(256 << 10)
+    live: list[np.ndarray] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            r.give_back(live.pop(0), [])  # (reads are placed in the order they were issued)
+            continue
+        slot = r.take(int(rng.integers(1, 100 << 10)))
+        if slot is None:
+            continue
+        a, b = span(r, slot)
+        assert all(b <= span(r, s)[0] or span(r, s)[1] <= a for s in live), "overlap"
+        live.append(slot)
+
+
+@pytest.fixture
+def as_accelerator(monkeypatch):
+    """CPU devices restored the way an accelerator is: no mappings, no adopted buffers,
+    every slice read into the ring and copied onto its device."""
+    monkeypatch.setenv("JAXCKPT_ADOPT", "0")
+    monkeypatch.setenv("JAXCKPT_MAP", "0")
+    monkeypatch.setattr(ring, "_ring", None)
+
+
+def test_every_dtype_restores_bit_exactly_through_the_ring(tmp_path, as_accelerator, x64):
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    rng = np.random.default_rng(5)
+    values = {d.name: random_bits((64, 48), d, rng) for d in DTYPES}
+    state = {
+        k: jax.device_put(v, NamedSharding(mesh, P("a", "b") if i % 2 else P(None, "a")))
+        for i, (k, v) in enumerate(values.items())
+    }
+    jaxckpt.save(str(tmp_path / "c"), state)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("b"))),
+        state,
+    )
+    for _ in range(2):  # the second restore reuses the first's ring
+        out = jaxckpt.restore(str(tmp_path / "c"), target)
+        first = ring._ring
+        assert first is not None and first.busy <= len(values) * 4
+        first.region[:] = 0x5A  # nothing restored shares the ring's memory
+        for k, v in values.items():
+            assert_same_bits(v, np.asarray(out[k]), k)
+    assert ring._ring is first
+
+
+def test_a_corrupt_chunk_is_named_through_the_ring_and_the_next_restore_is_exact(
+    tmp_path, as_accelerator
+):
+    mesh = jax.make_mesh((8,), ("a",))
+    x = np.arange(8 * 4096, dtype=np.float32).reshape(8, 4096)
+    path = str(tmp_path / "c")
+    jaxckpt.save(path, {"x": jax.device_put(x, NamedSharding(mesh, P("a")))})
+    data = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if "/d/" in d + "/"]
+    victim = max(data, key=os.path.getsize)
+    good = pathlib.Path(victim).read_bytes()
+    with open(victim, "r+b") as f:
+        f.seek(len(good) // 2)
+        f.write(bytes([good[len(good) // 2] ^ 1]))
+    with pytest.raises(ChecksumError, match=r"leaf 'x'.*chunk"):
+        jaxckpt.restore(path)
+    assert ring._ring is None  # a failed restore drops its ring: a left-behind read may write
+    with open(victim, "wb") as f:
+        f.write(good)
+    np.testing.assert_array_equal(np.asarray(jaxckpt.restore(path)["x"]), x)
+
+
+def test_without_the_ring_slices_are_read_into_fresh_memory(tmp_path, as_accelerator, monkeypatch):
+    monkeypatch.setenv("JAXCKPT_RING", "0")
+    x = np.arange(1024, dtype=np.int32)
+    jaxckpt.save(str(tmp_path / "c"), {"x": x})
+    mesh = jax.make_mesh((8,), ("a",))
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("a")))}
+    np.testing.assert_array_equal(np.asarray(jaxckpt.restore(str(tmp_path / "c"), target)["x"]), x)
+    assert ring._ring is None
