@@ -8,6 +8,7 @@ import os
 import pathlib
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from hostile import DTYPES, assert_same_bits, random_bits
@@ -154,3 +155,34 @@ def test_without_the_ring_slices_are_read_into_fresh_memory(tmp_path, as_acceler
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("a")))}
     np.testing.assert_array_equal(np.asarray(jaxckpt.restore(str(tmp_path / "c"), target)["x"]), x)
     assert ring._ring is None
+
+
+def test_safetensors_load_through_the_ring_is_bit_exact(tmp_path, as_accelerator):
+    snp = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(9)
+    tensors = {
+        "w": random_bits((32, 64), np.dtype(ml_dtypes.bfloat16), rng),
+        "b": random_bits((64,), np.dtype(np.float32), rng),
+        "t": random_bits((16, 24), np.dtype(np.int8), rng),
+    }
+    snp.save_file(tensors, str(tmp_path / "m.safetensors"))  # the reference writer
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+
+    def on(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    target = {
+        "w": on((32, 64), tensors["w"].dtype, P("a", "b")),  # runs of rows: put together
+        "b": on((64,), np.float32, P("b")),
+        "t": on((24, 16), np.int8, P("b", "a")),  # transposed: read whole, cut into slices
+    }
+    out = jaxckpt.safetensors.load(
+        tmp_path / "m.safetensors",
+        target,
+        transforms=[("^t$", [jaxckpt.safetensors.Transpose((1, 0))])],
+    )
+    assert ring._ring is not None
+    ring._ring.region[:] = 0x33
+    assert_same_bits(tensors["w"], np.asarray(out["w"]), "w")
+    assert_same_bits(tensors["b"], np.asarray(out["b"]), "b")
+    assert_same_bits(tensors["t"].T, np.asarray(out["t"]), "t")

@@ -15,12 +15,11 @@ read, the emergency tier's too).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -162,7 +161,7 @@ def _read_all(
         db, opener = source.item, source.opener(ctx)
     budget = budget or default_budget(direct.reader_threads())
     devices = {d for w in reading if w.sharding is not None for d in w.sharding.device_set}
-    with ring.for_restore(budget, devices) if not adopts(devices) else _no_ring() as host:
+    with ring.for_restore(budget, devices) as host:
         requests: list[slices.Request] = []
         finishers = [_plan_leaf(w, requests, host) for w in reading]
         fig.bytes += slices.read(
@@ -176,11 +175,6 @@ def _read_all(
             stall=stall,
         )
         return [f() for f in finishers]
-
-
-@contextlib.contextmanager
-def _no_ring() -> Iterator[None]:
-    yield None
 
 
 THEN = "Nothing was restored; fix what the failed process names, then restart the job"
@@ -266,9 +260,10 @@ def _plan_leaf(
     def place(index: Index, data: np.ndarray, replicas: Sequence[np.ndarray] | None) -> None:
         value = convert(data)
         given = [convert(r) for r in replicas] if viewed and replicas else None
-        moving = out.put(index, value, given, borrowed=host is not None)
-        if host is not None:
-            host.give_back(data, moving)
+        if host is None:
+            out.put(index, value, given)
+        else:  # a slice in the ring: copied out, then its slot reused
+            host.give_back(data, out.put(index, value, given, borrowed=host.holds(data)))
 
     for index in out.indices:
         if not rec.nbytes or not volume(index):

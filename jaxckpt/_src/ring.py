@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from .io import arrays, linux
+from .placement import adopts
 
 log = logging.getLogger("jaxckpt")
 
@@ -90,11 +91,18 @@ class Ring:
             with self._lock:
                 oldest.moving = ()
 
+    def holds(self, data: np.ndarray) -> bool:
+        """Whether ``data`` lies in the ring (not fresh memory)."""
+        return 0 <= self._offset(data) < self.capacity
+
+    def _offset(self, data: np.ndarray) -> int:
+        return int(data.__array_interface__["data"][0]) - self.address
+
     def give_back(self, data: np.ndarray, moving: Iterable[jax.Array]) -> None:
         """The slot holding ``data`` (a view of it; nothing where ``data`` lies outside the
         ring: a read that got fresh memory) may be reused once each of ``moving`` (the
         arrays copied out of it) is ready."""
-        at = int(data.__array_interface__["data"][0]) - self.address
+        at = self._offset(data)
         if not 0 <= at < self.capacity:
             return
         with self._lock:
@@ -154,14 +162,15 @@ def enabled() -> bool:
 def for_restore(budget: int, devices: Iterable[jax.Device]) -> Iterator[Ring | None]:
     """The process's ring for a restore onto ``devices`` with read budget ``budget``: one
     of at least that many bytes, made (and registered with the devices' client) the first
-    time and kept; None where it is switched off (``JAXCKPT_RING=0``). A restore that fails
+    time and kept; None where the devices take host buffers as they are (CPU devices,
+    ``placement.adopts``) or it is switched off (``JAXCKPT_RING=0``). A restore that fails
     drops the ring (a reader thread left behind by a stalled read may still write into its
     slot), and the next restore makes a new one."""
     global _ring
-    if not enabled():
+    devices = list(devices)
+    if not enabled() or adopts(devices):
         yield None
         return
-    devices = list(devices)
     with _ring_lock:
         ring = _ring
         if ring is None or ring.capacity < budget:

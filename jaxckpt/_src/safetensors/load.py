@@ -15,6 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import SafetensorsError
+from .. import ring
 from .. import tree as tree_lib
 from ..boxes import Index, bounding, extent, volume, whole, within
 from ..io.inflight import READ_BUDGET_BYTES, InFlight
@@ -143,10 +144,13 @@ def load(
         _want(p, t, tensors, names, transforms, loc, where) if _is_array(t) else None
         for p, t in flat
     ]
-    reads = InFlight[list](read_budget_bytes or READ_BUDGET_BYTES)
-    reader = _Reader(kv, loc.url, reads)
-    finish = [None if w is None else reader.leaf(w) for w in wants]
-    reads.drain()
+    budget = read_budget_bytes or READ_BUDGET_BYTES
+    reads = InFlight[list](budget)
+    devices = {d for w in wants if w and w.sharding is not None for d in w.sharding.device_set}
+    with ring.for_restore(budget, devices) as host:
+        reader = _Reader(kv, loc.url, reads, host)
+        finish = [None if w is None else reader.leaf(w) for w in wants]
+        reads.drain()
     leaves = [t if f is None else f() for f, (_, t) in zip(finish, flat, strict=True)]
     return tree_lib.unflatten_like(target, leaves)
 
@@ -215,8 +219,22 @@ def _kind(dtype: np.dtype) -> str:
 class _Reader:
     """Reads boxes of leaves as coalesced byte ranges, at most ``budget`` bytes in flight."""
 
-    def __init__(self, kv: ts.KvStore, url: str, reads: InFlight[list]):
-        self.kv, self.url, self.reads = kv, url, reads
+    def __init__(self, kv: ts.KvStore, url: str, reads: InFlight[list], host: ring.Ring | None):
+        """``host``: where boxes read in several runs are put together and slices are cut
+        out to (``ring``: devices that copy them), else fresh memory."""
+        self.kv, self.url, self.reads, self.host = kv, url, reads, host
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        slot = self.host.take(nbytes) if self.host is not None else None
+        return np.empty(nbytes, np.uint8) if slot is None else slot
+
+    def _put(self, out: Placement, index: Index, data: np.ndarray) -> None:
+        """``data`` onto the devices of slice ``index``; a ring slot it lies in reused
+        once it is copied."""
+        if self.host is None:
+            out.put(index, data)
+        else:
+            self.host.give_back(data, out.put(index, data, borrowed=self.host.holds(data)))
 
     def leaf(self, w: _Want) -> Callable[[], Any]:
         if w.sharding is None:
@@ -243,12 +261,18 @@ class _Reader:
             # run per row of every slice) and cut on the host
             def cut(data: np.ndarray, block: Index = block) -> None:
                 for i in by_index:
-                    out.put(i, np.ascontiguousarray(data[within(i, block)]))
+                    part = data[within(i, block)]
+                    into = self._buffer(part.nbytes)[: part.nbytes].view(part.dtype)
+                    into = into.reshape(part.shape)
+                    np.copyto(into, part)
+                    self._put(out, i, into)
+                if self.host is not None:
+                    self.host.give_back(data, [])  # (the block's slot, where it has one)
 
             self._submit(w, block, cut)
         else:
             for index in by_index:
-                self._submit(w, index, functools.partial(out.put, index))
+                self._submit(w, index, functools.partial(self._put, out, index))
         return out.array
 
     def _submit(self, w: _Want, box: Index, consume: Callable[[np.ndarray], object]) -> None:
@@ -279,7 +303,7 @@ class _Reader:
             if len(reads) == 1 and len(reads[0][2]) == 1:  # one run: the read is the block
                 buf = reads[0][0]()
             else:
-                buf = np.empty(volume(rbox) * info.dtype.itemsize, np.uint8)
+                buf = self._buffer(volume(rbox) * info.dtype.itemsize)
                 pos = 0
                 for get, off, members in reads:
                     data = get()
