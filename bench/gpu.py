@@ -16,7 +16,12 @@ all of it on that one device. ``--repeats`` times, in an order that alternates, 
   ``EmergencyCheckpointManager`` save's blocking time (replication=0, local directory under
   /dev/shm where it has room, else under ``--dir``);
 * host -> device: ``jaxckpt.restore`` onto the device (the files in the page cache) against
-  ``jax.device_put`` of NumPy arrays of the same bytes;
+  ``jax.device_put`` of NumPy arrays of the same bytes, against a verified read (CRC32C) of
+  its own files into fresh memory on the reader threads' count, and against Orbax's restore
+  of the same state (where orbax-checkpoint is installed); the same restore without the host
+  ring (``JAXCKPT_RING=0``: fresh pageable memory a slice, the path before it), and cold
+  (the files dropped from the page cache) against the cold verified read; the restores'
+  peak host memory;
 * the disk: ``jaxckpt.save`` and the async save's total against a raw NumPy write + fsync,
   and the restore against raw and verified (CRC32C) reads of the same bytes
   (``harness.raw_io``, bench/compare.py's limits).
@@ -45,6 +50,7 @@ import os
 import shutil
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import harness
 import jax
@@ -53,10 +59,25 @@ import train_state as st
 from harness import GB
 
 import jaxckpt
-from jaxckpt._src import staging
+from jaxckpt._src import ring, staging
 from jaxckpt._src.io import ocdbt_write
+from jaxckpt._src.io.direct import reader_threads
 
 NO_GPU = "no GPU: running on CPU, figures are not GPU figures"
+NO_RING = "restore, JAXCKPT_RING=0"  # fresh pageable memory a slice (before the ring)
+COLD = "restore, cold"  # the checkpoint's files dropped from the page cache first
+VERIFIED_FILES = "verified (its files)"  # the restore's own files, reader threads
+COLD_VERIFIED = "cold verified (files)"
+ORBAX = "orbax restore"
+
+
+def _orbax() -> Any:
+    """Orbax's ``StandardCheckpointer`` where orbax-checkpoint is installed, else None."""
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError:
+        return None
+    return ocp.StandardCheckpointer()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +170,11 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
             times.setdefault(f"{name}, total", []).append(total.seconds)
 
         ckpt = os.path.join(root, "ckpt")
+        peaks: dict[str, int] = {}
+        orbax, orbax_path = _orbax(), os.path.join(root, "orbax")
+        if orbax is not None:  # saved once: only its restore is timed
+            orbax.save(orbax_path, state)
+            orbax.wait_until_finished()
         first = {}
         # warm-ups: one-time costs (imports, pools, compiles, first allocations) off the clock
         for m, name in ((mgr, "async save"), (em, "emergency save")):
@@ -178,12 +204,41 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
 
         step = iter(range(2, 10**6))
 
-        def save_restore() -> None:
+        def save_restore(rep: int) -> None:
+            """The save, then its files read back every way, alternating: restored (warm,
+            through the ring and without it; cold), and read into fresh memory with a
+            CRC32C on the reader threads' count (warm and cold)."""
             new = fresh(state)
             clock("jaxckpt.save", lambda: jaxckpt.save(ckpt, new))
-            harness.warm_page_cache(ckpt)
-            clock("jaxckpt.restore", lambda: jaxckpt.restore(ckpt, target))
+            files = harness.files_under(ckpt)
+            crc = harness.crc32c()[1]
+
+            def restore(name: str, env: dict[str, str], cold: bool) -> None:
+                harness.drop_cold(ckpt) if cold else harness.warm_page_cache(ckpt)
+                with mock.patch.dict(os.environ, env), harness.PeakRss(cache=False) as rss:
+                    clock(name, lambda: jaxckpt.restore(ckpt, target))
+                peaks[name] = max(peaks.get(name, 0), rss.over)
+
+            def verified(name: str, cold: bool) -> None:
+                harness.drop_cold(ckpt) if cold else harness.warm_page_cache(ckpt)
+                clock(name, lambda: harness.read_files(files, reader_threads(), crc))
+
+            ways = {
+                "restore": lambda: restore("jaxckpt.restore", {}, False),
+                "no ring": lambda: restore(NO_RING, {"JAXCKPT_RING": "0"}, False),
+                "cold": lambda: restore(COLD, {}, True),
+                "verified": lambda: verified(VERIFIED_FILES, False),
+                "cold verified": lambda: verified(COLD_VERIFIED, True),
+            }
+            for way in harness.rotated(list(ways), rep):
+                ways[way]()
             shutil.rmtree(ckpt)
+
+        def orbax_restore() -> None:
+            if orbax is None:
+                return
+            harness.warm_page_cache(orbax_path)
+            clock(ORBAX, lambda: orbax.restore(orbax_path, target))
 
         def raw_io(rep: int) -> None:
             got = harness.raw_io(os.path.join(root, "raw"), sizes, rep)
@@ -202,7 +257,8 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
             "device_put": lambda rep: clock(
                 "jax.device_put", lambda: jax.device_put(host, shardings)
             ),
-            "save_restore": lambda rep: save_restore(),
+            "save_restore": save_restore,
+            "orbax": lambda rep: orbax_restore(),
             "async": lambda rep: managed(mgr, "async save", next(step)),
             "emergency": lambda rep: managed(em, "emergency save", next(step)),
             "raw": raw_io,
@@ -230,8 +286,16 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
         Row("jaxckpt.restore", times["jaxckpt.restore"], "h2d: jax.device_put"),
         Row("jaxckpt.restore", times["jaxckpt.restore"], "read"),
         Row("jaxckpt.restore", times["jaxckpt.restore"], "verified"),
+        Row(VERIFIED_FILES, times[VERIFIED_FILES]),
+        Row("jaxckpt.restore", times["jaxckpt.restore"], VERIFIED_FILES),
+        Row(NO_RING, times[NO_RING], VERIFIED_FILES),
+        Row(COLD_VERIFIED, times[COLD_VERIFIED]),
+        Row(COLD, times[COLD], COLD_VERIFIED),
+        *[Row(ORBAX, times[ORBAX]), Row("jaxckpt.restore", times["jaxckpt.restore"], ORBAX)]
+        * (ORBAX in times),
     ]
-    facts = {"nbytes": nbytes, "leaves": len(sizes), "local": shm}
+    facts = {"nbytes": nbytes, "leaves": len(sizes), "local": shm, "restore_peak_rss": peaks}
+    facts["ring_bytes"] = ring._ring.capacity if ring._ring is not None else 0
     return rows, raw, facts
 
 
@@ -377,6 +441,21 @@ def report(args: argparse.Namespace, rows: list[Row], raw: dict, facts: dict) ->
     table.print(out_rows, rule=True)
     print()
     harness.print_ways(raw, nbytes, {kind: REFERENCE_NAMES[kind] for kind in raw})
+    kept = facts["ring_bytes"] / GB
+    for name, over in sorted(facts["restore_peak_rss"].items()):
+        print(f"peak host memory of {name}: {over / GB:.3f} GB over its start (the host ring, "
+              f"{kept:.3f} GB kept since the warm-up's restore, not in it)")  # fmt: skip
+    print("\ntargets (issue 45):")
+    for name, a, b, floor in (
+        ("restore >= 0.8x the verified read of its files", "jaxckpt.restore", VERIFIED_FILES, 0.8),
+        ("cold restore >= 0.8x the cold verified read", COLD, COLD_VERIFIED, 0.8),
+        ("restore >= 3x Orbax's restore", "jaxckpt.restore", ORBAX, 3.0),
+        ("restore with the ring / without it", "jaxckpt.restore", NO_RING, None),
+    ):
+        if a in rate and b in rate:
+            r = rate[a] / rate[b]
+            verdict = "     " if floor is None else ("PASS " if r >= floor else "FAIL ")
+            print(f"  {verdict}{name:<52}{r:>6.2f}x")
     if jax.devices()[0].platform != "gpu":
         print(f"\n{NO_GPU}")
 
