@@ -29,6 +29,7 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import numpy as np
@@ -55,7 +56,7 @@ class Ring:
     reclaimed oldest first once given back (``give_back``) and copied out."""
 
     capacity: int
-    pinned: bool = False
+    clients: list[Any] = field(default_factory=list)  # those it is registered with (``_pin``)
     region: np.ndarray = field(init=False, repr=False)
     _slots: collections.deque[_Slot] = field(init=False, repr=False)
     _lock: threading.Lock = field(init=False, repr=False)
@@ -143,6 +144,10 @@ class Ring:
             self._reclaim()
 
     @property
+    def pinned(self) -> bool:
+        return bool(self.clients)
+
+    @property
     def busy(self) -> int:
         """Slots not yet reclaimed."""
         with self._lock:
@@ -152,6 +157,7 @@ class Ring:
 
 _ring: Ring | None = None
 _ring_lock = threading.Lock()
+_retired: list[Ring] = []  # rings of failed restores, kept for the life of the process
 
 
 def enabled() -> bool:
@@ -174,22 +180,27 @@ def for_restore(budget: int, devices: Iterable[jax.Device]) -> Iterator[Ring | N
     with _ring_lock:
         ring = _ring
         if ring is None or ring.capacity < budget:
-            if ring is not None:
+            if ring is not None:  # a larger budget: the old ring is let go once it is idle
                 ring.settle()
-            ring = _ring = Ring(budget, pinned=False)
-            ring.pinned = _pin(ring, devices)
+                _unpin(ring)
+            ring = _ring = Ring(budget)
+            _pin(ring, devices)
     try:
         yield ring
     except BaseException:
         with _ring_lock:
             if _ring is ring:
                 _ring = None
+                # never freed: memory a client still counts as registered must not be
+                # handed out again by the allocator, and a reader left behind may write it
+                _retired.append(ring)
         raise
 
 
-def _pin(ring: Ring, devices: list[jax.Device]) -> bool:
-    """Registers ``ring``'s region with the client of ``devices`` (page-locked, DMA from it
-    directly); False where the client does not (CPU devices) or refuses (logged)."""
+def _pin(ring: Ring, devices: list[jax.Device]) -> None:
+    """Registers ``ring``'s region with the clients of ``devices`` (page-locked, copies
+    out of it by DMA, with no staging copy): none for CPU devices; a client that refuses
+    is logged and the ring stays pageable for it."""
     clients = {id(d.client): d.client for d in devices if d.platform != "cpu"}
     for client in clients.values():
         try:
@@ -199,8 +210,16 @@ def _pin(ring: Ring, devices: list[jax.Device]) -> bool:
                 "jaxckpt: host ring of %d bytes not registered with %s (%s): restores copy "
                 "from pageable memory",
                 ring.capacity,
-                devices[0].platform,
+                client.platform,
                 e,
             )
-            return False
-    return bool(clients)
+        else:
+            ring.clients.append(client)
+
+
+def _unpin(ring: Ring) -> None:
+    """Undoes ``_pin`` (every copy out of the ring finished: ``settle``)."""
+    for client in ring.clients:
+        with contextlib.suppress(Exception):
+            client.dma_unmap(ring.address)
+    ring.clients.clear()
