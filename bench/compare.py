@@ -11,6 +11,7 @@ Run from the repository root (the full run of record is ``--size-gb 1``, a few m
     python bench/compare.py --drop-page-cache-gb 2 # and a 2 GB save, 4 ways (page cache, O_DIRECT)
     python bench/compare.py --direct-write both    # jaxckpt's own writer vs TensorStore's
     python bench/compare.py --page-reporting off   # (root) the VM keeps the memory it backs
+    python bench/compare.py --gpu-path             # and the path a GPU restore takes (gpu_path.py)
 
 Needs a CRC32C package for the verified-read limit: ``crc32c`` (jaxckpt's own dependency,
 hardware-accelerated; ``google-crc32c`` also works); uses ``fio`` as a second raw reference
@@ -79,8 +80,10 @@ whose memory stays backed (bare metal) would give.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
+import io
 import math
 import os
 import shutil
@@ -881,6 +884,12 @@ def main() -> None:
     )
     ap.add_argument("--json", help="also write the raw measurements to this JSON file")
     ap.add_argument(
+        "--gpu-path",
+        action="store_true",
+        help="then bench/gpu_path.py at the same size and repeats: the path a GPU restore takes "
+        "(no mappings, the host ring), its reads against the verified read on as many threads",
+    )
+    ap.add_argument(
         "--no-run-log", action="store_true", help="managers keep no run log (its cost: on vs off)"
     )
     args = ap.parse_args()
@@ -893,6 +902,15 @@ def main() -> None:
         order, kib = harness.reporting_order(), harness.reported_kib()
         out = orchestrate(args)
         after = harness.reported_kib()
+        gpu = io.StringIO()  # (printed after this run's report, measured under its settings)
+        if args.gpu_path:
+            import gpu_path
+
+            with contextlib.redirect_stdout(gpu):
+                gpu_path.run(argparse.Namespace(
+                    size_gb=args.size_gb, repeats=args.repeats, baseline_tree=None,
+                    page_reporting=args.page_reporting or "on",
+                ))  # fmt: skip
     out["page_reporting"] = {
         "order": order,
         "reported_kib": None if kib is None or after is None else after - kib,
@@ -903,6 +921,7 @@ def main() -> None:
             args.json, {"size_gb": args.size_gb, "state_bytes": state_bytes(args.size_gb), **out}
         )
     report(args, out)
+    print(gpu.getvalue(), end="")
 
 
 if __name__ == "__main__":

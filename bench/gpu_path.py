@@ -112,7 +112,7 @@ def worker(
 def engine_reads(path: str, target: dict) -> dict:
     """Every slice a restore onto ``target``'s shardings reads, through the engine's one
     door (``slices.read``) and the ring, each given back as it arrives: the reads alone."""
-    from jaxckpt._src import placement, ring
+    from jaxckpt._src import gc_pause, placement, ring
     from jaxckpt._src.io import arrays, direct, slices
     from jaxckpt._src.io.inflight import default_budget
     from jaxckpt._src.leaf_plan import wants
@@ -126,7 +126,8 @@ def engine_reads(path: str, target: dict) -> dict:
     opener = functools.partial(arrays.open_leaf, db, ctx=arrays.new_context())
     budget = default_budget(direct.reader_threads())
     devices = [d for w in planned if w.sharding is not None for d in w.sharding.device_set]
-    with harness.Clock() as clock, ring.for_restore(budget, devices) as host:
+    # (the collector paused as a restore pauses it: ``gc_pause``)
+    with harness.Clock() as clock, gc_pause.paused(), ring.for_restore(budget, devices) as host:
 
         def done(data, copies) -> None:
             if host is not None:

@@ -15,7 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from ...errors import SafetensorsError
-from .. import ring
+from .. import gc_pause, ring
 from .. import tree as tree_lib
 from ..boxes import Index, bounding, extent, volume, whole, within
 from ..io.inflight import READ_BUDGET_BYTES, InFlight
@@ -147,7 +147,7 @@ def load(
     budget = read_budget_bytes or READ_BUDGET_BYTES
     reads = InFlight[list](budget)
     devices = {d for w in wants if w and w.sharding is not None for d in w.sharding.device_set}
-    with ring.for_restore(budget, devices) as host:
+    with gc_pause.paused(), ring.for_restore(budget, devices) as host:  # (as a restore)
         reader = _Reader(kv, loc.url, reads, host)
         finish = [None if w is None else reader.leaf(w) for w in wants]
         reads.drain()
