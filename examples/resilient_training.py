@@ -31,14 +31,21 @@ LOCAL_EVERY, REMOTE_EVERY = 4, 10
 
 
 def checksum(state) -> str:
-    """A global checksum of the parameters and optimizer state (every process gets it)."""
+    """A global checksum of the parameters and optimizer state's bits (every process gets
+    it): a weighted sum of their 32-bit words modulo 2**32, which no summation order or
+    sharding changes (a float sum would: a restored leaf may be sharded as the target is, not
+    as the training step left it)."""
     import jax
     import jax.numpy as jnp
 
+    def words(x):
+        x = x if x.dtype.itemsize == 4 else x.astype(jnp.float32)
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
     leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if x.ndim]
-    total = jax.jit(lambda xs: sum(jnp.sum(x.astype(jnp.float32) * 1.0001**i) for i, x in
-                                   enumerate(xs)))(leaves)  # fmt: skip
-    return f"{float(total):.6f}"
+    total = jax.jit(lambda xs: sum(jnp.sum(words(x) * jnp.uint32(2 * i + 1), dtype=jnp.uint32)
+                                   for i, x in enumerate(xs)))(leaves)  # fmt: skip
+    return f"{int(total):08x}"
 
 
 def worker(directory: str, steps: int, kill_at: int) -> None:

@@ -374,3 +374,20 @@ def test_populate_faults_the_pages_in_and_changes_no_byte():
     again = filled.copy()
     assert arrays.populate(again[7:])  # (a start inside a page)
     np.testing.assert_array_equal(again, filled)
+
+
+@pytest.mark.parametrize("adopt", ["1", "0"])
+def test_borrowed_host_bytes_are_copied_before_a_cpu_device_gets_them(adopt, mesh42, monkeypatch):
+    """A slice put from memory that is reused after (a ``ring`` slot) is copied first: CPU
+    devices keep the buffers they adopt, and keep a NumPy array's memory even through
+    ``device_put(..., may_alias=False)``, whether they adopt at ``array`` or as it is put
+    (``JAXCKPT_ADOPT=0``)."""
+    monkeypatch.setenv("JAXCKPT_ADOPT", adopt)
+    full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    out = Placement(NamedSharding(mesh42, P("data", "model")), full.shape, full.dtype)
+    reused = np.empty((16, 16), np.float32)  # one buffer, every slice in turn
+    for index in out.indices:
+        np.copyto(reused, full[tuple(slice(a, b) for a, b in index)])
+        out.put(index, reused, borrowed=True)
+        reused[:] = np.nan  # the next user of the memory
+    np.testing.assert_array_equal(np.asarray(out.array()), full)

@@ -47,7 +47,9 @@ class Placement:
         self.placed: dict[jax.Device, jax.Array] = {}
         adopt = cpu and linux.switched_on(linux.ADOPT)
         self._cpu = adopt and _adopted(self.dtype)  # devices that take host buffers as they are
-        self._copies = not cpu  # devices that copy host buffers (CPU ones too, JAXCKPT_ADOPT=0)
+        # devices that copy host buffers into their own memory (not CPU ones, which keep
+        # them even when told not to, nor host memory kinds, which might)
+        self._copies = not cpu and sharding.memory_kind in (None, "device")
         self._host = self._host_buffers() if self._cpu else {}
         self._waiting: dict[Index, tuple[np.ndarray, Sequence[np.ndarray] | None]] = {}
         _release_dropped()  # before this leaf's memory is filled
@@ -97,8 +99,8 @@ class Placement:
         the copies onto the devices are done (a ``ring`` slot): no device keeps it as its
         own. Returns the arrays copied out of ``data`` (none where the slice waits for
         ``array``, which CPU devices adopt)."""
-        if self._cpu:
-            self._waiting[index] = (data, replicas)
+        if self._cpu:  # adopted at ``array``: memory that is reused must be copied first
+            self._waiting[index] = (_copied(data) if borrowed else data, replicas)
             return []
         first, *rest = self.devices[index]
         if borrowed and not self._copies:  # a CPU device keeps the host bytes it is given

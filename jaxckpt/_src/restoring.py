@@ -215,9 +215,9 @@ def _writer(meshes: list[dict], rec: LeafRecord, coords: tuple[int, ...]) -> int
 
 def _place_threads() -> int:
     """Threads that put read slices onto devices that copy them: 2, or 1 on a host of 2
-    cores or fewer (there the readers need the cores). None where every leaf goes to CPU
-    devices that adopt its slices (``Placement`` only sets a slice aside there, and a
-    hand-over to a thread cost more)."""
+    cores or fewer (there the readers need the cores). (Where every leaf goes to CPU
+    devices that adopt its slices, the caller uses none: ``Placement`` only sets a slice
+    aside there, and a hand-over to a thread cost more.)"""
     return 1 if (os.cpu_count() or 1) <= 2 else 2
 
 

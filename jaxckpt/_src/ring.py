@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..errors import ReadStalledError
 from .io import arrays, linux
 from .placement import adopts
 
@@ -42,7 +43,7 @@ log = logging.getLogger("jaxckpt")
 SLOT_ALIGN = 4096  # each slot starts on a page: what O_DIRECT and DMA engines want
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     start: int
     stop: int
@@ -50,13 +51,14 @@ class _Slot:
     given: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class Ring:
     """``capacity`` bytes of host memory handed out as slots in turn (``take``) and
     reclaimed oldest first once given back (``give_back``) and copied out."""
 
     capacity: int
     clients: list[Any] = field(default_factory=list)  # those it is registered with (``_pin``)
+    users: int = 0  # restores using it now (``for_restore``)
     region: np.ndarray = field(init=False, repr=False)
     _slots: collections.deque[_Slot] = field(init=False, repr=False)
     _lock: threading.Lock = field(init=False, repr=False)
@@ -69,6 +71,10 @@ class Ring:
     @property
     def address(self) -> int:
         return int(self.region.ctypes.data)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.clients)
 
     def take(self, nbytes: int) -> np.ndarray | None:
         """A slot of ``nbytes`` (uint8, page-aligned), or None where the slice is larger
@@ -88,7 +94,7 @@ class Ring:
                 if oldest.moving is None:  # a read not placed yet: never wait on it
                     return None
                 moving = oldest.moving
-            jax.block_until_ready(list(moving))  # (outside the lock: placing threads give back)
+            _wait(moving)  # (outside the lock: placing threads give back meanwhile)
             with self._lock:
                 oldest.moving = ()
 
@@ -101,8 +107,8 @@ class Ring:
 
     def give_back(self, data: np.ndarray, moving: Iterable[jax.Array]) -> None:
         """The slot holding ``data`` (a view of it; nothing where ``data`` lies outside the
-        ring: a read that got fresh memory) may be reused once each of ``moving`` (the
-        arrays copied out of it) is ready."""
+        ring: a read that got fresh memory, or where its slot was given back already) may
+        be reused once each of ``moving`` (the arrays copied out of it) is ready."""
         at = self._offset(data)
         if not 0 <= at < self.capacity:
             return
@@ -115,7 +121,7 @@ class Ring:
     def _reclaim(self) -> None:
         """Frees the oldest slots whose copies have finished."""
         while self._slots and self._slots[0].moving is not None:
-            if not all(a.is_ready() for a in self._slots[0].moving):  # type: ignore[attr-defined]
+            if not all(_done(a) for a in self._slots[0].moving):
                 return
             self._slots.popleft()
 
@@ -132,20 +138,25 @@ class Ring:
         return newest if oldest - newest >= size else None
 
     def settle(self) -> None:
-        """Waits for every copy out of the ring to finish and frees every slot given back
-        (a slot still reading stays: ``take`` never reuses it)."""
+        """Waits for every copy out of the ring to finish and frees the slots given back
+        (removing any slots keeps the others in allocation order: all ``_fit`` needs)."""
         with self._lock:
             moving = [a for s in self._slots if s.moving for a in s.moving]
-        jax.block_until_ready(moving)
+        _wait(moving)
+        with self._lock:
+            self._slots = collections.deque(s for s in self._slots if s.moving is None)
+
+    def clear(self) -> None:
+        """Frees every slot: its reads are over (no other restore uses the ring)."""
+        with self._lock:
+            self._slots.clear()
+
+    def drop_arrays(self) -> None:
+        """Lets go of the arrays copied out of the ring (a retired ring keeps its memory,
+        not the devices')."""
         with self._lock:
             for s in self._slots:
-                if s.moving is not None:
-                    s.moving = ()
-            self._reclaim()
-
-    @property
-    def pinned(self) -> bool:
-        return bool(self.clients)
+                s.moving = ()
 
     @property
     def busy(self) -> int:
@@ -155,9 +166,21 @@ class Ring:
             return len(self._slots)
 
 
+def _done(a: jax.Array) -> bool:
+    """Whether the copy that made ``a`` has finished (an array deleted or donated since
+    was ready before: jax waits for a copy before it frees or reuses its buffer)."""
+    return bool(a.is_deleted() or a.is_ready())  # type: ignore[attr-defined]
+
+
+def _wait(arrays_: Iterable[jax.Array]) -> None:
+    for a in arrays_:
+        if not a.is_deleted():
+            a.block_until_ready()
+
+
 _ring: Ring | None = None
 _ring_lock = threading.Lock()
-_retired: list[Ring] = []  # rings of failed restores, kept for the life of the process
+_retired: list[Ring] = []  # rings a stalled read may still write, kept for the process
 
 
 def enabled() -> bool:
@@ -167,11 +190,14 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def for_restore(budget: int, devices: Iterable[jax.Device]) -> Iterator[Ring | None]:
     """The process's ring for a restore onto ``devices`` with read budget ``budget``: one
-    of at least that many bytes, made (and registered with the devices' client) the first
-    time and kept; None where the devices take host buffers as they are (CPU devices,
-    ``placement.adopts``) or it is switched off (``JAXCKPT_RING=0``). A restore that fails
-    drops the ring (a reader thread left behind by a stalled read may still write into its
-    slot), and the next restore makes a new one."""
+    of at least that many bytes where no other restore uses the ring meanwhile, made (and
+    registered with the devices' client) the first time and kept, pinned, for the life of
+    the process; None where the devices take host buffers as they are (CPU devices,
+    ``placement.adopts``) or it is switched off (``JAXCKPT_RING=0``). On the way out every
+    copy out of the ring has finished (``settle``). A restore that fails lets the ring go;
+    one whose read stalled retires it for good: a reader thread left behind may still
+    write into it, and memory a client counts as registered must not be handed out again
+    by the allocator."""
     global _ring
     devices = list(devices)
     if not enabled() or adopts(devices):
@@ -179,22 +205,43 @@ def for_restore(budget: int, devices: Iterable[jax.Device]) -> Iterator[Ring | N
         return
     with _ring_lock:
         ring = _ring
-        if ring is None or ring.capacity < budget:
-            if ring is not None:  # a larger budget: the old ring is let go once it is idle
-                ring.settle()
+        if ring is None or (ring.capacity < budget and not ring.users):
+            if ring is not None:  # a larger budget: the old ring is let go (idle)
                 _unpin(ring)
             ring = _ring = Ring(budget)
             _pin(ring, devices)
+        ring.users += 1
     try:
         yield ring
-    except BaseException:
+        ring.settle()  # the caller may donate or delete what it restored: no array kept
+        with _ring_lock:
+            if ring.users == 1:  # (slots a reader took and never gave back: reads over)
+                ring.clear()
+    except BaseException as e:
         with _ring_lock:
             if _ring is ring:
                 _ring = None
-                # never freed: memory a client still counts as registered must not be
-                # handed out again by the allocator, and a reader left behind may write it
+            if _stalled(e) or ring.users > 1:  # (another restore's copies: left as they are)
+                if ring.users == 1:
+                    ring.drop_arrays()
                 _retired.append(ring)
+            else:
+                with contextlib.suppress(Exception):  # (a device's own failure: let go)
+                    ring.settle()
+                _unpin(ring)
         raise
+    finally:
+        with _ring_lock:
+            ring.users -= 1
+
+
+def _stalled(e: BaseException | None) -> bool:
+    """Whether ``e`` or an error it was raised from is a stalled read's."""
+    while e is not None:
+        if isinstance(e, ReadStalledError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _pin(ring: Ring, devices: list[jax.Device]) -> None:
@@ -218,8 +265,12 @@ def _pin(ring: Ring, devices: list[jax.Device]) -> None:
 
 
 def _unpin(ring: Ring) -> None:
-    """Undoes ``_pin`` (every copy out of the ring finished: ``settle``)."""
+    """Undoes ``_pin`` (every copy out of the ring finished: ``settle``); a client that
+    refuses keeps the ring registered, so it is kept for the process (``_retired``)."""
     for client in ring.clients:
-        with contextlib.suppress(Exception):
+        try:
             client.dma_unmap(ring.address)
+        except Exception as e:  # (jax raises its own runtime error)
+            log.warning("jaxckpt: host ring not unregistered (%s): kept", e)
+            _retired.append(ring)
     ring.clients.clear()

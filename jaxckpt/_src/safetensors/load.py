@@ -224,9 +224,15 @@ class _Reader:
         out to (``ring``: devices that copy them), else fresh memory."""
         self.kv, self.url, self.reads, self.host = kv, url, reads, host
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        slot = self.host.take(nbytes) if self.host is not None else None
-        return np.empty(nbytes, np.uint8) if slot is None else slot
+    def _buffer(self, nbytes: int, slots: list[np.ndarray] | None) -> np.ndarray:
+        """``nbytes`` (uint8) to put a box or a slice together in: a ring slot, noted in
+        ``slots`` (None: fresh memory only, for values the caller keeps), or fresh memory."""
+        slot = self.host.take(nbytes) if self.host is not None and slots is not None else None
+        if slot is None:
+            return np.empty(nbytes, np.uint8)
+        assert slots is not None
+        slots.append(slot)
+        return slot
 
     def _put(self, out: Placement, index: Index, data: np.ndarray) -> None:
         """``data`` onto the devices of slice ``index``; a ring slot it lies in reused
@@ -239,7 +245,8 @@ class _Reader:
     def leaf(self, w: _Want) -> Callable[[], Any]:
         if w.sharding is None:
             holder: dict = {}
-            self._submit(w, whole(w.shape), lambda data: holder.__setitem__("v", data))
+            keep = functools.partial(holder.__setitem__, "v")  # (NumPy: never in the ring)
+            self._submit(w, whole(w.shape), keep, staged=False)
             return lambda: holder["v"]
         # slices go onto the devices one by one (Placement): never a whole-array device_put,
         # whose cross-process equality check fails on NaN (NaN != NaN) in a multi-process job
@@ -262,12 +269,10 @@ class _Reader:
             def cut(data: np.ndarray, block: Index = block) -> None:
                 for i in by_index:
                     part = data[within(i, block)]
-                    into = self._buffer(part.nbytes)[: part.nbytes].view(part.dtype)
+                    into = self._buffer(part.nbytes, [])[: part.nbytes].view(part.dtype)
                     into = into.reshape(part.shape)
                     np.copyto(into, part)
                     self._put(out, i, into)
-                if self.host is not None:
-                    self.host.give_back(data, [])  # (the block's slot, where it has one)
 
             self._submit(w, block, cut)
         else:
@@ -275,8 +280,16 @@ class _Reader:
                 self._submit(w, index, functools.partial(self._put, out, index))
         return out.array
 
-    def _submit(self, w: _Want, box: Index, consume: Callable[[np.ndarray], object]) -> None:
-        """Reads ``box`` of the leaf (its tensors' byte runs, coalesced) under the budget."""
+    def _submit(
+        self,
+        w: _Want,
+        box: Index,
+        consume: Callable[[np.ndarray], object],
+        staged: bool = True,
+    ) -> None:
+        """Reads ``box`` of the leaf (its tensors' byte runs, coalesced) under the budget;
+        put together in ring slots where ``staged``, each given back once ``consume`` is
+        done (a slot whose data it put onto devices is given back by ``_put`` already)."""
         rbox, pieces = tensor_runs(w.m, box, w.tensors)
 
         def start() -> list:
@@ -292,18 +305,24 @@ class _Reader:
             ]
 
         def use(parts: list) -> None:
-            consume(self._assemble(w, box, rbox, parts))
+            slots: list[np.ndarray] | None = [] if staged else None
+            consume(self._assemble(w, box, rbox, parts, slots))
+            for slot in slots or ():
+                assert self.host is not None
+                self.host.give_back(slot, [])
 
         self.reads.add(sum(n for _, at in pieces for _, n in at), start, use)
 
-    def _assemble(self, w: _Want, box: Index, rbox: Index, parts: list) -> np.ndarray:
+    def _assemble(
+        self, w: _Want, box: Index, rbox: Index, parts: list, slots: list[np.ndarray] | None
+    ) -> np.ndarray:
         """The box of the leaf from its tensors' reads of ``rbox``, in the leaf's dtype."""
         blocks = []
         for info, reads in parts:
             if len(reads) == 1 and len(reads[0][2]) == 1:  # one run: the read is the block
                 buf = reads[0][0]()
             else:
-                buf = self._buffer(volume(rbox) * info.dtype.itemsize)
+                buf = self._buffer(volume(rbox) * info.dtype.itemsize, slots)
                 pos = 0
                 for get, off, members in reads:
                     data = get()
