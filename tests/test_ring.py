@@ -223,3 +223,28 @@ def test_a_larger_read_budget_gets_a_larger_ring_and_a_smaller_one_keeps_it(
         assert ring._ring is not None
         sizes.append(ring._ring.capacity)
     assert sizes == [1 << 20, 4 << 20, 4 << 20]
+
+
+def test_an_emergency_restore_onto_another_mesh_puts_its_slices_together_in_the_ring(
+    tmp_path, as_accelerator, x64
+):
+    """Local copies saved from a (4, 2) mesh, restored onto (2, 4): each slice is cut out of
+    several saved ones, in ring slots, copied onto its devices from there."""
+    mesh42, mesh24 = jax.make_mesh((4, 2), ("a", "b")), jax.make_mesh((2, 4), ("a", "b"))
+    rng = np.random.default_rng(3)
+    values = {d.name: random_bits((16, 24), d, rng) for d in DTYPES[:6]}
+    opts = jaxckpt.EmergencyOptions(
+        local_interval_steps=1, async_save=False, remote=jaxckpt.Options(save_interval_steps=100)
+    )
+    with jaxckpt.EmergencyCheckpointManager(tmp_path / "l", tmp_path / "r", opts) as mgr:
+        spec = NamedSharding(mesh42, P("a", "b"))
+        mgr.save(1, {k: jax.device_put(v, spec) for k, v in values.items()})
+        mgr.wait_until_finished()
+        to = NamedSharding(mesh24, P("a", "b"))
+        out = mgr.restore(target={k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=to)
+                                  for k, v in values.items()})  # fmt: skip
+    assert ring._ring is not None and ring._ring.busy == 0
+    ring._ring.region[:] = 0x77
+    for k, v in values.items():
+        assert out[k].sharding == to
+        assert_same_bits(v, np.asarray(out[k]), k)

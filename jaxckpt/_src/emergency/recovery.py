@@ -9,6 +9,7 @@ slice to whom is planned in :mod:`jaxckpt._src.emergency.planner`.)
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from ..boxes import Index, extent, from_slices, intersect, whole, within
 from ..io import arrays
 from ..leaf_plan import Want, whole_on_host
 from ..placement import Placement, cpu_replicas
+from ..ring import Ring
 from .local import Copies, Slices
 from .planner import BadCopy, PeerSlice, Rejected, SliceKey
 
@@ -88,14 +90,22 @@ def mappable(w: Want, needed: list[Index]) -> dict[SliceKey, int]:
 
 
 def fill(
-    box: Index, required: list[Index], data: Slices, name: str, dtype: DTypeLike
+    box: Index,
+    required: list[Index],
+    data: Slices,
+    name: str,
+    dtype: DTypeLike,
+    host: Ring | None = None,
 ) -> np.ndarray:
     """The region ``box`` of leaf ``name``, cut out of the saved slices in ``data`` that
-    cover it (the held buffer itself when one is exactly ``box``), viewed as ``dtype``."""
+    cover it (the held buffer itself when one is exactly ``box``), viewed as ``dtype``;
+    put together in a slot of ``host`` where it has one (``ring``: devices that copy)."""
     exact = data.get(SliceKey(name, box))
     if exact is not None:  # the held buffer itself, no copy
         return exact if exact.dtype == dtype else exact.view(dtype)
-    out = arrays.aligned_empty(extent(box), np.dtype(dtype))
+    shape, dt = extent(box), np.dtype(dtype)
+    slot = host.take(math.prod(shape) * dt.itemsize) if host is not None else None
+    out = arrays.aligned_empty(shape, dt) if slot is None else slot.view(dt).reshape(shape)
     for s in required:
         part = intersect(s, box)
         if part is not None:
@@ -103,10 +113,18 @@ def fill(
     return out
 
 
-def assemble(w: Want, required: list[Index], data: Slices, copies: Copies | None = None) -> Any:
+def assemble(
+    w: Want,
+    required: list[Index],
+    data: Slices,
+    copies: Copies | None = None,
+    host: Ring | None = None,
+) -> Any:
     """The value of ``w``'s leaf, built from the saved slices in ``data`` and placed as
     ``w`` asks; ``copies``: for slices read as mappings (``mappable``), their replicas'
-    mappings, which the devices adopt as they are."""
+    mappings, which the devices adopt as they are. ``host``: where slices cut out of
+    several saved ones are put together on their way to devices that copy them (each slot
+    given back once its copy is under way)."""
     rec = w.record
     if not rec.has_array:
         return rec.value
@@ -118,7 +136,12 @@ def assemble(w: Want, required: list[Index], data: Slices, copies: Copies | None
         return whole_on_host(w, full)
     out = Placement(w.sharding, shape, want)
     for index in out.indices:  # ``data`` is dropped after the restore: buffers may be adopted
-        value = fill(index, required, data, rec.name, saved).astype(want, copy=False)
+        raw = fill(index, required, data, rec.name, saved, host)
+        value = raw.astype(want, copy=False)
         more = (copies or {}).get(SliceKey(rec.name, index)) if want == saved else None
-        out.put(index, value, [m.view(saved) for m in more] if more else None)
+        given = [m.view(saved) for m in more] if more else None
+        if host is None or not host.holds(raw):
+            out.put(index, value, given)
+        else:
+            host.give_back(raw, out.put(index, value, given, borrowed=True))
     return out.array()

@@ -27,9 +27,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ...errors import CoordinationError
-from .. import gc_pause, leaf_plan, multihost, steps
+from .. import gc_pause, leaf_plan, multihost, ring, steps
 from .. import per_process as pp
 from ..boxes import extent, from_text, to_text
+from ..io import direct
+from ..io.inflight import default_budget
 from ..monitoring import Stopwatch
 from ..storage import Location
 from . import local, wire
@@ -179,7 +181,11 @@ def restore_step(
     req.fig.lap("read")
     moved = _move(at, needed, final, first, rows, data)
     req.fig.lap("move")
-    values = [assemble(w, doc.required.get(w.record.name, []), data, copies) for w in wants]
+    devices = {d for w in wants if w.sharding is not None for d in w.sharding.device_set}
+    with ring.for_restore(default_budget(direct.reader_threads()), devices) as host:
+        values = [
+            assemble(w, doc.required.get(w.record.name, []), data, copies, host) for w in wants
+        ]
     records, records_from = _gather_records(at, final, doc.process_count)
     req.fig.lap("place")
     report = RecoveryReport(
