@@ -92,6 +92,14 @@ def test_random_takes_and_give_backs_never_hand_out_live_memory():
         live.append(slot)
 
 
+def saved_over_8(tmp_path, x: np.ndarray) -> dict:
+    """``x`` saved as leaf "x" under ``tmp_path/c``; a target of it split by rows over 8
+    devices."""
+    jaxckpt.save(str(tmp_path / "c"), {"x": x})
+    mesh = jax.make_mesh((8,), ("a",))
+    return {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("a")))}
+
+
 @pytest.fixture
 def as_accelerator(monkeypatch):
     """CPU devices restored the way an accelerator is: no mappings, no adopted buffers,
@@ -151,9 +159,7 @@ def test_a_corrupt_chunk_is_named_through_the_ring_and_the_next_restore_is_exact
 def test_without_the_ring_slices_are_read_into_fresh_memory(tmp_path, as_accelerator, monkeypatch):
     monkeypatch.setenv("JAXCKPT_RING", "0")
     x = np.arange(1024, dtype=np.int32)
-    jaxckpt.save(str(tmp_path / "c"), {"x": x})
-    mesh = jax.make_mesh((8,), ("a",))
-    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("a")))}
+    target = saved_over_8(tmp_path, x)
     np.testing.assert_array_equal(np.asarray(jaxckpt.restore(str(tmp_path / "c"), target)["x"]), x)
     assert ring._ring is None
 
@@ -199,9 +205,7 @@ def test_arrays_restored_through_the_ring_may_be_donated_before_the_next_restore
     tmp_path, as_accelerator
 ):
     x = np.arange(8 * 512, dtype=np.float32).reshape(8, 512)
-    jaxckpt.save(str(tmp_path / "c"), {"x": x})
-    mesh = jax.make_mesh((8,), ("a",))
-    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("a")))}
+    target = saved_over_8(tmp_path, x)
     bump = jax.jit(lambda a: a + 1, donate_argnums=0)
     for _ in range(2):  # the ring keeps no array: a donated one does not stop its reuse
         out = jaxckpt.restore(str(tmp_path / "c"), target)
@@ -213,9 +217,7 @@ def test_a_larger_read_budget_gets_a_larger_ring_and_a_smaller_one_keeps_it(
     tmp_path, as_accelerator
 ):
     x = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
-    jaxckpt.save(str(tmp_path / "c"), {"x": x})
-    mesh = jax.make_mesh((8,), ("a",))
-    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("a")))}
+    target = saved_over_8(tmp_path, x)
     sizes = []
     for budget in (1 << 20, 4 << 20, 2 << 20):
         out = jaxckpt.restore(str(tmp_path / "c"), target, read_budget_bytes=budget)
