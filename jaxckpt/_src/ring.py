@@ -226,9 +226,12 @@ def for_restore(budget: int, devices: Iterable[jax.Device]) -> Iterator[Ring | N
                     ring.drop_arrays()
                 _retired.append(ring)
             else:
-                with contextlib.suppress(Exception):  # (a device's own failure: let go)
+                try:
                     ring.settle()
-                _unpin(ring)
+                except Exception:  # (a device's own failure: copies may be under way still)
+                    _retired.append(ring)
+                else:
+                    _unpin(ring)
         raise
     finally:
         with _ring_lock:
