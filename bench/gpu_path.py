@@ -14,7 +14,9 @@ cache, a garbage collection), the order rotating from repeat to repeat:
   buffers the slices are read into (no copy after the read);
 * ``restore as on a GPU`` (``JAXCKPT_MAP=0 JAXCKPT_ADOPT=0``): each slice read into the host
   ring (``jaxckpt/_src/ring.py``) and copied onto its device from there, as onto an
-  accelerator (here the copy is a memcpy into fresh memory the CPU device adopts);
+  accelerator (here the copy is a memcpy into fresh memory the CPU device adopts); and onto
+  (2, 4) with ``JAXCKPT_ADOPT=0`` alone, ``parts mapped``: what a GPU restore from a local
+  disk does, the parts of chunks a slice needs copied from mappings of the files;
 * ``engine reads``: the restore's reads alone (``io.slices.read`` of every slice the (4, 2)
   restore reads, through the ring, each slot given back as it arrives: no placement), and the
   same into fresh memory (``JAXCKPT_RING=0``);
@@ -150,6 +152,12 @@ def run(args) -> None:
         "restore MAP=0 (2,4)": ("restore", {"JAXCKPT_MAP": "0"}, {"mesh": OTHER}),
         "restore as on a GPU (4,2)": ("restore", GPU_ENV, {"mesh": SAME}),
         "restore as on a GPU (2,4)": ("restore", GPU_ENV, {"mesh": OTHER}),
+        # a GPU restore keeps mappings for the parts of chunks a slice needs (``mapped.region``)
+        "restore as on a GPU, parts mapped (2,4)": (
+            "restore",
+            {"JAXCKPT_ADOPT": "0"},
+            {"mesh": OTHER},
+        ),  # fmt: skip
         "engine reads, ring": ("engine", GPU_ENV, {"mesh": SAME}),
         "engine reads, fresh memory": ("engine", {**GPU_ENV, "JAXCKPT_RING": "0"}, {"mesh": SAME}),
         "raw read": ("read", {}, {"verified": False, "share": 0}),
@@ -218,6 +226,8 @@ def report(args, res: dict[str, list[dict]], nbytes: int, bad: list[str]) -> Non
               "raw read")  # fmt: skip
         ratio(f"restore as on a GPU {mesh} / raw read + replicas",
               f"restore as on a GPU {mesh}", with_replicas)  # fmt: skip
+    ratio("as on a GPU (2,4): parts mapped / read", "restore as on a GPU, parts mapped (2,4)",
+          "restore as on a GPU (2,4)")  # fmt: skip
     ratio("engine reads (ring) / verified read, same threads", "engine reads, ring",
           "verified read", 0.9)  # fmt: skip
     ratio("engine reads (fresh memory) / verified read", "engine reads, fresh memory",
