@@ -153,7 +153,7 @@ def run(args) -> None:
         "restore as on a GPU (4,2)": ("restore", GPU_ENV, {"mesh": SAME}),
         "restore as on a GPU (2,4)": ("restore", GPU_ENV, {"mesh": OTHER}),
         # a GPU restore keeps mappings for the parts of chunks a slice needs (``mapped.region``)
-        "restore as on a GPU, parts mapped (2,4)": (
+        "as on a GPU, parts mapped (2,4)": (
             "restore",
             {"JAXCKPT_ADOPT": "0"},
             {"mesh": OTHER},
@@ -226,7 +226,7 @@ def report(args, res: dict[str, list[dict]], nbytes: int, bad: list[str]) -> Non
               "raw read")  # fmt: skip
         ratio(f"restore as on a GPU {mesh} / raw read + replicas",
               f"restore as on a GPU {mesh}", with_replicas)  # fmt: skip
-    ratio("as on a GPU (2,4): parts mapped / read", "restore as on a GPU, parts mapped (2,4)",
+    ratio("as on a GPU (2,4): parts mapped / read", "as on a GPU, parts mapped (2,4)",
           "restore as on a GPU (2,4)")  # fmt: skip
     ratio("engine reads (ring) / verified read, same threads", "engine reads, ring",
           "verified read", 0.9)  # fmt: skip
