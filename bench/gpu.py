@@ -296,6 +296,7 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
     ]
     facts = {"nbytes": nbytes, "leaves": len(sizes), "local": shm, "restore_peak_rss": peaks}
     facts["ring_bytes"] = ring._ring.capacity if ring._ring is not None else 0
+    facts["ring_pinned"] = ring._ring is not None and ring._ring.pinned
     return rows, raw, facts
 
 
@@ -442,9 +443,12 @@ def report(args: argparse.Namespace, rows: list[Row], raw: dict, facts: dict) ->
     print()
     harness.print_ways(raw, nbytes, {kind: REFERENCE_NAMES[kind] for kind in raw})
     kept = facts["ring_bytes"] / GB
+    how = "registered with the device's client (page-locked)" if facts["ring_pinned"] else (
+        "pageable: not registered")  # fmt: skip
+    print(f"\npinned host memory of the restores: the host ring, {kept:.3f} GB, {how}")
     for name, over in sorted(facts["restore_peak_rss"].items()):
-        print(f"peak host memory of {name}: {over / GB:.3f} GB over its start (the host ring, "
-              f"{kept:.3f} GB kept since the warm-up's restore, not in it)")  # fmt: skip
+        print(f"peak host memory of {name}: {over / GB:.3f} GB over its start (the ring, kept "
+              f"since the warm-up's restore, not in it)")  # fmt: skip
     print("\ntargets (issue 45):")
     for name, a, b, floor in (
         ("restore >= 0.8x the verified read of its files", "jaxckpt.restore", VERIFIED_FILES, 0.8),
