@@ -91,12 +91,7 @@ def worker(modes: list[str], saved: str, save_to: str, scratch: str) -> dict:
                     mgr.restore(1, target=hj.target(mesh, hj.saved_spec)), exp
                 )
         elif mode == "emergency":
-            opts = jaxckpt.EmergencyOptions(
-                local_interval_steps=1,
-                replication=1,
-                timeout_s=120,
-                remote=jaxckpt.Options(save_interval_steps=100, max_to_keep=3, timeout_s=120),
-            )
+            opts = hj.emergency_options(120)
             local = os.path.join(scratch, f"local{pid}")
             remote = os.path.join(scratch, "remote")
             with jaxckpt.EmergencyCheckpointManager(local, remote, opts) as m:

@@ -1,6 +1,8 @@
 """Shared fixtures. Eight virtual CPU devices, set before jax is imported."""
 
+import json
 import os
+import pathlib
 from typing import Any
 
 os.environ["XLA_FLAGS"] = (
@@ -76,6 +78,21 @@ def listing(directory) -> list[str]:
     """A manager directory's entries, less its run log (``runlog/``, format 1.6) and the
     writer's lease of an open manager (``.jaxckpt-lease``)."""
     return sorted(n for n in os.listdir(directory) if n not in ("runlog", ".jaxckpt-lease"))
+
+
+def leaf_spec(step, name: str) -> dict:
+    """The TensorStore spec of leaf ``name`` of the checkpoint ``step`` as docs/FORMAT.md
+    gives it: zarr3 over the step's OCDBT database, nothing from jaxckpt."""
+    manifest = json.loads((pathlib.Path(step) / "manifest.json").read_text())
+    assert any(leaf["name"] == name for leaf in manifest["leaves"]), name
+    return {
+        "driver": "zarr3",
+        "kvstore": {
+            "driver": "ocdbt",
+            "base": f"file://{pathlib.Path(step) / manifest['arrays']}/",
+        },
+        "path": name + "/",
+    }
 
 
 def sharded(x, mesh, spec):

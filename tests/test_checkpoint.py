@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_equal, sharded
+from conftest import assert_tree_equal, leaf_spec, sharded
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -140,14 +140,7 @@ def test_tensorstore_alone_reads_a_leaf(mesh42, tmp_path):
 
     x = sharded(np.arange(64.0, dtype=np.float32).reshape(8, 8), mesh42, ("data", "model"))
     jaxckpt.save(tmp_path / "c", {"params": {"w": x}})
-    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    leaf = next(leaf for leaf in manifest["leaves"] if leaf["name"] == "params/w")
-    # The spec as docs/FORMAT.md gives it: zarr3 over the step's OCDBT database.
-    spec = {
-        "driver": "zarr3",
-        "kvstore": {"driver": "ocdbt", "base": f"file://{tmp_path / 'c' / manifest['arrays']}/"},
-        "path": leaf["name"] + "/",
-    }
+    spec = leaf_spec(tmp_path / "c", "params/w")  # as docs/FORMAT.md gives it
     np.testing.assert_array_equal(ts.open(spec).result().read().result(), np.asarray(x))
 
 

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
-from conftest import sharded
+from conftest import leaf_spec, sharded
 from hostile import DTYPES, assert_same_bits, random_bits
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -45,14 +45,7 @@ def test_a_blosc_leaf_opens_with_tensorstore_alone(mesh42, tmp_path):
     x = random_bits((64, 32), np.dtype(ml_dtypes.bfloat16), np.random.default_rng(1))
     jaxckpt.save(tmp_path / "c", {"params": {"w": sharded(x, mesh42, ("data", "model"))}},
                  compression="blosc")  # fmt: skip
-    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    leaf = next(leaf for leaf in manifest["leaves"] if leaf["name"] == "params/w")
-    spec = {
-        "driver": "zarr3",
-        "kvstore": {"driver": "ocdbt", "base": f"file://{tmp_path / 'c' / manifest['arrays']}/"},
-        "path": leaf["name"] + "/",
-    }
-    store = ts.open(spec).result()
+    store = ts.open(leaf_spec(tmp_path / "c", "params/w")).result()
     assert_same_bits(x, store.read().result(), "TensorStore alone")
     blosc = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "typesize": 2,
              "blocksize": 1 << 20}  # fmt: skip

@@ -45,25 +45,27 @@ def state(step: int) -> dict:
     return {"w": arr, "step": step}
 
 
-if mode == "agree":
-    opts = jaxckpt.Options(save_interval_steps="auto", mtbf_hours=0.01, heartbeat_s=0)
+def steps_saved(name: str, opts: jaxckpt.Options, steps: int, pause_s: float) -> tuple:
+    """A loop of ``steps`` steps, each process ``pause_s`` x (its index + 1) a step, saving
+    every step it may: the steps saved, and the manager's cadence."""
     saved = []
-    with jaxckpt.CheckpointManager(os.path.join(root, "run"), opts) as mgr:
-        for step in range(1, 61):
-            time.sleep((pid + 1) * 0.008)
+    with jaxckpt.CheckpointManager(os.path.join(root, name), opts) as mgr:
+        for step in range(1, steps + 1):
+            time.sleep((pid + 1) * pause_s)
             if mgr.save(step, state(step)):
                 saved.append(step)
-        choice = mgr._cadence.choice
+    return saved, mgr._cadence
+
+
+if mode == "agree":
+    opts = jaxckpt.Options(save_interval_steps="auto", mtbf_hours=0.01, heartbeat_s=0)
+    saved, cadence = steps_saved("run", opts, 60, 0.008)
+    choice = cadence.choice
     out = {"saved": saved, "steps": choice.steps, "step_s": choice.costs.step_s}
     print("SAVED", json.dumps(out), flush=True)
     # each process sees its writer finish at its own step: the steps saved are agreed
     opts = jaxckpt.Options(save_interval_steps="continuous", heartbeat_s=0)
-    saved = []
-    with jaxckpt.CheckpointManager(os.path.join(root, "continuous"), opts) as mgr:
-        for step in range(1, 41):
-            time.sleep((pid + 1) * 0.004)
-            if mgr.save(step, state(step)):
-                saved.append(step)
+    saved, _ = steps_saved("continuous", opts, 40, 0.004)
     print("CONTINUOUS", json.dumps(saved), flush=True)
 else:
     kill_at, last = int(sys.argv[3]), int(sys.argv[4])

@@ -166,6 +166,14 @@ def check_fingerprints(path: str) -> None:
         assert records[name].fingerprint == fingerprint.of_array(v), name
 
 
+def emergency_options(timeout_s: float) -> jaxckpt.EmergencyOptions:
+    """Local saves every step with one peer copy; the remote tier all but unused."""
+    remote = jaxckpt.Options(save_interval_steps=100, max_to_keep=3, timeout_s=timeout_s)
+    return jaxckpt.EmergencyOptions(
+        local_interval_steps=1, replication=1, timeout_s=timeout_s, remote=remote
+    )
+
+
 def run(mode: str, path: str) -> None:
     pid, n = jax.process_index(), jax.process_count()
     mesh = jax.make_mesh((n, jax.device_count() // n), ("data", "model"))
@@ -202,12 +210,7 @@ def run(mode: str, path: str) -> None:
             mgr.wait_until_finished()
             check(mgr.restore(1, target=target(mesh, saved_spec)), "manager")
     elif mode == "emergency":
-        opts = jaxckpt.EmergencyOptions(
-            local_interval_steps=1,
-            replication=1,
-            timeout_s=60,
-            remote=jaxckpt.Options(save_interval_steps=100, max_to_keep=3, timeout_s=60),
-        )
+        opts = emergency_options(60)
         local = os.path.join(path, f"local{pid}")
         with jaxckpt.EmergencyCheckpointManager(local, os.path.join(path, "remote"), opts) as m:
             m.save(1, state(mesh))
