@@ -224,7 +224,6 @@ def _issue(
     reader where ``plan`` says how, else by TensorStore."""
     fill = r.buffers(plan.dtype) if plan is not None and not mapping else []
     into, copies = (fill[0], fill[1:]) if fill else (None, [])
-    staged = r.stage is not None and r.into is None and not mapping
 
     def what() -> str:  # (a stall's error only)
         head = f"leaf {r.leaf.name!r} slice {to_text(r.index)}"
@@ -238,14 +237,14 @@ def _issue(
             if plan is not None and mapping:
                 return reader.map(plan, r.maps or 0)
             if plan is not None:
-                return reader.start(plan, r.staged(plan.dtype) if staged else into, copies)
+                return reader.start(plan, into if fill else r.staged(plan.dtype), copies)
             opening = store.start()
             if reads.watch is not None:  # (the open is shared by the leaf's reads: kept)
                 opening = reads.watch.wait(opening, _opening(r, name), cancel=False)
             ts_store = opening.result()
             dtype = ts_store.dtype.numpy_dtype
             got = fits(r.into, extent(r.index), dtype, r.leaf.data_dtype)
-            return arrays.read_slice(ts_store, r.index, r.staged(dtype) if staged else got)
+            return arrays.read_slice(ts_store, r.index, got if got is not None else r.staged(dtype))
         except Exception as e:
             return Raises(e if isinstance(e, ReadStalledError) else name.error(e, r.leaf))
 
