@@ -67,6 +67,8 @@ def restore(
     ``inflight.default_budget``); reads within it run concurrently, so a larger budget can
     restore faster. Peak host memory is about the result plus the budget, plus as much again
     at most for chunks that several slices need a part of (read once, kept for all of them).
+    Onto accelerators the slices are read into a host ring of the budget's size, page-locked
+    and kept for the life of the process so that later restores reuse it (docs/GPU.md).
 
     ``stall_timeout_s``: a read that makes no progress this long (a hung mount, an object
     store that holds back an answer) fails the restore with ``ReadStalledError`` naming
