@@ -593,6 +593,32 @@ def test_spans_cover_every_byte_once_in_file_order(seed):
     assert sum(len(p.view) for s in runs for p in s.pieces) == offset + 4 * len(chunks)
 
 
+@pytest.mark.parametrize(
+    "n", [1, spans.PIECE_BYTES, spans.PIECE_BYTES + 1, spans.SPLIT_BYTES, 2 * spans.SPLIT_BYTES + 5]
+)
+def test_one_chunk_spans_cover_it_then_its_trailer(n):
+    """A slice of one chunk (most slices): pieces of at most PIECE_BYTES at consecutive file
+    positions, in spans of about SPLIT_BYTES, its trailer last, with the last piece."""
+    at = arrays.ChunkBytes("a", 8192, 8192 + n + 4)
+    flats = [np.zeros(n + 64, np.uint8), np.zeros(n + 64, np.uint8)]
+    trailers = memoryview(bytearray(4))
+    runs = spans.spans([chunk_plan.ChunkRead("k", at, 64, n)], flats, trailers)
+    assert len(runs) == max(1, -(-n // spans.SPLIT_BYTES))
+    pos, got = at.start, 0
+    for span in runs:
+        assert span.start == pos and span.chunks[0].key == "k"
+        assert sum(len(p.view) for p in span.pieces) <= spans.SPLIT_BYTES + 4
+        for p in span.pieces:
+            assert 0 < len(p.view) <= spans.PIECE_BYTES
+            pos += len(p.view)
+            if p.chunk == 0:
+                (copy,) = p.copies
+                assert copy.ctypes.data == flats[1].ctypes.data + 64 + got
+                got += len(p.view)
+    assert runs[-1].pieces[-1].chunk == -1 and runs[-1].pieces[-1].view.nbytes == 4
+    assert got == n and pos == at.stop
+
+
 @pytest.mark.parametrize("rows", [4096, 262144])
 def test_cached_stretches_get_no_prefetch_advice(rows, mesh42, tmp_path, monkeypatch):
     """Shards of 8 MiB, or of 16 KiB chunks, read once (in the page cache): a restore that

@@ -1,6 +1,7 @@
 """The one way slices are read (jaxckpt/_src/io/slices.py): both restores go through it, a
 corrupt chunk is named one way through either, and the read budget holds through either."""
 
+import functools
 import os
 import re
 from typing import TypeVar
@@ -201,3 +202,55 @@ def test_a_stalled_read_fails_the_job_within_the_bound_naming_process_and_object
     assert "process 1 (host h1) failed instead of reaching barrier" in p0, p0
     assert stalled.file in p0, p0  # the stalled process's error, passed on
     assert stall_s <= took[1] < stall_s + 15 and took[0] < stall_s + 15 < timeout_s, took
+
+
+def test_slices_of_a_few_mib_are_read_in_groups_each_failing_by_itself(
+    tmp_path, mesh42, monkeypatch
+):
+    """Slices of whole chunks larger than the reader's batch of small ones go to the threads
+    several at a time (``_groups``: one task, one entry of the budget, at most
+    ``GROUP_BYTES``); each slice still gets its own bytes, and a corrupt chunk fails only
+    its own slice, named by its own chunk, while the others of its group are handed on."""
+    import tensorstore as ts
+    from conftest import flip_byte
+
+    from jaxckpt._src.io import arrays, direct
+    from jaxckpt._src.readers import any_manifest
+
+    rows = 1024  # 16 chunks and slices of 1 MiB: two groups of 8
+    x = random_bits((16 * rows, 256), np.dtype(np.float32), np.random.default_rng(7))
+    jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data",))}, chunk_bytes=rows * 1024)
+    loc = location(str(tmp_path / "c"))
+    _, manifest = any_manifest(loc)
+    (rec,) = [leaf for leaf in manifest.leaves if leaf.name == "x"]
+    db = arrays.database_dir(loc, None)
+    kv = ts.KvStore.open(arrays.kvstore_spec(db), context=arrays.new_context()).result()
+    at = arrays.chunk_bytes(kv.base, db, {"x/c/5/0"})["x/c/5/0"]
+    flip_byte(at.file, (at.start + at.stop) // 2)
+
+    groups: list[int] = []
+    real = direct.Reader.start_group
+
+    def start_group(self, items):
+        groups.append(len(items))
+        return real(self, items)
+
+    monkeypatch.setattr(direct.Reader, "start_group", start_group)
+    got: dict[int, np.ndarray] = {}
+    bad: dict[int, Exception] = {}
+    requests = [
+        slices.Request(
+            rec,
+            ((k * rows, (k + 1) * rows), (0, 256)),
+            lambda data, copies, k=k: got.__setitem__(k, np.array(data)),
+        )
+        for k in range(16)
+    ]
+    opener = functools.partial(arrays.open_leaf, db, ctx=arrays.new_context())
+    slices.read(db, requests, opener, failed=lambda r, e: bad.__setitem__(r.index[0][0] // rows, e))
+    assert groups == [8, 8]
+    assert list(bad) == [5] and isinstance(bad[5], ChecksumError), bad
+    assert "'x/c/5/0'" in str(bad[5]) and at.file in str(bad[5]), bad[5]
+    assert sorted(got) == [k for k in range(16) if k != 5]
+    for k, data in got.items():
+        _same(x[k * rows : (k + 1) * rows], data, f"slice {k}")

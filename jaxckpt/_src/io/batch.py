@@ -5,7 +5,6 @@ reads, chunks back to back in a file in one ``preadv`` across slices."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -117,7 +116,7 @@ class Batcher:
                     pieces += spans.gap(run[k - 1].span.stop, q.span.start)
                 chunks += q.span.chunks
                 pieces += [
-                    p if p.chunk < 0 or not base else dataclasses.replace(p, chunk=p.chunk + base)
+                    p if p.chunk < 0 or not base else p._replace(chunk=p.chunk + base)
                     for p in q.span.pieces
                 ]
             try:

@@ -97,17 +97,15 @@ class Reader:
         chunk's CRC32C is put together from its spans' (``crc.combine``)."""
         buf = arrays.buffer_for(into, sr.shape, sr.dtype)
         extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
-        self._prefetch(sr)
+        if self.files.prefetching:
+            self._prefetch(sr)
         if sr.parts:
             return self.pool.submit(self._read_parts, sr, [buf, *extra])
-        chunks = sorted(sr.chunks, key=lambda r: (r.at.file, r.at.start))
-        trailers = bytearray(TRAILER * len(chunks))
-        flats = [b.reshape(-1).view(np.uint8) for b in [buf, *extra]]
-        runs = spans.spans(chunks, flats, memoryview(trailers))
+        if SMALL_CHUNK_BYTES < buf.nbytes <= spans.SPLIT_BYTES:  # most slices: one task
+            return self.pool.submit(self._read_whole, sr, buf, extra)
+        chunks, trailers, runs = _spans(sr, buf, extra)
         if len(runs) == 1 and buf.nbytes <= SMALL_CHUNK_BYTES:
             return self._batch.add(runs[0], chunks, trailers, buf)
-        if len(runs) == 1:  # most slices: one task reads and checks it
-            return self.pool.submit(self._read_whole, runs[0], chunks, trailers, buf)
         out: Future[np.ndarray] = Future()
         partial: list[dict[int, list[int]] | None] = [None] * len(runs)
         left = [len(runs)]
@@ -134,6 +132,34 @@ class Reader:
 
         for k, span in enumerate(runs):
             self.pool.submit(self._read_span, span).add_done_callback(functools.partial(done, k))
+        return out
+
+    def start_group(
+        self, items: Sequence[tuple[SliceRead, np.ndarray | None, Sequence[np.ndarray]]]
+    ) -> Future[list[np.ndarray | Exception]]:
+        """Reads several slices of whole chunks (``start``'s ``sr``, ``into``, ``copies``
+        each), each of at most ``spans.SPLIT_BYTES``, in turn on one thread: one task and
+        one future for them all (a restore issues hundreds of slices of a few MiB, and the
+        thread that issues them was its bottleneck). The future gives each slice's buffer,
+        or the error its read raised, in order."""
+        work = []
+        for sr, into, copies in items:
+            buf = arrays.buffer_for(into, sr.shape, sr.dtype)
+            extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
+            if self.files.prefetching:
+                self._prefetch(sr)
+            work.append((sr, buf, extra))
+        return self.pool.submit(self._read_group, work)
+
+    def _read_group(
+        self, work: list[tuple[SliceRead, np.ndarray, list[np.ndarray]]]
+    ) -> list[np.ndarray | Exception]:
+        out: list[np.ndarray | Exception] = []
+        for sr, buf, extra in work:
+            try:
+                out.append(self._read_whole(sr, buf, extra))
+            except Exception as e:  # (each slice's own error, naming its chunks)
+                out.append(e)
         return out
 
     def map(self, sr: SliceRead, replicas: int = 0) -> Future[tuple[np.ndarray, ...]]:
@@ -289,15 +315,28 @@ class Reader:
         crc.verify(p.key, p.at, crc32c.crc32c(data[: p.nbytes].data), data[p.nbytes : size].data)
         return data
 
-    def _read_whole(
-        self, span: spans.Span, chunks: list[ChunkRead], trailers: bytearray, buf: np.ndarray
-    ) -> np.ndarray:
-        """A slice that is one span: read, then checked."""
-        spans.check(chunks, trailers, [self._read_span(span)])
+    def _read_whole(self, sr: SliceRead, buf: np.ndarray, extra: list[np.ndarray]) -> np.ndarray:
+        """A slice one thread reads: its spans made here (not on the thread that issues the
+        reads, which a restore keeps busy), read in turn, then checked."""
+        chunks, trailers, runs = _spans(sr, buf, extra)
+        spans.check(chunks, trailers, [self._read_span(span) for span in runs])
         return buf
 
     def _read_span(self, span: spans.Span) -> dict[int, list[int]]:
         return spans.read(self.files.fd(span.file), span, self.watch)
+
+
+def _spans(
+    sr: SliceRead, buf: np.ndarray, extra: list[np.ndarray]
+) -> tuple[list[ChunkRead], bytearray, list[spans.Span]]:
+    """The reads of slice ``sr``'s whole chunks into ``buf`` (and ``extra``, its copies):
+    its chunks in file order, the scratch for their trailers and the spans (``spans.spans``)."""
+    chunks = list(sr.chunks)
+    if len(chunks) > 1:
+        chunks.sort(key=lambda r: (r.at.file, r.at.start))
+    trailers = bytearray(TRAILER * len(chunks))
+    flats = [b.reshape(-1).view(np.uint8) for b in [buf, *extra]]
+    return chunks, trailers, spans.spans(chunks, flats, memoryview(trailers))
 
 
 def _fault_in(p: ChunkPart, data: np.ndarray) -> None:

@@ -34,8 +34,9 @@ import numpy as np
 from ...errors import ReadStalledError, StorageError
 from ..boxes import Index, chunks_in, extent, to_text, volume
 from ..storage import Location
-from . import arrays, chunk_plan, crc, direct, mapped, residency
+from . import arrays, chunk_plan, crc, direct, mapped, residency, spans
 from .inflight import Describe, InFlight, Raises, Stall, Watch, default_budget
+from .layout import SMALL_CHUNK_BYTES
 
 if TYPE_CHECKING:
     from ..manifest import LeafRecord
@@ -161,8 +162,13 @@ def read(
         ) as reader,
         contextlib.closing(InFlight[Any](budget, threads=use_threads, watch=watch)) as reads,
     ):
-        for i, r in enumerate(requests):
-            _issue(reads, r, plans.get(i), i in maps, reader, stores[r.leaf.name], name, failed)
+        for group in _groups(requests, plans, maps):
+            if len(group) > 1:
+                _issue_group(reads, [(requests[i], plans[i]) for i in group], reader, name, failed)
+                continue
+            r = requests[group[0]]
+            p = plans.get(group[0])
+            _issue(reads, r, p, group[0] in maps, reader, stores[r.leaf.name], name, failed)
         reads.drain()
         total = reads.total
     arrays.release_free_memory()
@@ -210,6 +216,88 @@ def _mapped(
     return mapped.choose(db.url, wanted, usable)
 
 
+GROUP_BYTES = spans.SPLIT_BYTES  # slices read as one task, under one entry of the budget
+
+
+def _groups(
+    requests: Sequence[Request], plans: dict[int, chunk_plan.SliceRead], maps: set[int]
+) -> Iterator[list[int]]:
+    """The requests in order, by position, consecutive ones the direct reader reads as one
+    task (``direct.Reader.start_group``) together: slices of whole chunks, neither mapped
+    nor small (the reader batches those itself), of at most ``GROUP_BYTES`` in all; every
+    other request alone."""
+    group: list[int] = []
+    size = 0
+    for i, r in enumerate(requests):
+        sr, n = plans.get(i), r.nbytes
+        if sr is None or sr.parts or i in maps or not SMALL_CHUNK_BYTES < n <= GROUP_BYTES:
+            if group:
+                yield group
+                group, size = [], 0
+            yield [i]
+            continue
+        if group and size + n > GROUP_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(i)
+        size += n
+    if group:
+        yield group
+
+
+def _issue_group(
+    reads: InFlight[Any],
+    group: list[tuple[Request, chunk_plan.SliceRead]],
+    reader: direct.Reader,
+    name: _Names,
+    failed: Failed | None,
+) -> None:
+    """Starts the reads of ``group`` (``_groups``) as one task once they fit the budget;
+    each slice is handed to its ``consume``, or fails by itself, as ``_issue``'s."""
+    fills = [r.buffers(plan.dtype) for r, plan in group]
+
+    def what() -> str:  # (a stall's error only)
+        r = group[0][0]
+        files = sorted({c.at.file for _, plan in group for c in plan.chunks})
+        return (
+            f"leaf {r.leaf.name!r} slice {to_text(r.index)} and the {len(group) - 1} slices "
+            f"read with it in {', '.join(files)}"
+        )
+
+    def start() -> Any:
+        try:
+            return reader.start_group(
+                [
+                    (plan, fill[0] if fill else r.staged(plan.dtype), fill[1:])
+                    for (r, plan), fill in zip(group, fills, strict=True)
+                ]
+            )
+        except Exception as e:
+            return Raises(e if isinstance(e, ReadStalledError) else name.error(e, group[0][0].leaf))
+
+    def use(fut: Any) -> None:
+        try:
+            got: list[Any] = fut.result()
+        except Exception as e:  # the whole task (named already where it is ``Raises``)
+            for r, _ in group:
+                _fail(r, e if isinstance(fut, Raises) else name.error(e, r.leaf), failed)
+            return
+        for (r, _), fill, data in zip(group, fills, got, strict=True):
+            if isinstance(data, Exception):
+                _fail(r, name.error(data, r.leaf), failed)
+            else:
+                r.consume(data, fill[1:] or None)
+
+    reads.add(sum(r.nbytes for r, _ in group), start, use, what)
+
+
+def _fail(r: Request, err: Exception, failed: Failed | None) -> None:
+    """A slice whose read failed with ``err`` (named): raised, or handed to ``failed``."""
+    if failed is None:
+        raise err
+    failed(r, err)
+
+
 def _issue(
     reads: InFlight[Any],
     r: Request,
@@ -252,10 +340,7 @@ def _issue(
         try:
             data = fut.result()
         except Exception as e:
-            err = e if isinstance(fut, Raises) else name.error(e, r.leaf)  # (named already)
-            if failed is None:
-                raise err  # noqa: B904 (its cause is set: ``_Names.error``)
-            failed(r, err)
+            _fail(r, e if isinstance(fut, Raises) else name.error(e, r.leaf), failed)
             return
         if mapping:
             r.consume(data[0], data[1:])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -28,10 +28,10 @@ SPLIT_BYTES = 8 << 20  # a thread's share of a slice's whole chunks
 IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Bytes read in one go: where they go (``view``), the index of their chunk (-1: a CRC
-    trailer) and where else (``copies``: the same bytes of the slice's other buffers)."""
+    trailer) and where else (``copies``: the same bytes of the slice's other buffers).
+    (A tuple: a restore makes one for every MiB it reads, on the thread that issues them.)"""
 
     view: memoryview
     chunk: int
@@ -63,11 +63,8 @@ def spans(chunks: list[ChunkRead], flats: list[np.ndarray], trailers: memoryview
     one run, cut into spans of about ``SPLIT_BYTES`` (wherever that falls, inside a chunk
     too), each made of pieces of at most PIECE_BYTES."""
     flat, extra = flats[0].data, flats[1:]
-    if len(chunks) == 1 and chunks[0].nbytes <= PIECE_BYTES:  # (most small slices)
-        r = chunks[0]
-        a, b = r.offset, r.offset + r.nbytes
-        one = Piece(flat[a:b], 0, tuple(e[a:b] for e in extra))
-        return [Span(r.at.start, [one, Piece(trailers[:TRAILER], -1)], [r])]
+    if len(chunks) == 1:  # (most slices)
+        return _one_chunk(chunks[0], flat, extra, trailers)
     spans: list[Span] = []
     pieces: list[Piece] = []
     touched: list[ChunkRead] = []
@@ -106,6 +103,26 @@ def spans(chunks: list[ChunkRead], flats: list[np.ndarray], trailers: memoryview
             size += len(piece.view)
     cut()
     return spans
+
+
+def _one_chunk(
+    r: ChunkRead, flat: memoryview, extra: Sequence[np.ndarray], trailers: memoryview
+) -> list[Span]:
+    """``spans`` of a slice that is one chunk: its pieces, then its trailer, cut into spans
+    of about ``SPLIT_BYTES`` (the trailer stays with the last piece)."""
+    out: list[Span] = []
+    pieces: list[Piece] = []
+    start, size, stop = r.at.start, 0, r.offset + r.nbytes
+    for a in range(r.offset, stop, PIECE_BYTES):
+        if size >= SPLIT_BYTES:
+            out.append(Span(start, pieces, [r]))
+            start, size, pieces = start + size, 0, []
+        b = min(stop, a + PIECE_BYTES)
+        pieces.append(Piece(flat[a:b], 0, tuple(e[a:b] for e in extra) if extra else ()))
+        size += b - a
+    pieces.append(Piece(trailers[:TRAILER], -1))
+    out.append(Span(start, pieces, [r]))
+    return out
 
 
 def near(stop: int, start: int) -> bool:
