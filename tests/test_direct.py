@@ -85,9 +85,9 @@ def test_hostile_values_restore_bit_exactly(
 ):
     """Random bit patterns of every dtype: onto the saved mesh (whole shards, read directly
     where the dtype's bytes are stored as they are), and onto meshes that read two chunks
-    into one slice or cut through chunks (each chunk read whole once, each slice's half
-    copied out of it: from a mapping of the file, wherever this kernel maps, whatever the
-    filesystem under the test; or read, ``JAXCKPT_MAP=0``)."""
+    into one slice or cut through chunks (each chunk read once, a piece at a time, each
+    slice's half copied out of each piece: ``scatter``), with mappings allowed wherever
+    this kernel maps, whatever the filesystem under the test, or not (``JAXCKPT_MAP=0``)."""
     if maps == "mapped":
         monkeypatch.setattr(mapped, "enabled", lambda path: mapped._kernel())
     else:
@@ -102,10 +102,9 @@ def test_hostile_values_restore_bit_exactly(
     expected = (x.nbytes + x[:64].nbytes + 5 * 4) if direct_dtype(dtype) else 0
     assert preadv.bytes == expected, (preadv.calls, preadv.bytes)
 
-    # onto (8, 1) the chunks cut in two come from mappings of the files where they may be
-    # mapped (``mapped.enabled``): none is read with preadv then
-    cut = 0 if mapped.enabled(str(tmp_path)) else x.nbytes + 4 * 4
-    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), cut)]:
+    # onto (8, 1) each chunk cut in two is read once for both halves (``scatter``), mapped
+    # or not
+    for shape, direct_bytes in [((2, 4), x.nbytes + 4 * 4), ((8, 1), x.nbytes + 4 * 4)]:
         mesh = jax.make_mesh(shape, ("data", "model"))
         target = {"x": NamedSharding(mesh, P("data")), "n": x[:64]}
         before = preadv.bytes
@@ -268,8 +267,9 @@ def test_a_corrupt_chunk_raises_the_same_error_either_way(switch, mesh42, tmp_pa
 
 @pytest.mark.parametrize("maps", ["1", "0"], ids=["mapped", "read"])
 def test_a_corrupt_chunk_read_in_part_is_named(maps, mesh42, tmp_path, preadv, monkeypatch):
-    """A slice that needs half of the corrupt chunk: the same error as a whole read, from a
-    mapping of the file or read into a buffer."""
+    """A slice that needs half of the corrupt chunk: the same error as a whole read, the
+    chunk read a piece at a time for both halves (``scatter``) whether or not the files may
+    be mapped."""
     monkeypatch.setenv(linux.MAP, maps)
     x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
     jaxckpt.save(tmp_path / "c", {"w": sharded(x, mesh42, ("data",))})
@@ -278,7 +278,7 @@ def test_a_corrupt_chunk_read_in_part_is_named(maps, mesh42, tmp_path, preadv, m
     with pytest.raises(errors.ChecksumError, match=r"leaf 'w': chunk 'w/c/\d/0'") as e:
         jaxckpt.restore(tmp_path / "c", target=target)
     assert f"{flipped} (bytes " in str(e.value)
-    assert (preadv.calls > 0) == (maps == "0" or not mapped.enabled(str(tmp_path)))
+    assert preadv.calls > 0
 
 
 @pytest.mark.parametrize("maps", [False, True], ids=["read", "mapped"])

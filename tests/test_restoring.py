@@ -300,22 +300,31 @@ def _file_bytes_read() -> int:
     return iostats.io()["rchar"]
 
 
-@pytest.mark.parametrize("chunk_bytes, keep", [(None, True), (None, False), (256 << 10, True)])
+@pytest.mark.parametrize(
+    "chunk_bytes, keep, groups",
+    [(None, True, False), (None, False, False), (256 << 10, True, False), (None, False, True)],
+)
 def test_chunk_bytes_bound_what_a_thin_slice_restore_reads(
-    chunk_bytes, keep, mesh42, tmp_path, monkeypatch
+    chunk_bytes, keep, groups, mesh42, tmp_path, monkeypatch
 ):
     """Saved as 4 row shards of 4 MiB; restored with each of 8 devices needing 1/8 of every
-    shard's columns. With shard-sized chunks the direct reader reads each chunk whole once
-    and keeps it for the other slices that need a part of it (``direct.KEEP_BYTES``); where
-    it can't keep them each device reads whole shards (8x what it needs: a chunk is read
-    whole to check its CRC32C, by TensorStore too): the case ``chunk_bytes`` is for, which
-    bounds that to about 2x. (Read, not mapped: ``JAXCKPT_MAP=0``; a mapping's page
-    faults are no reads a process's ``rchar`` counts.)"""
-    from jaxckpt._src.io import direct
+    shard's columns. Read slice by slice (no groups), the direct reader reads each chunk
+    whole once and keeps it for the other slices that need a part of it
+    (``direct.KEEP_BYTES``); where it can't keep them each device reads whole shards (8x
+    what it needs: a chunk is read whole to check its CRC32C, by TensorStore too): the case
+    ``chunk_bytes`` is for, which bounds that to about 2x. Read in groups (``slices._groups``,
+    the default), slices that need parts of the same chunks go together (up to the budget
+    here) and each chunk is read once for all of them, keeping none. (Read, not mapped:
+    ``JAXCKPT_MAP=0``; a mapping's page faults are no reads a process's ``rchar`` counts.)"""
+    from jaxckpt._src.io import direct, slices
 
     monkeypatch.setenv(linux.MAP, "0")
     if not keep:
         monkeypatch.setattr(direct, "KEEP_BYTES", 0)
+    if not groups:  # every slice read alone
+        monkeypatch.setattr(
+            slices, "_groups", lambda requests, *_: (([], i) for i in range(len(requests)))
+        )
     x = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data", None))}, chunk_bytes=chunk_bytes)
     chunks = jaxckpt.metadata(tmp_path / "c")  # the manifest records the chunk shape
@@ -333,7 +342,7 @@ def test_chunk_bytes_bound_what_a_thin_slice_restore_reads(
     print(f"chunk_bytes={chunk_bytes} keep={keep}: read {ratio:.2f}x the bytes needed", end=" ")
     if chunk_bytes:
         assert ratio <= 2.5, ratio
-    elif keep:
+    elif keep or groups:
         assert ratio <= 1.01, ratio  # each chunk once (and its 4-byte CRC)
     else:
         assert ratio >= 6, ratio

@@ -24,15 +24,16 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import crc32c
 import numpy as np
 
 from ...errors import StorageError
 from ..storage import Location
-from . import arrays, crc, linux, mapped, spans
+from . import arrays, crc, linux, mapped, scatter, spans
 from .batch import Batcher
 from .chunk_plan import ChunkPart, ChunkRead, SliceRead
 from .files import Files
@@ -106,61 +107,84 @@ class Reader:
         chunks, trailers, runs = _spans(sr, buf, extra)
         if len(runs) == 1 and buf.nbytes <= SMALL_CHUNK_BYTES:
             return self._batch.add(runs[0], chunks, trailers, buf)
-        out: Future[np.ndarray] = Future()
-        partial: list[dict[int, list[int]] | None] = [None] * len(runs)
-        left = [len(runs)]
-        lock = threading.Lock()
-
-        def done(k: int, fut: Future[dict[int, list[int]]]) -> None:
-            try:
-                partial[k] = fut.result()
-            except BaseException as e:  # (a cancelled span too)
-                with lock:
-                    if not out.done():
-                        out.set_exception(e)
-                return
-            with lock:
-                left[0] -= 1
-                if left[0] or out.done():
-                    return
-            try:
-                spans.check(chunks, trailers, partial)
-            except BaseException as e:
-                out.set_exception(e)
-            else:
-                out.set_result(buf)
-
-        for k, span in enumerate(runs):
-            self.pool.submit(self._read_span, span).add_done_callback(functools.partial(done, k))
-        return out
+        tasks = [functools.partial(self._read_span, span) for span in runs]
+        return together(self.pool, tasks, lambda crcs: _checked(chunks, trailers, crcs, buf))
 
     def start_group(
         self, items: Sequence[tuple[SliceRead, np.ndarray | None, Sequence[np.ndarray]]]
     ) -> Future[list[np.ndarray | Exception]]:
-        """Reads several slices of whole chunks (``start``'s ``sr``, ``into``, ``copies``
-        each), each of at most ``spans.SPLIT_BYTES``, in turn on one thread: one task and
-        one future for them all (a restore issues hundreds of slices of a few MiB, and the
-        thread that issues them was its bottleneck). The future gives each slice's buffer,
-        or the error its read raised, in order."""
-        work = []
+        """Reads several slices (``start``'s ``sr``, ``into``, ``copies`` each) with one
+        future for them all (a restore issues hundreds of slices of a few MiB, and the
+        thread that issues them was its bottleneck): those of whole chunks (each of at most
+        ``spans.SPLIT_BYTES``) in turn on one thread; the chunks that the others need parts
+        of, in file order, each read once for every slice of the group that needs a part of
+        it (``scatter``), in runs of about ``PART_RUN_BYTES`` a thread. The future gives
+        each slice's buffer, or the error its read raised (naming its chunk), in order."""
+        work: list[tuple[SliceRead, np.ndarray, list[np.ndarray]]] = []
         for sr, into, copies in items:
             buf = arrays.buffer_for(into, sr.shape, sr.dtype)
             extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
             if self.files.prefetching:
                 self._prefetch(sr)
             work.append((sr, buf, extra))
-        return self.pool.submit(self._read_group, work)
+        out: list[np.ndarray | Exception] = [buf for _, buf, _ in work]
+        users: dict[str, list[tuple[int, ChunkPart]]] = {}
+        for k, (sr, _, _) in enumerate(work):
+            for p in sr.parts:
+                users.setdefault(p.key, []).append((k, p))
+        wholes = [k for k, (sr, _, _) in enumerate(work) if not sr.parts]
+        tasks = [functools.partial(self._read_wholes, work, wholes, out)] if wholes else []
+        run: list[list[tuple[int, ChunkPart]]] = []
+        size = 0
+        for parts in sorted(users.values(), key=lambda u: (u[0][1].at.file, u[0][1].at.start)):
+            run.append(parts)
+            size += parts[0][1].nbytes
+            if size >= PART_RUN_BYTES:
+                tasks.append(functools.partial(self._scatter, work, run, out))
+                run, size = [], 0
+        if run:
+            tasks.append(functools.partial(self._scatter, work, run, out))
+        return together(self.pool, tasks, lambda _: out)
 
-    def _read_group(
-        self, work: list[tuple[SliceRead, np.ndarray, list[np.ndarray]]]
-    ) -> list[np.ndarray | Exception]:
-        out: list[np.ndarray | Exception] = []
-        for sr, buf, extra in work:
+    def _read_wholes(
+        self, work: list[tuple[SliceRead, np.ndarray, list[np.ndarray]]], which: list[int],
+        out: list[np.ndarray | Exception],
+    ) -> None:  # fmt: skip
+        for k in which:
             try:
-                out.append(self._read_whole(sr, buf, extra))
-            except Exception as e:  # (each slice's own error, naming its chunks)
-                out.append(e)
-        return out
+                self._read_whole(*work[k])
+            except Exception as e:
+                out[k] = e
+
+    def _scatter(
+        self,
+        work: list[tuple[SliceRead, np.ndarray, list[np.ndarray]]],
+        chunks: list[list[tuple[int, ChunkPart]]],
+        out: list[np.ndarray | Exception],
+    ) -> None:
+        """Each of ``chunks`` (the slices of ``work`` that need a part of it, by position,
+        and the part) read once and copied into them (``scatter.read``); a chunk whose read
+        fails fails each of them."""
+        for parts in chunks:
+            live = [(k, p) for k, p in parts if not isinstance(out[k], Exception)]
+            if not live:
+                continue
+            chunk = live[0][1]
+            targets = [(p, [work[k][1], *work[k][2]]) for k, p in live]
+            try:
+                rows = scatter.rows_per_piece(chunk)
+                scratch = self._scratch_buffer(rows * (chunk.nbytes // chunk.chunk_shape[0]))
+                scatter.read(self.files.fd(chunk.at.file), chunk, targets, scratch, self.watch)
+            except Exception as e:
+                for k, _ in live:
+                    out[k] = e
+
+    def _scratch_buffer(self, size: int) -> np.ndarray:
+        """This thread's scratch buffer, of ``size`` bytes at least."""
+        scratch: np.ndarray | None = getattr(self._scratch, "buf", None)
+        if scratch is None or len(scratch) < size:
+            scratch = self._scratch.buf = np.empty(size, np.uint8)
+        return scratch
 
     def map(self, sr: SliceRead, replicas: int = 0) -> Future[tuple[np.ndarray, ...]]:
         """Slice ``sr`` (``mapped.suitable``) as private mappings of its chunks in the data
@@ -302,13 +326,7 @@ class Reader:
             with self._watched(p.at.file, p.at.start, p.at.stop):
                 _fault_in(p, data)
         else:
-            if spare:
-                data = self.shared.spare(size)
-            else:
-                scratch: np.ndarray | None = getattr(self._scratch, "buf", None)
-                if scratch is None or len(scratch) < size:
-                    scratch = self._scratch.buf = np.empty(size, np.uint8)
-                data = scratch
+            data = self.shared.spare(size) if spare else self._scratch_buffer(size)
             view = data[:size].data
             run = [ChunkRead(p.key, p.at, 0, p.nbytes)]
             spans.preadv_all(self.files.fd(p.at.file), [view], p.at.start, run, self.watch)
@@ -324,6 +342,60 @@ class Reader:
 
     def _read_span(self, span: spans.Span) -> dict[int, list[int]]:
         return spans.read(self.files.fd(span.file), span, self.watch)
+
+
+PART_RUN_BYTES = spans.SPLIT_BYTES  # a group's chunks read in part: a thread's share
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def together(
+    pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], T]], finish: Callable[[list[T]], R]
+) -> Future[R]:
+    """One future for ``tasks``, each run on ``pool``: ``finish`` of their results (in
+    order) once every one is done, or the first error a task raised (a cancelled one's
+    too: a reader that closes sets every future)."""
+    out: Future[R] = Future()
+    results: list[Any] = [None] * len(tasks)
+    left = [len(tasks)]
+    lock = threading.Lock()
+
+    def settle() -> None:
+        try:
+            value = finish(results)
+        except BaseException as e:
+            out.set_exception(e)
+        else:
+            out.set_result(value)
+
+    def done(k: int, fut: Future[T]) -> None:
+        try:
+            results[k] = fut.result()
+        except BaseException as e:
+            with lock:
+                if not out.done():
+                    out.set_exception(e)
+            return
+        with lock:
+            left[0] -= 1
+            if left[0] or out.done():
+                return
+        settle()
+
+    if not tasks:
+        settle()
+    for k, task in enumerate(tasks):
+        pool.submit(task).add_done_callback(functools.partial(done, k))
+    return out
+
+
+def _checked(
+    chunks: list[ChunkRead], trailers: bytearray, crcs: list[Any], buf: np.ndarray
+) -> np.ndarray:
+    """``buf``, once its chunks' CRC32Cs, put together from its spans' (``crcs``), match."""
+    spans.check(chunks, trailers, crcs)
+    return buf
 
 
 def _spans(

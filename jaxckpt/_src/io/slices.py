@@ -23,6 +23,7 @@ cancelled; a thread blocked in the kernel is left behind (nothing can interrupt 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -34,7 +35,7 @@ import numpy as np
 from ...errors import ReadStalledError, StorageError
 from ..boxes import Index, chunks_in, extent, to_text, volume
 from ..storage import Location
-from . import arrays, chunk_plan, crc, direct, mapped, residency, spans
+from . import arrays, chunk_plan, crc, direct, mapped, residency, scatter, spans
 from .inflight import Describe, InFlight, Raises, Stall, Watch, default_budget
 from .layout import SMALL_CHUNK_BYTES
 
@@ -68,7 +69,7 @@ class Request:
     key: Hashable = None
     stage: Callable[[int], np.ndarray | None] | None = None
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         size = math.prod(self.leaf.shape)
         return volume(self.index) * (self.leaf.nbytes // max(1, size))
@@ -162,13 +163,13 @@ def read(
         ) as reader,
         contextlib.closing(InFlight[Any](budget, threads=use_threads, watch=watch)) as reads,
     ):
-        for group in _groups(requests, plans, maps):
-            if len(group) > 1:
+        limit = min(GROUP_BYTES, budget // 4)  # (several groups in flight: every thread busy)
+        for group, alone in _groups(requests, plans, maps, limit, budget):
+            if alone is None:
                 _issue_group(reads, [(requests[i], plans[i]) for i in group], reader, name, failed)
                 continue
-            r = requests[group[0]]
-            p = plans.get(group[0])
-            _issue(reads, r, p, group[0] in maps, reader, stores[r.leaf.name], name, failed)
+            r, p = requests[alone], plans.get(alone)
+            _issue(reads, r, p, alone in maps, reader, stores[r.leaf.name], name, failed)
         reads.drain()
         total = reads.total
     arrays.release_free_memory()
@@ -217,32 +218,49 @@ def _mapped(
 
 
 GROUP_BYTES = spans.SPLIT_BYTES  # slices read as one task, under one entry of the budget
+"""(At most a quarter of the read budget.)"""
 
 
 def _groups(
-    requests: Sequence[Request], plans: dict[int, chunk_plan.SliceRead], maps: set[int]
-) -> Iterator[list[int]]:
-    """The requests in order, by position, consecutive ones the direct reader reads as one
-    task (``direct.Reader.start_group``) together: slices of whole chunks, neither mapped
-    nor small (the reader batches those itself), of at most ``GROUP_BYTES`` in all; every
-    other request alone."""
+    requests: Sequence[Request],
+    plans: dict[int, chunk_plan.SliceRead],
+    maps: set[int],
+    limit: int,
+    cap: int,
+) -> Iterator[tuple[list[int], int | None]]:
+    """The requests in order, by position: (group, None) for consecutive ones the direct
+    reader reads together (``direct.Reader.start_group``), about ``limit`` bytes in all:
+    slices of whole chunks, neither mapped nor small (the reader batches those itself),
+    and slices that need parts of chunks (``scatter.suitable``; so read, not mapped), a
+    group going on past ``limit``, up to ``cap`` (the read budget), while the next slice
+    needs a chunk it reads (each group reads its chunks once: a chunk is read again only
+    by another group); ([], i) for every other request alone."""
     group: list[int] = []
+    keys: set[str] = set()
     size = 0
     for i, r in enumerate(requests):
         sr, n = plans.get(i), r.nbytes
-        if sr is None or sr.parts or i in maps or not SMALL_CHUNK_BYTES < n <= GROUP_BYTES:
+        if sr is not None and sr.parts:
+            ok = i not in maps and all(scatter.suitable(p) for p in sr.parts)
+            shares = any(p.key in keys for p in sr.parts)
+        else:
+            ok = sr is not None and i not in maps and SMALL_CHUNK_BYTES < n <= limit
+            shares = False
+        if not ok:
             if group:
-                yield group
-                group, size = [], 0
-            yield [i]
+                yield group, None
+                group, size, keys = [], 0, set()
+            yield [], i
             continue
-        if group and size + n > GROUP_BYTES:
-            yield group
-            group, size = [], 0
+        if group and size + n > limit and not (shares and size + n <= cap):
+            yield group, None
+            group, size, keys = [], 0, set()
         group.append(i)
         size += n
+        if sr is not None:
+            keys.update(p.key for p in sr.parts)
     if group:
-        yield group
+        yield group, None
 
 
 def _issue_group(
@@ -252,13 +270,16 @@ def _issue_group(
     name: _Names,
     failed: Failed | None,
 ) -> None:
-    """Starts the reads of ``group`` (``_groups``) as one task once they fit the budget;
+    """Starts the reads of ``group`` (``_groups``) together once they fit the budget;
     each slice is handed to its ``consume``, or fails by itself, as ``_issue``'s."""
     fills = [r.buffers(plan.dtype) for r, plan in group]
 
     def what() -> str:  # (a stall's error only)
         r = group[0][0]
-        files = sorted({c.at.file for _, plan in group for c in plan.chunks})
+        files = sorted(
+            {c.at.file for _, plan in group for c in plan.chunks}
+            | {p.at.file for _, plan in group for p in plan.parts}
+        )
         return (
             f"leaf {r.leaf.name!r} slice {to_text(r.index)} and the {len(group) - 1} slices "
             f"read with it in {', '.join(files)}"
