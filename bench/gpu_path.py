@@ -14,9 +14,7 @@ cache, a garbage collection), the order rotating from repeat to repeat:
   buffers the slices are read into (no copy after the read);
 * ``restore as on a GPU`` (``JAXCKPT_MAP=0 JAXCKPT_ADOPT=0``): each slice read into the host
   ring (``jaxckpt/_src/ring.py``) and copied onto its device from there, as onto an
-  accelerator (here the copy is a memcpy into fresh memory the CPU device adopts); and onto
-  (2, 4) with ``JAXCKPT_ADOPT=0`` alone, ``parts mapped``: what a GPU restore from a local
-  disk does, the parts of chunks a slice needs copied from mappings of the files;
+  accelerator (here the copy is a memcpy into fresh memory the CPU device adopts);
 * ``engine reads``: the restore's reads alone (``io.slices.read`` of every slice the (4, 2)
   restore reads, through the ring, each slot given back as it arrives: no placement), and the
   same into fresh memory (``JAXCKPT_RING=0``);
@@ -24,7 +22,9 @@ cache, a garbage collection), the order rotating from repeat to repeat:
   (``raw``) and with a CRC32C (``verified``), on the reader threads' count
   (``direct.reader_threads``), and the raw read plus as many bytes again copied into fresh
   memory as the restored replicas hold on each mesh (``raw + replicas``: onto CPU devices
-  every replica is host memory a restore must fill, so it is the least a restore does);
+  every replica is host memory a restore must fill, so it is the least a restore does), and
+  the same with each block's CRC32C (``verified + replicas``: the least a restore that
+  checks every chunk does);
 * ``--baseline-tree DIR``: the default restore (mappings on) with another source tree of
   jaxckpt first on ``PYTHONPATH`` too, against this tree's: a slowdown shows as a ratio.
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import itertools
 import os
 
 import harness
@@ -152,12 +153,6 @@ def run(args) -> None:
         "restore MAP=0 (2,4)": ("restore", {"JAXCKPT_MAP": "0"}, {"mesh": OTHER}),
         "restore as on a GPU (4,2)": ("restore", GPU_ENV, {"mesh": SAME}),
         "restore as on a GPU (2,4)": ("restore", GPU_ENV, {"mesh": OTHER}),
-        # a GPU restore keeps mappings for the parts of chunks a slice needs (``mapped.region``)
-        "as on a GPU, parts mapped (2,4)": (
-            "restore",
-            {"JAXCKPT_ADOPT": "0"},
-            {"mesh": OTHER},
-        ),  # fmt: skip
         "engine reads, ring": ("engine", GPU_ENV, {"mesh": SAME}),
         "engine reads, fresh memory": ("engine", {**GPU_ENV, "JAXCKPT_RING": "0"}, {"mesh": SAME}),
         "raw read": ("read", {}, {"verified": False, "share": 0}),
@@ -188,10 +183,12 @@ def run(args) -> None:
                     shares[kw["mesh"]] = (got["device_bytes"] - nbytes) / files
                     if got["crcs"] != saved["crcs"]:
                         bad.append(f"{label} repeat {rep + 1}")
-            for (a, b), share in sorted(shares.items()):
-                label = f"raw read + replicas ({a},{b})"
+            for ((a, b), share), verified in itertools.product(sorted(shares.items()), (0, 1)):
+                label = f"{('raw', 'verified')[verified]} read + replicas ({a},{b})"
                 harness.log(f"repeat {rep + 1}/{args.repeats}: {label}")
-                got = harness.run_worker(__file__, op="read", **common, share=share)
+                got = harness.run_worker(
+                    __file__, op="read", **common, share=share, verified=bool(verified)
+                )
                 res.setdefault(label, []).append(got)
     report(args, res, nbytes, bad)
 
@@ -222,12 +219,12 @@ def report(args, res: dict[str, list[dict]], nbytes: int, bad: list[str]) -> Non
         with_replicas = f"raw read + replicas {mesh}"
         ratio(f"restore MAP=0 {mesh} / raw read + replicas", f"restore MAP=0 {mesh}",
               with_replicas, 0.9)  # fmt: skip
+        ratio(f"restore MAP=0 {mesh} / verified read + replicas", f"restore MAP=0 {mesh}",
+              f"verified read + replicas {mesh}")  # fmt: skip
         ratio(f"restore MAP=0 {mesh} / raw read of the files", f"restore MAP=0 {mesh}",
               "raw read")  # fmt: skip
         ratio(f"restore as on a GPU {mesh} / raw read + replicas",
               f"restore as on a GPU {mesh}", with_replicas)  # fmt: skip
-    ratio("as on a GPU (2,4): parts mapped / read", "as on a GPU, parts mapped (2,4)",
-          "restore as on a GPU (2,4)")  # fmt: skip
     ratio("engine reads (ring) / verified read, same threads", "engine reads, ring",
           "verified read", 0.9)  # fmt: skip
     ratio("engine reads (fresh memory) / verified read", "engine reads, fresh memory",

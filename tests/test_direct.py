@@ -4,9 +4,9 @@ Proof that it ran comes from outside it: ``os.preadv`` wrapped to count calls, b
 bytes (TensorStore reads files with its own C++ code, never through Python's ``os``).
 """
 
-import contextlib
 import itertools
 import os
+import re
 import shutil
 import threading
 
@@ -29,12 +29,12 @@ from jaxckpt._src.io import (
     chunk_plan,
     crc,
     direct,
-    files,
     layout,
     linux,
     mapped,
     ocdbt_write,
     residency,
+    scatter,
     spans,
 )
 from jaxckpt._src.storage import Location, location
@@ -281,8 +281,7 @@ def test_a_corrupt_chunk_read_in_part_is_named(maps, mesh42, tmp_path, preadv, m
     assert preadv.calls > 0
 
 
-@pytest.mark.parametrize("maps", [False, True], ids=["read", "mapped"])
-def test_edge_chunks_read_in_part_match_tensorstore(maps, tmp_path, preadv):
+def test_edge_chunks_read_in_part_match_tensorstore(tmp_path, preadv):
     """An array whose chunks do not divide it (an Orbax checkpoint's may not): zarr stores
     the edge chunks padded; slices that end in them read them directly, exactly as
     TensorStore reads them."""
@@ -299,18 +298,23 @@ def test_edge_chunks_read_in_part_match_tensorstore(maps, tmp_path, preadv):
     slices[3] = ((39, 40), (69, 70))
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     assert set(plans) == set(slices) and all(p.parts and not p.chunks for p in plans.values())
-    reader = direct.Reader(maps=maps)
+    reader = direct.Reader()
     try:
         for k, index in slices.items():
             got = reader.start(plans[k]).result()
             want = store[tuple(slice(a, b) for a, b in index)].read().result()
             assert_same_bits(want, got, str(index))
             assert_same_bits(x[tuple(slice(a, b) for a, b in index)], got, str(index))
+        # as a group, each chunk read once, however many of the slices need a part of it
+        calls = preadv.calls
+        for k, got in enumerate(
+            reader.start_group([(plans[k], None, ()) for k in slices]).result()
+        ):
+            assert_same_bits(x[tuple(slice(a, b) for a, b in slices[k])], got, str(k))
     finally:
         reader.close()
-    # each chunk read once, however many of the slices need a part of it (mapped: none)
     chunks = len({part.key for p in plans.values() for part in p.parts})
-    assert chunks == 9 and preadv.calls == (0 if maps else chunks)
+    assert chunks == 9 and preadv.calls - calls == chunks
 
 
 def test_a_truncated_data_file_is_named(mesh42, tmp_path, preadv):
@@ -781,142 +785,79 @@ def _shared_chunks(tmp_path) -> tuple[np.ndarray, Location, dict, chunk_plan.Lay
     return x, db, slices, lay
 
 
-@pytest.mark.parametrize("maps", [False, True], ids=["read", "mapped"])
-@pytest.mark.parametrize("keep", ["all", "one", "none"])
-def test_a_chunk_several_slices_need_is_read_once(keep, maps, tmp_path, preadv, monkeypatch):
-    """Each chunk is read and checked once for the slices that need a part of it, and let go
-    after the last; past ``KEEP_BYTES`` each slice reads it again (room for one chunk:
-    some are kept, some read twice; none is left behind). The bytes are exact either
-    way, and where the reader ``maps`` the files, none is read with ``preadv``."""
+def _group(reader, plans, slices):
+    """The slices of ``_shared_chunks`` read as one group: each one's buffer or error."""
+    return reader.start_group([(plans[k], None, ()) for k in slices]).result(timeout=30)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])  # rows a piece: one, some, the whole chunk
+def test_a_chunk_several_slices_need_is_read_once(rows, tmp_path, preadv, monkeypatch):
+    """Read as a group, each chunk is read and checked once for the slices that need a part
+    of it, a piece of rows at a time (``scatter``), bytes exact; each slice read by
+    itself (``start``) reads its chunks itself."""
+    monkeypatch.setattr(scatter, "PIECE_BYTES", rows * 32 * 4)
     chunk = 32 * 32 * 4 + 4
-    limit = {"all": direct.KEEP_BYTES, "one": chunk, "none": 0}[keep]
-    monkeypatch.setattr(direct, "KEEP_BYTES", limit)
     x, db, slices, lay = _shared_chunks(tmp_path)
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     assert all(part.users == 2 for p in plans.values() for part in p.parts)
-    reader = direct.Reader(maps=maps)
+    reader = direct.Reader()
     try:
-        futures = {k: reader.start(plans[k]) for k in slices}
+        got = _group(reader, plans, slices)
         for k, index in slices.items():
-            assert_same_bits(x[tuple(slice(a, b) for a, b in index)], futures[k].result(), str(k))
-        assert reader.shared.kept == {} and reader.shared.kept_bytes == 0
-        assert not reader.shared.spare_buffers or not maps  # a mapping is never kept as a buffer
+            assert_same_bits(x[tuple(slice(a, b) for a, b in index)], got[k], str(k))
+        assert preadv.bytes == 4 * chunk
+        for k, index in slices.items():
+            one = reader.start(plans[k]).result(timeout=30)
+            assert_same_bits(x[tuple(slice(a, b) for a, b in index)], one, str(k))
+        assert preadv.bytes == 4 * chunk + 8 * chunk
     finally:
         reader.close()
-    if maps:
-        assert preadv.bytes == 0
-    elif keep == "all":
-        assert preadv.bytes == 4 * chunk
-    elif keep == "one":
-        assert 4 * chunk <= preadv.bytes <= 8 * chunk
-    else:
-        assert preadv.bytes == 8 * chunk
 
 
-@pytest.mark.parametrize("maps", [False, True], ids=["read", "mapped"])
-def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(maps, tmp_path, preadv):
-    """The slices that share a corrupt chunk each raise Corrupt naming it (none waits
-    forever for the read that failed); the others read exactly."""
+def test_a_corrupt_chunk_several_slices_need_fails_each_of_them(tmp_path, preadv):
+    """The slices of a group that share a corrupt chunk each get Corrupt naming it; the
+    others read exactly (a slice read by itself raises it)."""
     x, db, slices, lay = _shared_chunks(tmp_path)
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     bad = next(part for part in plans[0].parts if part.key == "x/c/0/0")
     flip_byte(bad.at.file, bad.at.start + 100, 0x01)
-    reader = direct.Reader(maps=maps)
-    try:
-        futures = {k: reader.start(plans[k]) for k in slices}
-        for k in (0, 1):  # columns 0-31: chunk (0, 0)
-            with pytest.raises(crc.Corrupt, match="x/c/0/0"):
-                futures[k].result(timeout=30)
-        for k in (2, 3):
-            index = slices[k]
-            assert_same_bits(x[tuple(slice(a, b) for a, b in index)], futures[k].result(30))
-        assert reader.shared.kept == {}
-    finally:
-        reader.close()
-
-
-def test_a_slice_that_fails_gives_up_the_shared_chunks_it_never_came_for(tmp_path, monkeypatch):
-    """Slices 0 and 1 share two chunks, the first (in file order) corrupt. Slice 1 puts the
-    corrupt one off (another thread reads it, as far as it knows), keeps the other for
-    slice 0, then fails on the corrupt one; slice 0 fails on it first and never comes for
-    the other: it gives its claim up, and the kept chunk goes at once (it stayed until
-    ``close``: a race the whole suite once hit)."""
-    x, db, slices, lay = _shared_chunks(tmp_path)
-    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
-    first, other = sorted(plans[0].parts, key=lambda p: (p.at.file, p.at.start))
-    assert {first.key, other.key} == {p.key for p in plans[1].parts}
-    flip_byte(first.at.file, first.at.start + 100, 0x01)
     reader = direct.Reader()
     try:
-        real = reader.shared.being_read
-        monkeypatch.setattr(reader.shared, "being_read", lambda key: key == first.key or real(key))
-        with pytest.raises(crc.Corrupt, match=first.key):
-            reader._read_parts(plans[1], [np.empty(plans[1].shape, plans[1].dtype)])
-        assert reader.shared.kept[other.key] == 1  # kept for slice 0
-        monkeypatch.setattr(reader.shared, "being_read", real)
-        with pytest.raises(crc.Corrupt, match=first.key):
-            reader._read_parts(plans[0], [np.empty(plans[0].shape, plans[0].dtype)])
-        assert reader.shared.kept == {} and reader.shared.kept_bytes == 0
+        got = _group(reader, plans, slices)
+        for k in (0, 1):  # columns 0-31: chunk (0, 0)
+            assert isinstance(got[k], crc.Corrupt) and "x/c/0/0" in str(got[k])
+        for k in (2, 3):
+            assert_same_bits(x[tuple(slice(a, b) for a, b in slices[k])], got[k], str(k))
+        with pytest.raises(crc.Corrupt, match="x/c/0/0"):
+            reader.start(plans[1]).result(timeout=30)
     finally:
         reader.close()
 
 
-def test_a_data_file_cut_short_is_named_through_the_mapping(tmp_path):
-    """A chunk read in part from a mapping of a file that ends before it (cut after the
-    plan): a StorageError naming the file and the chunk, never a SIGBUS."""
+def test_a_data_file_cut_short_is_named_by_the_slices_that_need_it(tmp_path):
+    """A chunk read in part from a file that ends before it (cut after the plan): a
+    StorageError naming the file and the chunk for each slice that needs it, the others
+    exact."""
     x, db, slices, lay = _shared_chunks(tmp_path)
     plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
     last = max((part for p in plans.values() for part in p.parts), key=lambda q: q.at.start)
     os.truncate(last.at.file, last.at.start + 10)
-    reader = direct.Reader(maps=True)
+    reader = direct.Reader()
     try:
-        failed = []
-        for k in slices:
-            with contextlib.suppress(errors.StorageError):
-                reader.start(plans[k]).result(timeout=30)
-                continue
-            failed.append(k)
+        got = _group(reader, plans, slices)
+        failed = [k for k in slices if isinstance(got[k], errors.StorageError)]
         assert failed and all(last.key in {q.key for q in plans[k].parts} for k in failed)
-        with pytest.raises(errors.StorageError, match=rf"{last.at.file} ends at byte .*truncated"):
-            reader.start(plans[failed[0]]).result(timeout=30)
+        assert re.search(rf"{last.at.file} ends at byte .*truncated", str(got[failed[0]]))
+        for k in set(slices) - set(failed):
+            assert_same_bits(x[tuple(slice(a, b) for a, b in slices[k])], got[k], str(k))
     finally:
         reader.close()
 
 
-@pytest.mark.parametrize("kept", [False, True], ids=["fresh", "kept"])
-def test_a_data_file_cut_short_after_it_was_mapped_is_named(kept, tmp_path):
-    """The file shrinks after the reader mapped it: a chunk then faulted in fails
-    (``MADV_POPULATE_READ``), one checked and kept for another slice is found cut short
-    (``fstat``); either way the read raises a StorageError naming the file and the chunk,
-    where touching the mapping would have stopped the process with SIGBUS."""
-    x, db, slices, lay = _shared_chunks(tmp_path)
-    plans = chunk_plan.plan(db, {k: chunk_plan.Wanted("x", lay, i) for k, i in slices.items()})
-    reader = direct.Reader(threads=1, maps=True)
-    try:
-        reader.start(plans[0]).result(timeout=30)  # its chunks mapped, checked, kept for 1
-        held = {q.key for q in plans[0].parts}
-        assert set(reader.shared.kept) == held and {q.key for q in plans[1].parts} == held
-        other = 1 if kept else 2  # slice 1 needs the kept chunks, 2 two it reads first
-        # (TensorStore's writer may put the chunks in one data file or in several)
-        cut = max(plans[other].parts, key=lambda q: q.at.start)  # the later in its file
-        end = cut.at.start - cut.at.start % 4096
-        os.truncate(cut.at.file, end)
-        gone = {  # (a page may hold two)
-            q.key for q in plans[other].parts if q.at.file == cut.at.file and q.at.stop > end
-        }
-        why = "truncated during the restore" if kept else "Bad address"
-        with pytest.raises(errors.StorageError, match=why) as e:
-            reader.start(plans[other]).result(timeout=30)
-        assert cut.at.file in str(e.value) and any(repr(k) in str(e.value) for k in gone)
-    finally:
-        reader.close()
-
-
-def test_chunks_used_from_a_mapping_leave_the_processs_rss(tmp_path, monkeypatch):
-    """A reader that maps the files unmaps the chunks it used (``USED_BYTES`` at a time): a
-    1 GiB-ish restore onto another mesh must not hold the files' pages as well as the
-    result. Measured from outside: the process's ``RssFile`` (``/proc/self/status``)."""
-    monkeypatch.setattr(files, "USED_BYTES", 1 << 20)
+def test_chunks_read_in_part_leave_no_file_pages_in_the_processs_rss(tmp_path):
+    """Chunks read in part pass through a scratch buffer of each thread: an 8 MiB restore
+    onto another mesh holds none of the files' pages (``RssFile`` of ``/proc/self/status``,
+    measured from outside) and one piece of scratch at most."""
     db = location(str(tmp_path / "db"))
     x = random_bits((1024, 2048), np.dtype(np.float32), np.random.default_rng(5))  # 8 MiB
     meta = arrays.zarr_metadata(x.shape, "float32", (256, 2048), None)  # 2 MiB chunks
@@ -932,17 +873,17 @@ def test_chunks_used_from_a_mapping_leave_the_processs_rss(tmp_path, monkeypatch
     out = {k: np.empty(plans[k].shape, plans[k].dtype) for k in slices}  # faulted in before
     for buf in out.values():
         buf.fill(0)
-    reader = direct.Reader(threads=1, maps=True)
+    reader = direct.Reader(threads=1)
     try:
         before = _rss_file()
-        for k in slices:
-            reader.start(plans[k], out[k]).result(timeout=30)
+        group = reader.start_group([(plans[k], out[k], ()) for k in slices])
+        assert all(got is out[k] for k, got in zip(slices, group.result(timeout=30), strict=True))
         held = _rss_file() - before
     finally:
         reader.close()
     for k, index in slices.items():
         assert_same_bits(x[tuple(slice(a, b) for a, b in index)], out[k], str(k))
-    assert held < 3 << 20, f"{held} bytes of the file's pages still mapped (of {x.nbytes})"
+    assert held < 1 << 20, f"{held} bytes of the file's pages mapped (of {x.nbytes})"
 
 
 def _rss_file() -> int:

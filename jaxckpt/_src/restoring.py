@@ -65,8 +65,8 @@ def restore(
     ``read_budget_bytes`` bounds the host memory of slices read but not yet on their devices
     (default: 64 MiB per reader thread, at least 128 MiB; 512 MiB on 16 cores or more, see
     ``inflight.default_budget``); reads within it run concurrently, so a larger budget can
-    restore faster. Peak host memory is about the result plus the budget, plus as much again
-    at most for chunks that several slices need a part of (read once, kept for all of them).
+    restore faster. Peak host memory is about the result plus the budget (a chunk that
+    several slices need a part of is read once for those in its group, never kept).
     Onto accelerators the slices are read into a host ring of the budget's size, page-locked
     and kept for the life of the process so that later restores reuse it (docs/GPU.md).
 

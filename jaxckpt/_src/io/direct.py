@@ -7,19 +7,17 @@ contiguous region of the slice being read, its bytes can go where they belong in
 ``chunk_plan`` finds such slices (one B-tree walk for every chunk of a restore), ``Reader``
 reads them. Chunks adjacent in a data file are read in one ``preadv``, their 4-byte CRC
 trailers into a scratch array; each piece is checksummed right after it arrives, while it
-is still in the CPU's cache. A slice that cuts through chunks (a restore onto another mesh)
-or ends in an edge chunk zarr padded is read chunk by chunk instead: each whole chunk
-checksummed where it lies in a mapping of its data file (or, where the files may not be
-mapped, read into a scratch buffer of the reading thread first), and the part the slice
-needs copied into place (a chunk must be read whole to check it; TensorStore reads it whole
-too); a chunk that several slices need a part of is checked once for all of them. As a slice's
-read is issued, the kernel is asked to read its chunks ahead (``residency``).
+is still in the CPU's cache. Slices that cut through chunks (a restore onto another mesh,
+or ending in an edge chunk zarr padded) are read in groups (``start_group``): each chunk
+once for every slice of the group that needs a part of it, a piece of rows at a time, each
+piece checked and copied into those slices while it is in the cache (``scatter``; a chunk
+must be read whole to check it, and TensorStore reads it whole too). As a slice's read is
+issued, the kernel is asked to read its chunks ahead (``residency``).
 ``JAXCKPT_DIRECT_READ=0`` turns the path off (for benchmarks and debugging).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import os
@@ -39,7 +37,6 @@ from .chunk_plan import ChunkPart, ChunkRead, SliceRead
 from .files import Files
 from .inflight import Watch
 from .layout import SMALL_CHUNK_BYTES, TRAILER
-from .shared import KEEP_BYTES, SharedChunks
 
 
 def enabled(loc: Location) -> bool:
@@ -56,34 +53,23 @@ def reader_threads() -> int:
 class Reader:
     """Reads ``SliceRead``s on a few threads; ``close`` stops them and closes the files.
 
-    Its parts, one idea each: ``files`` (descriptors, mappings, prefetch advice), ``shared``
-    (the chunks several slices need a part of, ``SharedChunks``) and the batch of small
-    slices (``batch.Batcher``)."""
+    Its parts, one idea each: ``files`` (descriptors, prefetch advice), the batch of small
+    slices (``batch.Batcher``) and the chunks read in part (``scatter``)."""
 
     def __init__(
         self,
         threads: int | None = None,
-        keep_bytes: int | None = None,
         prefetch: bool = True,
-        maps: bool = False,
         watch: Watch | None = None,
     ) -> None:
-        """``keep_bytes``: at most this many bytes of chunks kept for the slices that share
-        them (default ``shared.KEEP_BYTES``; a restore passes the smaller of that and its
-        budget). ``prefetch``: ask the kernel to read ahead (``Files.prefetch``). ``maps``:
-        the files may be mapped (``mapped.enabled``): a chunk a slice needs a part of is
-        then checked and copied from a mapping of its file, not read into a buffer first.
-        ``watch``: every ``preadv`` and fault-in of a mapping is watched (``Watch.enter``),
-        so a stalled one is named, and ``close`` leaves a thread stuck in one behind."""
-        self._maps = maps
+        """``prefetch``: ask the kernel to read ahead (``Files.prefetch``). ``watch``: every
+        ``preadv`` and fault-in of a mapping is watched (``Watch.enter``), so a stalled one
+        is named, and ``close`` leaves a thread stuck in one behind."""
         self.watch = watch
         self.pool = ThreadPoolExecutor(
             threads or reader_threads(), thread_name_prefix="jaxckpt-direct"
         )
         self.files = Files(prefetch)
-        self.shared = SharedChunks(
-            KEEP_BYTES if keep_bytes is None else keep_bytes, self.files.used
-        )
         self._batch = Batcher(self.pool, self._read_span)
         self._scratch = threading.local()  # each thread's buffer for chunks read in part
 
@@ -95,13 +81,15 @@ class Reader:
         piece by piece as they are checked, while they are in the CPU's cache (a slice's
         replicas on CPU devices). Whole chunks are read in spans of about ``SPLIT_BYTES``,
         each on a thread of its own, so one large slice keeps every thread busy; each
-        chunk's CRC32C is put together from its spans' (``crc.combine``)."""
+        chunk's CRC32C is put together from its spans' (``crc.combine``). A slice that
+        needs parts of chunks is a group of one (``start_group``)."""
+        if sr.parts:
+            out, group = self._group([(sr, into, copies)])
+            return together(self.pool, group, lambda _: _raised(out[0]))
         buf = arrays.buffer_for(into, sr.shape, sr.dtype)
         extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
         if self.files.prefetching:
             self._prefetch(sr)
-        if sr.parts:
-            return self.pool.submit(self._read_parts, sr, [buf, *extra])
         if SMALL_CHUNK_BYTES < buf.nbytes <= spans.SPLIT_BYTES:  # most slices: one task
             return self.pool.submit(self._read_whole, sr, buf, extra)
         chunks, trailers, runs = _spans(sr, buf, extra)
@@ -120,6 +108,13 @@ class Reader:
         of, in file order, each read once for every slice of the group that needs a part of
         it (``scatter``), in runs of about ``PART_RUN_BYTES`` a thread. The future gives
         each slice's buffer, or the error its read raised (naming its chunk), in order."""
+        out, tasks = self._group(items)
+        return together(self.pool, tasks, lambda _: out)
+
+    def _group(
+        self, items: Sequence[tuple[SliceRead, np.ndarray | None, Sequence[np.ndarray]]]
+    ) -> tuple[list[np.ndarray | Exception], list[Callable[[], None]]]:
+        """``start_group``'s buffers (each slice's, or later its error) and its tasks."""
         work: list[tuple[SliceRead, np.ndarray, list[np.ndarray]]] = []
         for sr, into, copies in items:
             buf = arrays.buffer_for(into, sr.shape, sr.dtype)
@@ -133,7 +128,9 @@ class Reader:
             for p in sr.parts:
                 users.setdefault(p.key, []).append((k, p))
         wholes = [k for k, (sr, _, _) in enumerate(work) if not sr.parts]
-        tasks = [functools.partial(self._read_wholes, work, wholes, out)] if wholes else []
+        tasks: list[Callable[[], None]] = []
+        if wholes:
+            tasks.append(functools.partial(self._read_wholes, work, wholes, out))
         run: list[list[tuple[int, ChunkPart]]] = []
         size = 0
         for parts in sorted(users.values(), key=lambda u: (u[0][1].at.file, u[0][1].at.start)):
@@ -144,7 +141,7 @@ class Reader:
                 run, size = [], 0
         if run:
             tasks.append(functools.partial(self._scatter, work, run, out))
-        return together(self.pool, tasks, lambda _: out)
+        return out, tasks
 
     def _read_wholes(
         self, work: list[tuple[SliceRead, np.ndarray, list[np.ndarray]]], which: list[int],
@@ -243,7 +240,6 @@ class Reader:
             self.pool.shutdown(wait=False, cancel_futures=True)
             return
         self.pool.shutdown(wait=True, cancel_futures=True)
-        self.shared.clear()
         self.files.close()
 
     @contextlib.contextmanager
@@ -258,80 +254,6 @@ class Reader:
             yield
         finally:
             self.watch.leave()
-
-    def _read_parts(self, sr: SliceRead, bufs: list[np.ndarray]) -> np.ndarray:
-        """The slice's chunks in file order, those another thread is reading for it too
-        put off to the end (waiting for them while there is work left would leave this
-        thread idle: two slices sharing their chunks would read them in turn)."""
-        pending = collections.deque(sorted(sr.parts, key=lambda p: (p.at.file, p.at.start)))
-        later: collections.deque[ChunkPart] = collections.deque()
-        try:
-            while pending:
-                p = pending.popleft()
-                if p.users > 1 and self.shared.being_read(p.key):
-                    later.append(p)
-                else:
-                    self._read_part(p, bufs)
-            while later:
-                self._read_part(later.popleft(), bufs)
-        except BaseException:
-            self.shared.abandon([*pending, *later])
-            raise
-        return bufs[0]
-
-    def _read_part(self, p: ChunkPart, bufs: list[np.ndarray]) -> None:
-        """Copies the part of chunk ``p`` the slice needs into each of ``bufs``, from the
-        chunk checked whole: mapped or read by this thread (``_chunk``), or, where other
-        slices need a part of it too, once for all of them (``_shared``)."""
-        if p.users > 1:
-            kept = self.shared.take(p, functools.partial(self._chunk, p, spare=True))
-            if kept is not None:
-                data, entry = kept
-                try:
-                    if data.base is not None:  # a mapping, kept since it was checked
-                        self._still_whole(p)
-                    _copy_part(p, data, bufs)
-                finally:
-                    self.shared.done(p.key, entry)
-                return
-        data = self._chunk(p)
-        try:
-            _copy_part(p, data, bufs)
-        finally:
-            if data.base is not None:
-                self.files.used(data)
-
-    def _still_whole(self, p: ChunkPart) -> None:
-        """Raises StorageError where chunk ``p``'s data file no longer holds it (cut short
-        since its mapping was checked: touching it would stop the process with SIGBUS).
-        An ``fstat``, not a second fault-in: that cost a (2, 4) restore all the mapping
-        saved."""
-        size = os.fstat(self.files.fd(p.at.file)).st_size
-        if size < p.at.stop:
-            raise spans.cut_short(p.at, size, repr(p.key), p.at.stop, " during the restore")
-
-    def _chunk(self, p: ChunkPart, spare: bool = False) -> np.ndarray:
-        """Chunk ``p`` whole with its trailer, its CRC32C checked (else ``crc.Corrupt``):
-        where the reader ``maps``, a view of its data file's mapping (``Files.mapping``),
-        faulted in first (the page cache's pages: nothing copied before the part is); else
-        read into a buffer: a kept chunk's (``spare``) or this thread's scratch buffer."""
-        size = p.nbytes + TRAILER
-        if self._maps and not p.at.inline:
-            try:
-                data = self.files.mapping(p.at.file)[p.at.start : p.at.start + size]
-            except OSError as e:
-                raise StorageError(f"mapping {p.at.file} for chunk {p.key!r}: {e}") from e
-            if len(data) < size:
-                raise spans.cut_short(p.at, p.at.start + len(data), repr(p.key), p.at.stop)
-            with self._watched(p.at.file, p.at.start, p.at.stop):
-                _fault_in(p, data)
-        else:
-            data = self.shared.spare(size) if spare else self._scratch_buffer(size)
-            view = data[:size].data
-            run = [ChunkRead(p.key, p.at, 0, p.nbytes)]
-            spans.preadv_all(self.files.fd(p.at.file), [view], p.at.start, run, self.watch)
-        crc.verify(p.key, p.at, crc32c.crc32c(data[: p.nbytes].data), data[p.nbytes : size].data)
-        return data
 
     def _read_whole(self, sr: SliceRead, buf: np.ndarray, extra: list[np.ndarray]) -> np.ndarray:
         """A slice one thread reads: its spans made here (not on the thread that issues the
@@ -390,6 +312,12 @@ def together(
     return out
 
 
+def _raised(got: np.ndarray | Exception) -> np.ndarray:
+    if isinstance(got, Exception):
+        raise got
+    return got
+
+
 def _checked(
     chunks: list[ChunkRead], trailers: bytearray, crcs: list[Any], buf: np.ndarray
 ) -> np.ndarray:
@@ -409,21 +337,3 @@ def _spans(
     trailers = bytearray(TRAILER * len(chunks))
     flats = [b.reshape(-1).view(np.uint8) for b in [buf, *extra]]
     return chunks, trailers, spans.spans(chunks, flats, memoryview(trailers))
-
-
-def _fault_in(p: ChunkPart, data: np.ndarray) -> None:
-    """Chunk ``p``'s pages of its file's mapping (``data``) faulted in (``mapped.fault_in``):
-    a page the file no longer has, or can't read, raises StorageError here instead of
-    stopping the process with SIGBUS when it is touched."""
-    try:
-        mapped.fault_in(data)
-    except OSError as e:
-        raise StorageError(f"reading {p.at.file} for chunk {p.key!r}: {e}") from e
-
-
-def _copy_part(p: ChunkPart, chunk: np.ndarray, bufs: list[np.ndarray]) -> None:
-    """The part of chunk ``p`` (its bytes, at the start of ``chunk``) a slice needs, into
-    each of ``bufs``."""
-    values = chunk[: p.nbytes].view(bufs[0].dtype).reshape(p.chunk_shape)
-    for buf in bufs:
-        buf[p.dst] = values[p.src]

@@ -1,6 +1,5 @@
-"""The data files one reader reads: each opened once, mapped whole at most once, prefetch
-advice given once for each MiB block, and the pages of a mapping that readers used up given
-back to the kernel. ``close`` lets all of it go."""
+"""The data files one reader reads: each opened once, prefetch advice given once for each
+MiB block. ``close`` lets all of it go."""
 
 from __future__ import annotations
 
@@ -8,14 +7,8 @@ import contextlib
 import os
 import threading
 
-import numpy as np
-
 from ...errors import StorageError
-from . import arrays, mapped, residency
-
-USED_BYTES = 32 << 20
-"""A reader thread unmaps the chunks it used from the files' mappings (``used``) once it
-has this many bytes of them: the process's RSS holds at most that much more per thread."""
+from . import arrays, residency
 
 
 class Files:
@@ -27,10 +20,8 @@ class Files:
         self.prefetching = prefetch
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
-        self._mappings: dict[str, np.ndarray] = {}  # data files mapped whole
         self._advised: dict[str, set[int]] = {}  # each file's MiB blocks prefetched
         self._sizes: dict[str, int] = {}  # of the files prefetched from
-        self._threads = threading.local()  # each thread's used-up views (``used``)
 
     def fd(self, path: str) -> int:
         """The open descriptor of ``path`` (opened on first use; StorageError naming it)."""
@@ -41,18 +32,6 @@ class Files:
                 except OSError as e:
                     raise StorageError(f"opening the data file {path} failed: {e}") from e
             return self._fds[path]
-
-    def mapping(self, path: str) -> np.ndarray:
-        """All of data file ``path`` as one mapping (``mapped.region``, not faulted in),
-        kept until ``close``: one ``mmap`` a file, not one and an ``munmap`` a chunk."""
-        with self._lock:
-            got = self._mappings.get(path)
-        if got is None:
-            fd = self.fd(path)
-            got = mapped.region(fd, 0, os.fstat(fd).st_size, populate=False)
-            with self._lock:
-                got = self._mappings.setdefault(path, got)
-        return got
 
     def prefetch(self, where: list[arrays.ChunkBytes]) -> None:
         """Asks the kernel to start reading the chunks at ``where`` (``POSIX_FADV_WILLNEED``)
@@ -76,25 +55,10 @@ class Files:
                 if not residency.cached(fd, min(b, self._sizes[f]) - 1):
                     os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
 
-    def used(self, view: np.ndarray) -> None:
-        """A chunk's view of a file's mapping that is used up: its pages are unmapped
-        (``mapped.let_go``) once this thread has ``USED_BYTES`` of them, in one call for
-        each stretch of adjacent chunks (an unmapping interrupts every core that runs the
-        process: one for each chunk cost all the mapping saved)."""
-        local = self._threads
-        if not hasattr(local, "used"):
-            local.used, local.used_bytes = [], 0
-        local.used.append(view)
-        local.used_bytes += view.nbytes
-        if local.used_bytes >= USED_BYTES:
-            mapped.let_go(local.used)
-            local.used, local.used_bytes = [], 0
-
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
             self._advised.clear()
             self._sizes.clear()
-            self._mappings.clear()
         for fd in fds.values():
             os.close(fd)

@@ -26,10 +26,9 @@ What it means for the caller (as with safetensors' loads into torch, which map t
   the process with SIGBUS when a dropped page is touched again (during the restore such
   errors raise ``StorageError``).
 ``JAXCKPT_MAP=0`` turns it off (then every chunk is read into fresh memory). Both a
-restore and the emergency tier's reads of its local copies map (``choose``). Where the
-files may be mapped (``enabled``), the direct reader also checks and copies the chunks a
-slice needs only a part of from a mapping of their file (``region``, ``fault_in``,
-``let_go``), not from a copy of them.
+restore and the emergency tier's reads of its local copies map (``choose``). (The chunks a
+slice needs only a part of are read, not mapped: ``scatter`` copies each piece out of the
+cache, which cost less than faulting in mappings of them, docs/MEASURED.md.)
 """
 
 from __future__ import annotations
@@ -133,32 +132,6 @@ def region(fd: int, start: int, nbytes: int, populate: bool = True) -> np.ndarra
         _call(linux.munmap, addr, length)
         raise err
     return _owned(addr, length, start - floor, nbytes)
-
-
-def fault_in(view: np.ndarray) -> None:
-    """The pages of ``view`` (part of a ``region``) faulted in now (``MADV_POPULATE_READ``);
-    raises OSError where the kernel can't read them (an I/O error, past the file's end)."""
-    addr = view.ctypes.data
-    floor = addr - addr % mmap.PAGESIZE
-    if _call(linux.madvise, floor, addr + view.nbytes - floor, linux.MADV_POPULATE_READ) != 0:
-        raise linux.os_error(f"reading {view.nbytes} bytes")
-
-
-def let_go(views: Sequence[np.ndarray]) -> None:
-    """The pages of ``views`` (parts of ``region``s never written) unmapped from this
-    process (``MADV_DONTNEED``; still in the page cache, faulted in again if touched), one
-    call for each stretch of adjacent or overlapping ones: bytes already used stop counting
-    in its RSS. A hint: errors are ignored."""
-    spans = sorted((v.ctypes.data, v.ctypes.data + v.nbytes) for v in views)
-    merged: list[list[int]] = []
-    for a, b in spans:
-        a -= a % mmap.PAGESIZE
-        if merged and a <= merged[-1][1] + mmap.PAGESIZE:  # (a page of zeros between)
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    for a, b in merged:
-        _call(linux.madvise, a, b - a, linux.MADV_DONTNEED)
 
 
 def chunks(parts: Sequence[tuple[int, int, int]], populate: bool = True) -> np.ndarray:

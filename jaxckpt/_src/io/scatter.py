@@ -2,11 +2,11 @@
 them in pieces of whole rows that stay in the CPU's cache: each piece checksummed, then its
 rows copied into every slice that needs them, while it is still in the cache.
 
-The other way (``direct.Reader._read_parts``) reads the chunk whole into a buffer, checks
-it, copies one slice's part, and keeps it for the other slices' threads: three passes over
-memory the cache no longer holds, and a chunk kept. Here the chunk passes through one
-scratch buffer of about ``PIECE_BYTES``; the slices' bytes count only once the chunk's
-CRC32C matches (a corrupt chunk fails every slice it was copied into).
+Read whole into a buffer, checked, then copied out (and kept for the other slices' threads),
+a chunk passed three times over memory the cache no longer held; mapped, its pages cost a
+fault each (docs/MEASURED.md). Here it passes through one scratch buffer of about
+``PIECE_BYTES`` a thread; the slices' bytes count only once the chunk's CRC32C matches (a
+corrupt chunk fails every slice it was copied into).
 """
 
 from __future__ import annotations

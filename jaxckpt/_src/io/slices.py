@@ -3,7 +3,8 @@
 Given the slices wanted (``Request``: a leaf, a global index, where its bytes may go and
 what takes them), ``read`` plans them (``chunk_plan.plan_slices``: one B-tree walk; the
 slices made of whole uncompressed chunks of a local database are read by ``direct.Reader``
-with ``preadv``), lets the slices that may be mapped become mappings of their chunks
+with ``preadv``, those of a few MiB and those that need parts of chunks several a task:
+``_groups``), lets the slices that may be mapped become mappings of their chunks
 (``mapped.choose``), probes whether the files are in the page cache (``residency``: a cold
 read gets prefetch advice and its fresh buffers faulted in ahead by a thread), and reads
 every slice under one byte budget (``inflight.InFlight``); TensorStore reads the rest. Each
@@ -153,14 +154,7 @@ def read(
     # no thread outlives the read; the direct reads' threads stop after their users'
     with (
         _populating(fills),
-        contextlib.closing(
-            direct.Reader(
-                keep_bytes=min(direct.KEEP_BYTES, budget),
-                prefetch=on_disk is not False,
-                maps=direct_ok and mapped.enabled(db.url),
-                watch=watch,
-            )
-        ) as reader,
+        contextlib.closing(direct.Reader(prefetch=on_disk is not False, watch=watch)) as reader,
         contextlib.closing(InFlight[Any](budget, threads=use_threads, watch=watch)) as reads,
     ):
         limit = min(GROUP_BYTES, budget // 4)  # (several groups in flight: every thread busy)
