@@ -23,7 +23,7 @@ from .chunk_plan import ChunkRead
 from .inflight import Watch
 from .layout import ALIGN, TRAILER
 
-PIECE_BYTES = 1 << 20  # read and checksummed at a time: stays in cache between the two
+PIECE_BYTES = 4 << 20  # read and checksummed at a time: in the last-level cache between the two
 SPLIT_BYTES = 8 << 20  # a thread's share of a slice's whole chunks
 IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 
