@@ -251,6 +251,9 @@ class Wanted:
     index: Index
 
 
+Slices = tuple[slice, ...]
+
+
 def plan(
     db: Location,
     wanted: dict[Hashable, Wanted],
@@ -262,27 +265,24 @@ def plan(
     whole: dict[Hashable, tuple[Wanted, list[tuple[str, int]]]] = {}
     cut: dict[Hashable, tuple[Wanted, list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]] = {}
     seen: dict[tuple[Index, Layout], list[tuple[tuple[int, ...], int]] | None] = {}
+    parts: dict[tuple[Index, Layout], list[tuple[tuple[int, ...], Slices, Slices]]] = {}
     for k, w in wanted.items():
         if not all(b > a for a, b in w.index):
             continue  # nothing to read
         sep = w.layout.separator
-        if (w.index, w.layout) not in seen:  # (the leaves of a state share a few of each)
-            seen[w.index, w.layout] = chunks_in(w.index, w.layout)
-        found = seen[w.index, w.layout]
+        at = (w.index, w.layout)  # (the leaves of a state share a few of each)
+        if at not in seen:
+            seen[at] = chunks_in(w.index, w.layout)
+        found = seen[at]
         if found:
             whole[k] = (w, [(chunk_key(w.name, g, sep), off) for g, off in found])
         elif math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize <= PART_CHUNK_BYTES:
-            cut[k] = (
-                w,
-                [
-                    (
-                        chunk_key(w.name, g, sep),
-                        boxes.within(part, chunk),
-                        boxes.within(part, w.index),
-                    )
+            if at not in parts:
+                parts[at] = [
+                    (g, boxes.within(part, chunk), boxes.within(part, w.index))
                     for g, chunk, part in chunk_parts(w.index, w.layout)
-                ],
-            )
+                ]
+            cut[k] = (w, [(chunk_key(w.name, g, sep), src, dst) for g, src, dst in parts[at]])
     if not whole and not cut:
         return {}
     keys = {key for _, ks in whole.values() for key, _ in ks}
