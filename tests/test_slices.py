@@ -254,3 +254,49 @@ def test_slices_of_a_few_mib_are_read_in_groups_each_failing_by_itself(
     assert sorted(got) == [k for k in range(16) if k != 5]
     for k, data in got.items():
         _same(x[k * rows : (k + 1) * rows], data, f"slice {k}")
+
+
+def test_a_slice_whose_memory_cant_be_had_fails_alone_in_its_group(tmp_path, mesh42, monkeypatch):
+    """Slices of two leaves that cut through chunks read as one group; no buffer can be had
+    for leaf 'b' (a MemoryError): its slices fail, each named by 'b', and those of 'a' are
+    read and handed on, bit for bit."""
+    from jaxckpt._src.io import arrays
+    from jaxckpt._src.readers import any_manifest
+
+    rng = np.random.default_rng(0)
+    xs = {
+        "a": random_bits((64, 96), np.dtype(np.float32), rng),
+        "b": random_bits((64, 96), np.dtype(np.float16), rng),
+    }
+    jaxckpt.save(
+        tmp_path / "c", {k: sharded(v, mesh42, ("data",)) for k, v in xs.items()}, chunk_bytes=2048
+    )
+    loc = location(str(tmp_path / "c"))
+    recs = {leaf.name: leaf for leaf in any_manifest(loc)[1].leaves}
+    db = arrays.database_dir(loc, None)
+    real = arrays.aligned_empty
+
+    def failing(shape, dtype, *args, **kwargs):
+        if np.dtype(dtype) == np.float16:
+            raise MemoryError("no memory for a float16 buffer")
+        return real(shape, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(arrays, "aligned_empty", failing)
+    got: dict = {}
+    bad: dict = {}
+    requests = [
+        slices.Request(
+            recs[n], ((0, 64), (c, c + 7)), lambda d, _, k=(n, c): got.__setitem__(k, np.array(d))
+        )
+        for n in ("a", "b")
+        for c in (0, 7, 14, 21)
+    ]
+    opener = functools.partial(arrays.open_leaf, db, ctx=arrays.new_context())
+    slices.read(
+        db, requests, opener, failed=lambda r, e: bad.__setitem__((r.leaf.name, r.index[1][0]), e)
+    )
+    assert sorted(got) == [("a", c) for c in (0, 7, 14, 21)]
+    for (n, c), data in got.items():
+        _same(xs[n][:, c : c + 7], data, f"{n} {c}")
+    assert sorted(bad) == [("b", c) for c in (0, 7, 14, 21)]
+    assert all("leaf 'b'" in str(e) and "no memory" in str(e) for e in bad.values()), bad

@@ -114,20 +114,28 @@ class Reader:
     def _group(
         self, items: Sequence[tuple[SliceRead, np.ndarray | None, Sequence[np.ndarray]]]
     ) -> tuple[list[np.ndarray | Exception], list[Callable[[], None]]]:
-        """``start_group``'s buffers (each slice's, or later its error) and its tasks."""
+        """``start_group``'s buffers (each slice's, or its error: already where its memory
+        can't be had, so that only it fails) and its tasks."""
         work: list[tuple[SliceRead, np.ndarray, list[np.ndarray]]] = []
+        out: list[np.ndarray | Exception] = []
         for sr, into, copies in items:
-            buf = arrays.buffer_for(into, sr.shape, sr.dtype)
-            extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
+            try:
+                buf = arrays.buffer_for(into, sr.shape, sr.dtype)
+                extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
+            except Exception as e:
+                work.append((sr, np.empty(0, np.uint8), []))
+                out.append(e)
+                continue
             if self.files.prefetching:
                 self._prefetch(sr)
             work.append((sr, buf, extra))
-        out: list[np.ndarray | Exception] = [buf for _, buf, _ in work]
+            out.append(buf)
+        live = [k for k, got in enumerate(out) if not isinstance(got, Exception)]
         users: dict[str, list[tuple[int, ChunkPart]]] = {}
-        for k, (sr, _, _) in enumerate(work):
-            for p in sr.parts:
+        for k in live:
+            for p in work[k][0].parts:
                 users.setdefault(p.key, []).append((k, p))
-        wholes = [k for k, (sr, _, _) in enumerate(work) if not sr.parts]
+        wholes = [k for k in live if not work[k][0].parts]
         tasks: list[Callable[[], None]] = []
         if wholes:
             tasks.append(functools.partial(self._read_wholes, work, wholes, out))

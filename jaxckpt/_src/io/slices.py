@@ -158,7 +158,7 @@ def read(
         contextlib.closing(InFlight[Any](budget, threads=use_threads, watch=watch)) as reads,
     ):
         limit = min(GROUP_BYTES, budget // 4)  # (several groups in flight: every thread busy)
-        for group, alone in _groups(requests, plans, maps, limit, budget):
+        for group, alone in _groups(requests, plans, maps, limit, budget // 2):
             if alone is None:
                 _issue_group(reads, [(requests[i], plans[i]) for i in group], reader, name, failed)
                 continue
@@ -226,9 +226,10 @@ def _groups(
     reader reads together (``direct.Reader.start_group``), about ``limit`` bytes in all:
     slices of whole chunks, neither mapped nor small (the reader batches those itself),
     and slices that need parts of chunks (``scatter.suitable``; so read, not mapped), a
-    group going on past ``limit``, up to ``cap`` (the read budget), while the next slice
-    needs a chunk it reads (each group reads its chunks once: a chunk is read again only
-    by another group); ([], i) for every other request alone."""
+    group going on past ``limit``, up to ``cap`` (half the read budget: the next group is
+    read while one is used), while the next slice needs a chunk it reads (each group reads
+    its chunks once: a chunk is read again only by another group); ([], i) for every other
+    request alone."""
     group: list[int] = []
     keys: set[str] = set()
     size = 0
@@ -279,25 +280,30 @@ def _issue_group(
             f"read with it in {', '.join(files)}"
         )
 
+    early: dict[int, Exception] = {}  # slices whose buffer could not be had: their errors
+
     def start() -> Any:
+        items = []
+        for k, ((r, plan), fill) in enumerate(zip(group, fills, strict=True)):
+            try:
+                items.append((plan, fill[0] if fill else r.staged(plan.dtype), fill[1:]))
+            except Exception as e:  # (only that slice fails)
+                early[k] = e
         try:
-            return reader.start_group(
-                [
-                    (plan, fill[0] if fill else r.staged(plan.dtype), fill[1:])
-                    for (r, plan), fill in zip(group, fills, strict=True)
-                ]
-            )
-        except Exception as e:
-            return Raises(e if isinstance(e, ReadStalledError) else name.error(e, group[0][0].leaf))
+            return reader.start_group(items)
+        except Exception as e:  # every slice: named for each in ``use``
+            return Raises(e)
 
     def use(fut: Any) -> None:
         try:
             got: list[Any] = fut.result()
-        except Exception as e:  # the whole task (named already where it is ``Raises``)
+        except Exception as e:  # the whole group (a stall's error is named already)
             for r, _ in group:
-                _fail(r, e if isinstance(fut, Raises) else name.error(e, r.leaf), failed)
+                _fail(r, e if isinstance(e, ReadStalledError) else name.error(e, r.leaf), failed)
             return
-        for (r, _), fill, data in zip(group, fills, got, strict=True):
+        read = iter(got)
+        for k, ((r, _), fill) in enumerate(zip(group, fills, strict=True)):
+            data = early[k] if k in early else next(read)
             if isinstance(data, Exception):
                 _fail(r, name.error(data, r.leaf), failed)
             else:
