@@ -4,6 +4,7 @@ restored as accelerators are, ``JAXCKPT_ADOPT=0``) bit-exact, holding nothing of
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pathlib
 
@@ -225,6 +226,24 @@ def test_a_larger_read_budget_gets_a_larger_ring_and_a_smaller_one_keeps_it(
         assert ring._ring is not None
         sizes.append(ring._ring.capacity)
     assert sizes == [1 << 20, 4 << 20, 4 << 20]
+
+
+def test_a_new_ring_is_faulted_in_on_a_thread_of_its_own_and_taken_from_once_ready(
+    as_accelerator,
+):
+    """A restore's new ring is prepared (faulted in, registered) while the restore plans its
+    reads; the first slot taken waits for it. Seen from outside: every page of the region
+    resident (``mincore``) once ``ready``, before any slot was written."""
+    from jaxckpt._src.io import linux
+
+    with ring.for_restore(8 << 20, jax.devices()) as r:
+        assert r is not None and r.ready.wait(30)
+        slot = r.take(1 << 20)
+        assert slot is not None and slot.ctypes.data == r.address
+        pages = -(-r.capacity // 4096)
+        vec = (ctypes.c_char * pages)()
+        assert linux.mincore is not None and linux.mincore(r.address, r.capacity, vec) == 0
+        assert sum(b[0] & 1 for b in vec) == pages
 
 
 def test_an_emergency_restore_onto_another_mesh_puts_its_slices_together_in_the_ring(

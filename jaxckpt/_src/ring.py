@@ -60,11 +60,14 @@ class Ring:
     clients: list[Any] = field(default_factory=list)  # those it is registered with (``_pin``)
     users: int = 0  # restores using it now (``for_restore``)
     region: np.ndarray = field(init=False, repr=False)
+    ready: threading.Event = field(init=False, repr=False)  # faulted in and registered
     _slots: collections.deque[_Slot] = field(init=False, repr=False)
     _lock: threading.Lock = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.region = arrays.aligned_empty((self.capacity,), np.dtype(np.uint8), SLOT_ALIGN)
+        self.ready = threading.Event()
+        self.ready.set()  # (``for_restore`` prepares a new ring on a thread: ``_prepare``)
         self._slots = collections.deque()
         self._lock = threading.Lock()
 
@@ -74,6 +77,7 @@ class Ring:
 
     @property
     def pinned(self) -> bool:
+        self.ready.wait()
         return bool(self.clients)
 
     def take(self, nbytes: int) -> np.ndarray | None:
@@ -83,6 +87,7 @@ class Ring:
         size = -(-max(nbytes, 1) // SLOT_ALIGN) * SLOT_ALIGN
         if size > self.capacity // 2:
             return None
+        self.ready.wait()  # (a new ring: faulted in and registered meanwhile)
         while True:
             with self._lock:
                 self._reclaim()
@@ -209,7 +214,11 @@ def for_restore(budget: int, devices: Iterable[jax.Device]) -> Iterator[Ring | N
             if ring is not None:  # a larger budget: the old ring is let go (idle)
                 _unpin(ring)
             ring = _ring = Ring(budget)
-            _pin(ring, devices)
+            ring.ready.clear()
+            prepare = threading.Thread(
+                target=_prepare, args=(ring, devices), name="jaxckpt-ring", daemon=True
+            )
+            prepare.start()
         ring.users += 1
     try:
         yield ring
@@ -247,6 +256,18 @@ def _stalled(e: BaseException | None) -> bool:
     return False
 
 
+def _prepare(ring: Ring, devices: list[jax.Device]) -> None:
+    """A new ring's memory faulted in (``arrays.populate``) and registered (``_pin``), on a
+    thread of its own while the restore plans its reads on a core they leave idle (the
+    first slot taken waits for it): a ring of the budget's size cost the first restore that
+    much fresh memory in its reads, and registering it page-locks every page."""
+    try:
+        arrays.populate(ring.region)
+        _pin(ring, devices)
+    finally:
+        ring.ready.set()
+
+
 def _pin(ring: Ring, devices: list[jax.Device]) -> None:
     """Registers ``ring``'s region with the clients of ``devices`` (page-locked, copies
     out of it by DMA, with no staging copy): none for CPU devices; a client that refuses
@@ -270,6 +291,7 @@ def _pin(ring: Ring, devices: list[jax.Device]) -> None:
 def _unpin(ring: Ring) -> None:
     """Undoes ``_pin`` (every copy out of the ring finished: ``settle``); a client that
     refuses keeps the ring registered, so it is kept for the process (``_retired``)."""
+    ring.ready.wait()
     for client in ring.clients:
         try:
             client.dma_unmap(ring.address)
