@@ -271,9 +271,10 @@ def plan(
             continue  # nothing to read
         sep = w.layout.separator
         at = (w.index, w.layout)  # (the leaves of a state share a few of each)
-        if at not in seen:
-            seen[at] = chunks_in(w.index, w.layout)
-        found = seen[at]
+        try:
+            found = seen[at]
+        except KeyError:
+            found = seen[at] = chunks_in(w.index, w.layout)
         if found:
             whole[k] = (w, [(chunk_key(w.name, g, sep), off) for g, off in found])
         elif math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize <= PART_CHUNK_BYTES:
@@ -293,10 +294,17 @@ def plan(
     out: dict[Hashable, SliceRead] = {}
     for k, (w, ks) in whole.items():
         nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
-        reads = [ChunkRead(key, where[key], off, nbytes) for key, off in ks if key in where]
-        for r in reads:
-            _check_inside(w.name, r.key, r.at, sizes)
-        if len(reads) == len(ks) and all(_plain(r.at, r.nbytes) for r in reads):
+        reads: list[ChunkRead] = []
+        direct = True  # every chunk in the B-tree, a value of its own (else TensorStore's)
+        for key, off in ks:
+            where_ = where.get(key)
+            if where_ is None:
+                direct = False
+                continue
+            _check_inside(w.name, key, where_, sizes)
+            direct = direct and _plain(where_, nbytes)
+            reads.append(ChunkRead(key, where_, off, nbytes))
+        if direct:
             out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, tuple(reads))
     users = collections.Counter(key for _, cs in cut.values() for key, _, _ in cs)
     for k, (w, cs) in cut.items():
