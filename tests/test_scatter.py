@@ -77,13 +77,11 @@ def test_a_corrupt_chunk_and_a_short_file_are_named(tmp_path, monkeypatch):
         os.close(fd)
 
 
-def test_only_boxes_of_chunks_with_rows_are_suitable():
+def test_a_piece_holds_about_piece_bytes_of_whole_rows():
     at = arrays.ChunkBytes("f", 0, 68)
     box = ChunkPart("k", at, 64, (4, 4), (slice(0, 2), slice(1, 3)), (slice(0, 2), slice(0, 2)))
-    assert scatter.suitable(box)
-    assert not scatter.suitable(ChunkPart("k", at, 4, (), (), ()))
-    strided = ChunkPart(
-        "k", at, 64, (4, 4), (slice(0, 4, 2), slice(0, 4)), (slice(0, 2), slice(0, 4))
-    )
-    assert not scatter.suitable(strided)
     assert scatter.rows_per_piece(box) == scatter.PIECE_BYTES // 16
+    wide = ChunkPart(
+        "k", at, 1 << 30, (2, 1 << 27), (slice(0, 2), slice(0, 8)), (slice(0, 2), slice(0, 8))
+    )
+    assert scatter.rows_per_piece(wide) == 1  # a row wider than a piece: a row at a time

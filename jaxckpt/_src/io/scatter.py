@@ -24,14 +24,6 @@ from .layout import TRAILER
 PIECE_BYTES = spans.PIECE_BYTES  # rows read at a time: about this many bytes
 
 
-def suitable(p: ChunkPart) -> bool:
-    """Whether chunk part ``p`` can be copied a piece of rows at a time: a chunk of one or
-    more dimensions, the part a box (``boxes.within``'s slices: bounds, unit steps)."""
-    return bool(p.chunk_shape) and all(
-        s.step is None and s.start is not None and s.stop is not None for s in (*p.src, *p.dst)
-    )
-
-
 def rows_per_piece(p: ChunkPart) -> int:
     """Rows (first-axis slabs) of chunk ``p`` read at a time: about ``PIECE_BYTES``, one at
     least."""

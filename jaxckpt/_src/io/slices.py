@@ -36,7 +36,7 @@ import numpy as np
 from ...errors import ReadStalledError, StorageError
 from ..boxes import Index, chunks_in, extent, to_text, volume
 from ..storage import Location
-from . import arrays, chunk_plan, crc, direct, mapped, residency, scatter, spans
+from . import arrays, chunk_plan, crc, direct, mapped, residency, spans
 from .inflight import Describe, InFlight, Raises, Stall, Watch, default_budget
 from .layout import SMALL_CHUNK_BYTES
 
@@ -225,19 +225,17 @@ def _groups(
     """The requests in order, by position: (group, None) for consecutive ones the direct
     reader reads together (``direct.Reader.start_group``), about ``limit`` bytes in all:
     slices of whole chunks, neither mapped nor small (the reader batches those itself),
-    and slices that need parts of chunks (``scatter.suitable``; so read, not mapped), a
-    group going on past ``limit``, up to ``cap`` (half the read budget: the next group is
-    read while one is used), while the next slice needs a chunk it reads (each group reads
-    its chunks once: a chunk is read again only by another group); ([], i) for every other
-    request alone."""
+    and slices that need parts of chunks (never mapped: ``mapped.suitable``), a group going
+    on past ``limit``, up to ``cap`` (half the read budget: the next group is read while one
+    is used), while the next slice needs a chunk it reads (each group reads its chunks once:
+    a chunk is read again only by another group); ([], i) for every other request alone."""
     group: list[int] = []
     keys: set[str] = set()
     size = 0
     for i, r in enumerate(requests):
         sr, n = plans.get(i), r.nbytes
-        if sr is not None and sr.parts:
-            ok = i not in maps and all(scatter.suitable(p) for p in sr.parts)
-            shares = any(p.key in keys for p in sr.parts)
+        if sr is not None and sr.parts:  # (``Reader.start`` reads one alone as a group too)
+            ok, shares = True, any(p.key in keys for p in sr.parts)
         else:
             ok = sr is not None and i not in maps and SMALL_CHUNK_BYTES < n <= limit
             shares = False

@@ -31,7 +31,7 @@ IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 class Piece(NamedTuple):
     """Bytes read in one go: where they go (``view``), the index of their chunk (-1: a CRC
     trailer) and where else (``copies``: the same bytes of the slice's other buffers).
-    (A tuple: a restore makes one for every MiB it reads, on the thread that issues them.)"""
+    (A tuple: a restore makes one for every piece it reads.)"""
 
     view: memoryview
     chunk: int
