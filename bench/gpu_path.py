@@ -18,6 +18,9 @@ cache, a garbage collection), the order rotating from repeat to repeat:
 * ``engine reads``: the restore's reads alone (``io.slices.read`` of every slice the (4, 2)
   restore reads, through the ring, each slot given back as it arrives: no placement), and the
   same into fresh memory (``JAXCKPT_RING=0``);
+* ``restore MAP=0 (4,2), reads alone``: that restore's reads and nothing else (its requests
+  made before the clock starts, no leaf adopted after: ``restore_reads``), what a restore
+  with no Python of its own before or after its reads would take;
 * the references: every byte of the checkpoint's data files read into fresh memory, plainly
   (``raw``) and with a CRC32C (``verified``), on the reader threads' count
   (``direct.reader_threads``), and the raw read plus as many bytes again copied into fresh
@@ -100,6 +103,8 @@ def worker(
         return {**clock.record(), "crcs": leaf_crcs(out), "device_bytes": device_bytes(target)}
     if op == "engine":
         return engine_reads(path, target)
+    if op == "restore reads":
+        return restore_reads(path, target)
     if op == "read":
         paths = harness.files_under(path)
         crc = harness.crc32c()[1] if verified else None
@@ -146,6 +151,32 @@ def engine_reads(path: str, target: dict) -> dict:
     return {**clock.record(), "bytes": n, "ring": host is not None}
 
 
+def restore_reads(path: str, target: dict) -> dict:
+    """A ``JAXCKPT_MAP=0`` restore's reads alone: its requests as it makes them (each slice
+    into its leaf's fresh buffer, its replicas filled as it is read), made before the clock
+    starts; the clock runs for ``slices.read`` only (nothing before it, no leaf adopted
+    after): what the restore would take with no Python of its own before or after."""
+    from jaxckpt._src import gc_pause, restoring
+    from jaxckpt._src.io import arrays, direct, slices
+    from jaxckpt._src.io.inflight import default_budget
+    from jaxckpt._src.leaf_plan import wants
+    from jaxckpt._src.readers import any_manifest
+    from jaxckpt._src.storage import location
+
+    loc = location(path)
+    _, manifest = any_manifest(loc)
+    planned = wants(manifest.leaves, manifest.meshes, target, None, loc)
+    db = arrays.database_dir(loc, None)
+    opener = functools.partial(arrays.open_leaf, db, ctx=arrays.new_context())
+    requests: list[slices.Request] = []
+    leaves = [restoring._plan_leaf(w, requests, None) for w in planned]
+    budget = default_budget(direct.reader_threads())
+    with gc_pause.paused(), harness.Clock() as clock:
+        n = slices.read(db, requests, opener, budget=budget)
+    del leaves
+    return {**clock.record(), "bytes": n}
+
+
 def run(args) -> None:
     nbytes = state_bytes(args.size_gb)
     ops: dict[str, tuple[str, dict[str, str], dict]] = {  # label: (op, env, kwargs)
@@ -155,6 +186,7 @@ def run(args) -> None:
         "restore as on a GPU (2,4)": ("restore", GPU_ENV, {"mesh": OTHER}),
         "engine reads, ring": ("engine", GPU_ENV, {"mesh": SAME}),
         "engine reads, fresh memory": ("engine", {**GPU_ENV, "JAXCKPT_RING": "0"}, {"mesh": SAME}),
+        "restore MAP=0 (4,2), reads alone": ("restore reads", {"JAXCKPT_MAP": "0"}, {"mesh": SAME}),
         "raw read": ("read", {}, {"verified": False, "share": 0}),
         "verified read": ("read", {}, {"verified": True, "share": 0}),
         "restore mapped (4,2)": ("restore", {}, {"mesh": SAME}),
@@ -223,6 +255,9 @@ def report(args, res: dict[str, list[dict]], nbytes: int, bad: list[str]) -> Non
               f"verified read + replicas {mesh}")  # fmt: skip
         ratio(f"restore MAP=0 {mesh} / raw read of the files", f"restore MAP=0 {mesh}",
               "raw read")  # fmt: skip
+        if mesh == "(4,2)":
+            ratio(f"restore MAP=0 {mesh}, its reads alone / raw read + replicas",
+                  f"restore MAP=0 {mesh}, reads alone", with_replicas)  # fmt: skip
         ratio(f"restore as on a GPU {mesh} / raw read + replicas",
               f"restore as on a GPU {mesh}", with_replicas)  # fmt: skip
     ratio("engine reads (ring) / verified read, same threads", "engine reads, ring",

@@ -23,7 +23,7 @@ def _chunk_file(path, values: np.ndarray, at: int = 4096) -> arrays.ChunkBytes:
 
 
 def _part(at, values, src, dst) -> ChunkPart:
-    return ChunkPart("x/c/0/0", at, values.nbytes, values.shape, src, dst, 2)
+    return ChunkPart("x/c/0/0", at, values.nbytes, values.shape, src, dst)
 
 
 @pytest.mark.parametrize("piece", [1, 3 * 64, 1 << 20])  # a row a piece, 3, the whole chunk

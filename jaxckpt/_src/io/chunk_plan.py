@@ -13,7 +13,6 @@ else is left to TensorStore.
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import json
@@ -228,7 +227,6 @@ class ChunkPart:
     chunk_shape: tuple[int, ...]
     src: tuple[slice, ...]
     dst: tuple[slice, ...]
-    users: int = 1  # the slices of the plan that read a part of this chunk
 
 
 @dataclass(frozen=True)
@@ -306,15 +304,10 @@ def plan(
             reads.append(ChunkRead(key, where_, off, nbytes))
         if direct:
             out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, tuple(reads))
-    users = collections.Counter(key for _, cs in cut.values() for key, _, _ in cs)
     for k, (w, cs) in cut.items():
         nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
         shape = w.layout.chunk_shape
-        got = [
-            ChunkPart(key, where[key], nbytes, shape, s, d, users[key])
-            for key, s, d in cs
-            if key in where
-        ]
+        got = [ChunkPart(key, where[key], nbytes, shape, s, d) for key, s, d in cs if key in where]
         for p in got:
             _check_inside(w.name, p.key, p.at, sizes)
         if len(got) == len(cs) and all(_plain(p.at, p.nbytes) for p in got):
