@@ -20,8 +20,10 @@ all of it on that one device. ``--repeats`` times, in an order that alternates, 
   its own files into fresh memory on the reader threads' count, and against Orbax's restore
   of the same state (where orbax-checkpoint is installed); the same restore without the host
   ring (``JAXCKPT_RING=0``: fresh pageable memory a slice, the path before it), and cold
-  (the files dropped from the page cache) against the cold verified read; the restores'
-  peak host memory;
+  (the files dropped from the page cache) against the cold verified read, and both against
+  the same cold read with ``O_DIRECT`` (no page cache, where the file system allows it: what
+  a restore that read cold files so would be measured against); the restores' peak host
+  memory;
 * the disk: ``jaxckpt.save`` and the async save's total against a raw NumPy write + fsync,
   and the restore against raw and verified (CRC32C) reads of the same bytes
   (``harness.raw_io``, bench/compare.py's limits).
@@ -68,6 +70,7 @@ NO_RING = "restore, JAXCKPT_RING=0"  # fresh pageable memory a slice (before the
 COLD = "restore, cold"  # the checkpoint's files dropped from the page cache first
 VERIFIED_FILES = "verified (its files)"  # the restore's own files, reader threads
 COLD_VERIFIED = "cold verified (files)"
+COLD_DIRECT = "cold O_DIRECT (files)"  # the same read with no page cache (where allowed)
 ORBAX = "orbax restore"
 
 
@@ -148,6 +151,7 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
             ),
         )  # fmt: skip
         times: dict[str, list[float]] = {}
+        refused: dict[str, str] = {}  # ways the machine refused, with why
 
         def clock(name: str, fn: Callable[[], Any]) -> None:
             """``fn()``, and the device work it started, timed into ``times[name]``."""
@@ -219,9 +223,15 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
                     clock(name, lambda: jaxckpt.restore(ckpt, target))
                 peaks[name] = max(peaks.get(name, 0), rss.over)
 
-            def verified(name: str, cold: bool) -> None:
+            def verified(name: str, cold: bool, direct_io: bool = False) -> None:
                 harness.drop_cold(ckpt) if cold else harness.warm_page_cache(ckpt)
-                clock(name, lambda: harness.read_files(files, reader_threads(), crc))
+                threads = reader_threads()
+                try:
+                    clock(
+                        name, lambda: harness.read_files(files, threads, crc, None, (), direct_io)
+                    )
+                except OSError as e:  # a file system without O_DIRECT: that row is left out
+                    refused.setdefault(name, str(e))
 
             ways = {
                 "restore": lambda: restore("jaxckpt.restore", {}, False),
@@ -229,6 +239,7 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
                 "cold": lambda: restore(COLD, {}, True),
                 "verified": lambda: verified(VERIFIED_FILES, False),
                 "cold verified": lambda: verified(COLD_VERIFIED, True),
+                "cold O_DIRECT": lambda: verified(COLD_DIRECT, True, direct_io=True),
             }
             for way in harness.rotated(list(ways), rep):
                 ways[way]()
@@ -291,10 +302,13 @@ def measure(args: argparse.Namespace, root: str) -> tuple[list[Row], dict, dict]
         Row(NO_RING, times[NO_RING], VERIFIED_FILES),
         Row(COLD_VERIFIED, times[COLD_VERIFIED]),
         Row(COLD, times[COLD], COLD_VERIFIED),
+        *[Row(COLD_DIRECT, times[COLD_DIRECT], COLD_VERIFIED), Row(COLD, times[COLD], COLD_DIRECT)]
+        * (COLD_DIRECT in times),
         *[Row(ORBAX, times[ORBAX]), Row("jaxckpt.restore", times["jaxckpt.restore"], ORBAX)]
         * (ORBAX in times),
     ]
     facts = {"nbytes": nbytes, "leaves": len(sizes), "local": shm, "restore_peak_rss": peaks}
+    facts["refused"] = refused
     facts["ring_bytes"] = ring._ring.capacity if ring._ring is not None else 0
     facts["ring_pinned"] = ring._ring is not None and ring._ring.pinned
     return rows, raw, facts
@@ -449,6 +463,8 @@ def report(args: argparse.Namespace, rows: list[Row], raw: dict, facts: dict) ->
     for name, over in sorted(facts["restore_peak_rss"].items()):
         print(f"peak host memory of {name}: {over / GB:.3f} GB over its start (the ring, kept "
               f"since the warm-up's restore, not in it)")  # fmt: skip
+    for name, why in facts["refused"].items():
+        print(f"{name}: not measured, the file system refused it ({why})")
     print("\ntargets (issue 45):")
     for name, a, b, floor in (
         ("restore >= 0.8x the verified read of its files", "jaxckpt.restore", VERIFIED_FILES, 0.8),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import mmap
 import os
 import re
 import shutil
@@ -388,6 +389,7 @@ def read_files(
     check: Callable[[bytes], int] | None = None,
     keep: list | None = None,
     copies: Sequence[float] = (),
+    direct_io: bool = False,
 ) -> int:
     """Every byte of ``paths`` read into fresh memory, one buffer per file that the reads
     fill in blocks of ``READ_BLOCK`` (as a restore fills the arrays it returns: every page
@@ -396,12 +398,17 @@ def read_files(
     file, into fresh buffers of its own (as a restore onto CPU devices fills each replica;
     a fraction: that share of each block, into one more buffer: the replicas of a file
     that holds several arrays); the buffers go to ``keep`` (freed by the caller, outside
-    its clock) or are dropped on return. Returns the bytes read."""
-    buffers = {p: np.empty(os.path.getsize(p), np.uint8) for p in paths}
+    its clock) or are dropped on return. ``direct_io``: the files opened with ``O_DIRECT``
+    (no page cache: the device's DMA fills the buffers, page-aligned, each read a whole
+    number of ``DIRECT_ALIGN`` blocks); OSError where the file system refuses it. Returns
+    the bytes read."""
+    flags = os.O_RDONLY | (os.O_DIRECT if direct_io else 0)
+    sizes = {p: os.path.getsize(p) for p in paths}
+    buffers = {p: _fresh(sizes[p], direct_io) for p in paths}
     pairs = zip(paths, copies, strict=True) if copies else ()
     dups: dict[str, list[tuple[np.ndarray, float]]] = {}
     for p, n in pairs:
-        size, whole = buffers[p].size, int(n)
+        size, whole = sizes[p], int(n)
         dups[p] = [(np.empty(size, np.uint8), 1.0) for _ in range(whole)]
         if n > whole:
             dups[p].append((np.empty(int(size * (n - whole)), np.uint8), n - whole))
@@ -409,24 +416,26 @@ def read_files(
         keep.extend(buffers.values())
         keep.extend(d for ds in dups.values() for d, _ in ds)
     blocks = [
-        (p, off, min(READ_BLOCK, buf.size - off))
-        for p, buf in buffers.items()
-        for off in range(0, buf.size, READ_BLOCK)
+        (p, off, min(READ_BLOCK, size - off))
+        for p, size in sizes.items()
+        for off in range(0, size, READ_BLOCK)
     ]
 
     def read(block: tuple[str, int, int]) -> int:
         path, offset, n = block
-        view = memoryview(buffers[path])[offset : offset + n]
-        fd = os.open(path, os.O_RDONLY)
+        whole = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN if direct_io else n  # (the last: padded)
+        view = memoryview(buffers[path])[offset : offset + whole]
+        fd = os.open(path, flags)
         try:
             done = 0
-            while done < n:  # a short read: rare, but allowed
+            while done < n:  # a short read: rare, but allowed (O_DIRECT: only at the end)
                 got = os.preadv(fd, [view[done:]], offset + done)
-                if not got:
-                    raise OSError(f"{path} ended at {offset + done}, {n} bytes expected")
+                if not got or direct_io and got < n:
+                    raise OSError(f"{path} ended at {offset + done + got}, {n} bytes expected")
                 done += got
         finally:
             os.close(fd)
+        view = view[:n]
         if check is not None:
             check(view)
         for dup, share in dups.get(path, ()):
@@ -438,6 +447,18 @@ def read_files(
         return sum(map(read, blocks))
     with ThreadPoolExecutor(threads) as pool:
         return sum(pool.map(read, blocks))
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer addresses, offsets and lengths in whole blocks
+
+
+def _fresh(nbytes: int, aligned: bool) -> np.ndarray:
+    """``nbytes`` of fresh memory (uint8); ``aligned``: page-aligned, with room for the last
+    block padded to ``DIRECT_ALIGN`` (an anonymous mapping of its own), as O_DIRECT wants."""
+    if not aligned:
+        return np.empty(nbytes, np.uint8)
+    padded = max(1, -(-nbytes // DIRECT_ALIGN)) * DIRECT_ALIGN
+    return np.frombuffer(mmap.mmap(-1, padded), np.uint8)
 
 
 def way_name(threads: int, files: int) -> str:
