@@ -23,7 +23,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -367,11 +367,11 @@ def read_slice(store: ts.TensorStore, index: Index, into: np.ndarray | None = No
 # --- where a chunk's bytes are -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ChunkBytes:
+class ChunkBytes(NamedTuple):
     """Where one OCDBT value's bytes are: ``file`` (a path or URL), bytes ``start`` up to
     ``stop`` (exclusive). ``inline``: the value is stored inside the B-tree node that
-    occupies that range (zstd-compressed with its neighbours), not on its own."""
+    occupies that range (zstd-compressed with its neighbours), not on its own. (A tuple: a
+    B-tree walk makes one for every key.)"""
 
     file: str
     start: int
@@ -392,10 +392,10 @@ def chunk_bytes(base: ts.KvStore, db: Location, keys: set[str]) -> dict[str, Chu
 
 
 def btree(
-    base: ts.KvStore, db: Location, keep: Callable[[bytes], bool] = lambda key: True
+    base: ts.KvStore, db: Location, keep: Callable[[bytes], bool] | None = None
 ) -> tuple[dict[str, ChunkBytes], dict[str, bytes]]:
     """One walk of the B-tree of the OCDBT database at ``db`` (see ``chunk_bytes``): where
-    the value of every key ``keep`` takes lives, and the bytes of those stored inline in
+    the value of every key (that ``keep`` takes) lives, and the bytes of those stored inline in
     their node (a leaf's ``zarr.json``, as ``ocdbt_write`` stores it)."""
     manifest = ts.ocdbt.dump(base).result()
     versions = manifest.get("versions") or []
@@ -409,24 +409,27 @@ def btree(
     while todo:
         node_at, prefix = todo.pop()
         node = ts.ocdbt.dump(base, node_at).result()
-        for entry in node["entries"]:
-            if node["height"] > 0:
+        if node["height"] > 0:
+            for entry in node["entries"]:
                 sub = prefix + entry.get("subtree_common_prefix", b"")
                 todo.append((entry["location"], sub))
-                continue
+            continue
+        for entry in node["entries"]:
             key = prefix + entry["key"]
-            if not keep(key):
+            if keep is not None and not keep(key):
                 continue
-            inline = "indirect_value" not in entry
-            ref = node_at if inline else entry["indirect_value"]
             name = key.decode(errors="replace")
-            found[name] = _reference(db, ref, files, inline=inline)
-            if inline and isinstance(entry.get("inline_value"), bytes):
+            ref = entry.get("indirect_value")
+            if ref is not None:
+                found[name] = _reference(db, ref, files, False)
+                continue
+            found[name] = _reference(db, node_at, files, True)
+            if isinstance(entry.get("inline_value"), bytes):
                 values[name] = entry["inline_value"]
     return found, values
 
 
-def _reference(db: Location, ref: str, files: dict[str, str], *, inline: bool) -> ChunkBytes:
+def _reference(db: Location, ref: str, files: dict[str, str], inline: bool) -> ChunkBytes:
     """``kind:base_path:relative_path:offset:length`` (TensorStore's data reference); the
     data file's URL of each ``kind:base_path:relative_path`` is kept in ``files``."""
     head, offset, length = ref.rsplit(":", 2)

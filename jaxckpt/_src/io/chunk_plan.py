@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -29,7 +29,7 @@ import tensorstore as ts
 
 from ...errors import StorageError
 from .. import boxes
-from ..boxes import Index, extent
+from ..boxes import Index
 from ..storage import Location
 from . import arrays
 from .layout import TRAILER
@@ -206,9 +206,9 @@ def chunk_key(name: str, coords: Sequence[int], separator: str) -> str:
     return f"{name}/c" + "".join(f"{separator}{c}" for c in coords)
 
 
-@dataclass(frozen=True)
-class ChunkRead:
-    """One chunk: its key, where its bytes are, where they go in the slice's buffer."""
+class ChunkRead(NamedTuple):
+    """One chunk: its key, where its bytes are, where they go in the slice's buffer. (A
+    tuple, as the records below: a restore plans one for every chunk it reads.)"""
 
     key: str
     at: arrays.ChunkBytes
@@ -216,8 +216,7 @@ class ChunkRead:
     nbytes: int  # without the 4-byte trailer
 
 
-@dataclass(frozen=True)
-class ChunkPart:
+class ChunkPart(NamedTuple):
     """One chunk of a slice that cuts through it: its key, where its bytes are, the part of
     it the slice needs (``src``, the chunk's coordinates) and where that goes (``dst``)."""
 
@@ -229,8 +228,7 @@ class ChunkPart:
     dst: tuple[slice, ...]
 
 
-@dataclass(frozen=True)
-class SliceRead:
+class SliceRead(NamedTuple):
     """One slice read directly: the buffer to allocate and the chunks that fill it, whole
     (``chunks``: each a contiguous region of the buffer) or in part (``parts``)."""
 
@@ -252,6 +250,34 @@ class Wanted:
 Slices = tuple[slice, ...]
 
 
+class _Box(NamedTuple):
+    """What ``plan`` finds for one box of one layout, the same for every leaf of it: the
+    slice's shape; its whole chunks (each one's key after the leaf's name, its offset in
+    the slice's buffer) or the parts of chunks it needs (each one's key after the name,
+    its part in the chunk's coordinates and in the slice's); neither where the direct
+    path can't read it, nor where the box is empty."""
+
+    shape: tuple[int, ...]
+    whole: list[tuple[str, int]] | None
+    parts: list[tuple[str, Slices, Slices]] | None
+
+
+def _box(index: Index, lay: Layout) -> _Box:
+    shape = tuple(b - a for a, b in index)
+    if not all(shape):
+        return _Box(shape, None, None)  # nothing to read
+    found = chunks_in(index, lay)
+    if found:
+        return _Box(shape, [(chunk_key("", g, lay.separator), off) for g, off in found], None)
+    if math.prod(lay.chunk_shape) * lay.dtype.itemsize > PART_CHUNK_BYTES:
+        return _Box(shape, None, None)
+    parts = [
+        (chunk_key("", g, lay.separator), boxes.within(part, chunk), boxes.within(part, index))
+        for g, chunk, part in chunk_parts(index, lay)
+    ]
+    return _Box(shape, None, parts)
+
+
 def plan(
     db: Location,
     wanted: dict[Hashable, Wanted],
@@ -260,37 +286,28 @@ def plan(
     """The slices of ``wanted`` that can be read directly, by the same keys: one walk of the
     B-tree for all their chunks (or ``where``, a walk's result: ``index``). Raises
     StorageError when the B-tree points outside the database's directory."""
-    whole: dict[Hashable, tuple[Wanted, list[tuple[str, int]]]] = {}
-    cut: dict[Hashable, tuple[Wanted, list[tuple[str, tuple[slice, ...], tuple[slice, ...]]]]] = {}
-    seen: dict[tuple[Index, Layout], list[tuple[tuple[int, ...], int]] | None] = {}
-    parts: dict[tuple[Index, Layout], list[tuple[tuple[int, ...], Slices, Slices]]] = {}
+    whole: dict[Hashable, tuple[Wanted, tuple[int, ...], list[tuple[str, int]]]] = {}
+    cut: dict[Hashable, tuple[Wanted, tuple[int, ...], list[tuple[str, Slices, Slices]]]] = {}
+    seen: dict[tuple[Index, Layout], _Box] = {}  # (the leaves of a state share a few of each)
     for k, w in wanted.items():
-        if not all(b > a for a, b in w.index):
-            continue  # nothing to read
-        sep = w.layout.separator
-        at = (w.index, w.layout)  # (the leaves of a state share a few of each)
-        try:
-            found = seen[at]
-        except KeyError:
-            found = seen[at] = chunks_in(w.index, w.layout)
-        if found:
-            whole[k] = (w, [(chunk_key(w.name, g, sep), off) for g, off in found])
-        elif math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize <= PART_CHUNK_BYTES:
-            if at not in parts:
-                parts[at] = [
-                    (g, boxes.within(part, chunk), boxes.within(part, w.index))
-                    for g, chunk, part in chunk_parts(w.index, w.layout)
-                ]
-            cut[k] = (w, [(chunk_key(w.name, g, sep), src, dst) for g, src, dst in parts[at]])
+        at = (w.index, w.layout)
+        box = seen.get(at)
+        if box is None:
+            box = seen[at] = _box(w.index, w.layout)
+        name = w.name
+        if box.whole is not None:
+            whole[k] = (w, box.shape, [(name + key, off) for key, off in box.whole])
+        elif box.parts is not None:
+            cut[k] = (w, box.shape, [(name + key, src, dst) for key, src, dst in box.parts])
     if not whole and not cut:
         return {}
-    keys = {key for _, ks in whole.values() for key, _ in ks}
-    keys |= {key for _, ks in cut.values() for key, _, _ in ks}
     if where is None:
+        keys = {key for _, _, ks in whole.values() for key, _ in ks}
+        keys |= {key for _, _, ks in cut.values() for key, _, _ in ks}
         where = arrays.chunk_bytes(ts.KvStore.open(db.kvstore()).result(), db, keys)
     sizes = _file_sizes(db, {at.file for at in where.values() if not at.inline})
     out: dict[Hashable, SliceRead] = {}
-    for k, (w, ks) in whole.items():
+    for k, (w, shape, ks) in whole.items():
         nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
         reads: list[ChunkRead] = []
         direct = True  # every chunk in the B-tree, a value of its own (else TensorStore's)
@@ -303,15 +320,19 @@ def plan(
             direct = direct and _plain(where_, nbytes)
             reads.append(ChunkRead(key, where_, off, nbytes))
         if direct:
-            out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, tuple(reads))
-    for k, (w, cs) in cut.items():
+            out[k] = SliceRead(shape, w.layout.dtype, tuple(reads))
+    for k, (w, shape, cs) in cut.items():
         nbytes = math.prod(w.layout.chunk_shape) * w.layout.dtype.itemsize
-        shape = w.layout.chunk_shape
-        got = [ChunkPart(key, where[key], nbytes, shape, s, d) for key, s, d in cs if key in where]
+        chunk_shape = w.layout.chunk_shape
+        got = [
+            ChunkPart(key, where[key], nbytes, chunk_shape, s, d)
+            for key, s, d in cs
+            if key in where
+        ]
         for p in got:
             _check_inside(w.name, p.key, p.at, sizes)
         if len(got) == len(cs) and all(_plain(p.at, p.nbytes) for p in got):
-            out[k] = SliceRead(tuple(extent(w.index)), w.layout.dtype, (), tuple(got))
+            out[k] = SliceRead(shape, w.layout.dtype, (), tuple(got))
     return out
 
 
