@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,41 @@ def test_a_slot_is_reused_only_once_its_copies_are_done():
         assert r.busy == 2  # given back, still being copied
     c = r.take(4 << 10)  # no room but ``a``'s: waits for its copy, then reuses it
     assert copy.is_ready() and c is not None and span(r, c)[0] == span(r, a)[0]
+
+
+def test_settle_frees_no_slot_given_back_while_it_waits():
+    """Two restores share the ring (``for_restore`` counts its users): one finishing calls
+    ``settle`` while the other gives a slot back, its copy onto a device still under way.
+    That slot stays live: the other restore's next ``take`` gets other memory, not the
+    bytes a device may still be copying (on an accelerator the next slice's read would
+    overwrite them). (From a review: ``settle`` once freed every slot given back.)"""
+    x = jnp.full((1024, 1024), 0.5, jnp.float32)
+    _slower(x).block_until_ready()  # (compiled first)
+    r = ring.Ring(64 << 10)
+    first, second = r.take(8 << 10), r.take(8 << 10)
+    assert first is not None and second is not None
+    copy_a = _slower(x)  # the first slot's copy, under way
+    r.give_back(first, [copy_a])
+    settling = threading.Thread(target=r.settle)
+    settling.start()  # (the other restore finishing: waits for ``copy_a``)
+    time.sleep(0.01)
+    if copy_a.is_ready():
+        pytest.skip("the copy finished before the race could be set up (a loaded machine)")
+    copy_b = _slower(copy_a)  # the second slot's copy: finishes after ``copy_a``
+    r.give_back(second, [copy_b])
+    settling.join(30)
+    busy = not copy_b.is_ready()
+    slot = r.take(16 << 10)  # the other restore's next slice
+    assert slot is not None
+    a, b = span(r, slot)
+    s0, s1 = span(r, second)
+    assert not (busy and a < s1 and s0 < b), f"slot {a}-{b} over {s0}-{s1}, still being copied"
+    copy_b.block_until_ready()
+    r.give_back(slot, [])
+    assert r.busy == 0  # every copy done, every slot given back: all free again
+
+
+_slower = jax.jit(lambda x: x @ x @ x @ x @ x @ x)
 
 
 def test_a_ring_full_of_unplaced_reads_gives_fresh_memory_instead_of_waiting():

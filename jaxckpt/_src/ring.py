@@ -143,13 +143,18 @@ class Ring:
         return newest if oldest - newest >= size else None
 
     def settle(self) -> None:
-        """Waits for every copy out of the ring to finish and frees the slots given back
-        (removing any slots keeps the others in allocation order: all ``_fit`` needs)."""
+        """Waits for every copy out of the ring under way now to finish and frees the slots
+        given back whose copies have finished (removing any slots keeps the others in
+        allocation order: all ``_fit`` needs). A slot that another restore sharing the ring
+        gives back meanwhile stays until its own copies finish: its memory is not handed
+        out while a device may still be reading it."""
         with self._lock:
             moving = [a for s in self._slots if s.moving for a in s.moving]
         _wait(moving)
         with self._lock:
-            self._slots = collections.deque(s for s in self._slots if s.moving is None)
+            self._slots = collections.deque(
+                s for s in self._slots if s.moving is None or not all(map(_done, s.moving))
+            )
 
     def clear(self) -> None:
         """Frees every slot: its reads are over (no other restore uses the ring)."""
