@@ -60,20 +60,18 @@ class Ring:
     clients: list[Any] = field(default_factory=list)  # those it is registered with (``_pin``)
     users: int = 0  # restores using it now (``for_restore``)
     region: np.ndarray = field(init=False, repr=False)
+    address: int = field(init=False, repr=False)  # the region's first byte
     ready: threading.Event = field(init=False, repr=False)  # faulted in and registered
     _slots: collections.deque[_Slot] = field(init=False, repr=False)
     _lock: threading.Lock = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.region = arrays.aligned_empty((self.capacity,), np.dtype(np.uint8), SLOT_ALIGN)
+        self.address = int(self.region.ctypes.data)  # (asked for each slice given back)
         self.ready = threading.Event()
         self.ready.set()  # (``for_restore`` prepares a new ring on a thread: ``_prepare``)
         self._slots = collections.deque()
         self._lock = threading.Lock()
-
-    @property
-    def address(self) -> int:
-        return int(self.region.ctypes.data)
 
     @property
     def pinned(self) -> bool:
