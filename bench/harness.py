@@ -454,7 +454,9 @@ DIRECT_ALIGN = 4096  # O_DIRECT: buffer addresses, offsets and lengths in whole 
 
 def _fresh(nbytes: int, aligned: bool) -> np.ndarray:
     """``nbytes`` of fresh memory (uint8); ``aligned``: page-aligned, with room for the last
-    block padded to ``DIRECT_ALIGN`` (an anonymous mapping of its own), as O_DIRECT wants."""
+    block padded to ``DIRECT_ALIGN`` (an anonymous mapping of its own), as O_DIRECT wants.
+    (Not ``arrays.aligned_empty``: its huge pages would make the O_DIRECT read's memory
+    cheaper to fault in than the buffered read's, and the two are compared.)"""
     if not aligned:
         return np.empty(nbytes, np.uint8)
     padded = max(1, -(-nbytes // DIRECT_ALIGN)) * DIRECT_ALIGN

@@ -86,10 +86,7 @@ class Reader:
         if sr.parts:
             out, group = self._group([(sr, into, copies)])
             return together(self.pool, group, lambda _: _raised(out[0]))
-        buf = arrays.buffer_for(into, sr.shape, sr.dtype)
-        extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
-        if self.files.prefetching:
-            self._prefetch(sr)
+        buf, extra = self._buffers(sr, into, copies)
         if SMALL_CHUNK_BYTES < buf.nbytes <= spans.SPLIT_BYTES:  # most slices: one task
             return self.pool.submit(self._read_whole, sr, buf, extra)
         chunks, trailers, runs = _spans(sr, buf, extra)
@@ -120,14 +117,11 @@ class Reader:
         out: list[np.ndarray | Exception] = []
         for sr, into, copies in items:
             try:
-                buf = arrays.buffer_for(into, sr.shape, sr.dtype)
-                extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
+                buf, extra = self._buffers(sr, into, copies)
             except Exception as e:
                 work.append((sr, np.empty(0, np.uint8), []))
                 out.append(e)
                 continue
-            if self.files.prefetching:
-                self._prefetch(sr)
             work.append((sr, buf, extra))
             out.append(buf)
         live = [k for k, got in enumerate(out) if not isinstance(got, Exception)]
@@ -236,8 +230,19 @@ class Reader:
         """Hands the batch of small slices to the threads (a no-op when empty)."""
         self._batch.send()
 
+    def _buffers(
+        self, sr: SliceRead, into: np.ndarray | None, copies: Sequence[np.ndarray]
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Slice ``sr``'s buffer (``into``, else fresh memory) and its copies', its read
+        ahead asked for (``_prefetch``)."""
+        buf = arrays.buffer_for(into, sr.shape, sr.dtype)
+        extra = [arrays.buffer_for(c, sr.shape, sr.dtype) for c in copies]
+        self._prefetch(sr)
+        return buf, extra
+
     def _prefetch(self, sr: SliceRead) -> None:
-        self.files.prefetch([c.at for c in sr.chunks] + [p.at for p in sr.parts])
+        if self.files.prefetching:  # (else not even the list of its chunks)
+            self.files.prefetch([c.at for c in sr.chunks] + [p.at for p in sr.parts])
 
     def close(self) -> None:
         """Stops the threads and closes the files; where a thread is stuck in the kernel
