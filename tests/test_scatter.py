@@ -77,11 +77,51 @@ def test_a_corrupt_chunk_and_a_short_file_are_named(tmp_path, monkeypatch):
         os.close(fd)
 
 
-def test_a_piece_holds_about_piece_bytes_of_whole_rows():
+def test_a_piece_holds_about_piece_bytes_of_whole_rows_or_of_slabs_of_a_row():
     at = arrays.ChunkBytes("f", 0, 68)
     box = ChunkPart("k", at, 64, (4, 4), (slice(0, 2), slice(1, 3)), (slice(0, 2), slice(0, 2)))
-    assert scatter.rows_per_piece(box) == scatter.PIECE_BYTES // 16
+    assert scatter.cut(box) == scatter.Cut(0, scatter.PIECE_BYTES // 16, 16)
     wide = ChunkPart(
         "k", at, 1 << 30, (2, 1 << 27), (slice(0, 2), slice(0, 8)), (slice(0, 2), slice(0, 8))
-    )
-    assert scatter.rows_per_piece(wide) == 1  # a row wider than a piece: a row at a time
+    )  # a row of 512 MiB: a piece of values along it, not the row
+    assert scatter.cut(wide) == scatter.Cut(1, scatter.PIECE_BYTES // 4, 4)
+    layer = ChunkPart(
+        "k", at, 64 << 20, (1, 4096, 4096), (slice(0, 1),) * 3, (slice(0, 1),) * 3
+    )  # one layer of stacked weights: rows of its second axis
+    assert scatter.cut(layer) == scatter.Cut(1, scatter.PIECE_BYTES // (16 << 10), 16 << 10)
+    for p in (box, wide, layer):
+        assert scatter.cut(p).piece_bytes <= scatter.PIECE_BYTES
+
+
+@pytest.mark.parametrize(
+    ("piece", "axis"), [(1, 2), (24, 1), (80, 0), (1 << 20, 0)]
+)  # in values: one value, 3 slabs of the second axis, 2 rows, the whole chunk
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_chunk_of_wide_rows_is_read_in_pieces_of_a_row(piece, axis, dtype, tmp_path, monkeypatch):
+    """A 3-D chunk whose pieces are cut along each of its axes in turn: two parts that cut
+    through every axis (one with two replicas) get exactly their boxes, bit for bit."""
+    values = random_bits((3, 5, 8), dtype, np.random.default_rng(5))
+    monkeypatch.setattr(scatter, "PIECE_BYTES", piece * values.itemsize)
+    at = _chunk_file(tmp_path / "d", values)
+    a = (slice(0, 2), slice(1, 4), slice(2, 7))
+    b = (slice(1, 3), slice(0, 5), slice(0, 3))
+    first = np.zeros((2, 3, 5), values.dtype)
+    second = [np.zeros((4, 6, 4), values.dtype) for _ in range(3)]  # the part at (2:4, 1:6, 1:4)
+    at_b = (slice(2, 4), slice(1, 6), slice(1, 4))
+    parts = [
+        (_part(at, values, a, (slice(0, 2), slice(0, 3), slice(0, 5))), [first]),
+        (_part(at, values, b, at_b), second),
+    ]
+    assert scatter.cut(parts[0][0]).axis == axis
+    fd = os.open(at.file, os.O_RDONLY)
+    try:
+        scatter.read(
+            fd, parts[1][0], parts, np.empty(scatter.cut(parts[0][0]).piece_bytes, np.uint8)
+        )
+    finally:
+        os.close(fd)
+    assert_same_bits(values[a], first, "first")
+    expected = np.zeros_like(second[0])  # (zero bytes) with the part in its box
+    expected[at_b] = values[b]
+    for r in second:
+        assert_same_bits(expected, r, "second")  # its box, and nothing outside it

@@ -171,8 +171,7 @@ class Reader:
             chunk = live[0][1]
             targets = [(p, [work[k][1], *work[k][2]]) for k, p in live]
             try:
-                rows = scatter.rows_per_piece(chunk)
-                scratch = self._scratch_buffer(rows * (chunk.nbytes // chunk.chunk_shape[0]))
+                scratch = self._scratch_buffer(scatter.cut(chunk).piece_bytes)
                 scatter.read(self.files.fd(chunk.at.file), chunk, targets, scratch, self.watch)
             except Exception as e:
                 for k, _ in live:

@@ -1,17 +1,24 @@
 """A chunk that slices need parts of (a restore onto another mesh), read once for all of
-them in pieces of whole rows that stay in the CPU's cache: each piece checksummed, then its
-rows copied into every slice that needs them, while it is still in the cache.
+them in pieces that stay in the CPU's cache: each piece checksummed, then its values copied
+into every slice that needs them, while it is still in the cache.
 
 Read whole into a buffer, checked, then copied out (and kept for the other slices' threads),
 a chunk passed three times over memory the cache no longer held; mapped, its pages cost a
 fault each (docs/MEASURED.md). Here it passes through one scratch buffer of about
 ``PIECE_BYTES`` a thread; the slices' bytes count only once the chunk's CRC32C matches (a
 corrupt chunk fails every slice it was copied into).
+
+A piece is a run of whole rows (first-axis slabs) where a row fits in ``PIECE_BYTES``; where
+it does not (a chunk of one wide row: a layer of stacked weights, an expert), a run of the
+first axis along which one slab fits, every axis before it held at one index (``cut``), so
+that no chunk's shape takes the scratch buffer beyond a piece or the piece out of the cache.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import crc32c
 import numpy as np
@@ -21,13 +28,37 @@ from .chunk_plan import ChunkPart, ChunkRead
 from .inflight import Watch
 from .layout import TRAILER
 
-PIECE_BYTES = spans.PIECE_BYTES  # rows read at a time: about this many bytes
+PIECE_BYTES = spans.PIECE_BYTES  # read at a time: about this many bytes
 
 
-def rows_per_piece(p: ChunkPart) -> int:
-    """Rows (first-axis slabs) of chunk ``p`` read at a time: about ``PIECE_BYTES``, one at
-    least."""
-    return max(1, PIECE_BYTES // max(1, p.nbytes // p.chunk_shape[0]))
+class Cut(NamedTuple):
+    """How a chunk is read a piece at a time: along ``axis``, ``step`` indices a piece, each
+    index a slab of ``slab`` bytes (every axis after ``axis`` whole), each axis before it at
+    one index."""
+
+    axis: int
+    step: int
+    slab: int
+
+    @property
+    def piece_bytes(self) -> int:
+        """The most bytes a piece holds: the scratch buffer a read needs."""
+        return self.step * self.slab
+
+
+def cut(p: ChunkPart) -> Cut:
+    """The pieces chunk ``p`` is read in: whole rows, about ``PIECE_BYTES`` of them (one at
+    least), where a row fits in ``PIECE_BYTES``; else the first axis whose slabs fit, or
+    single values along the last."""
+    shape = p.chunk_shape
+    slab = p.nbytes
+    for axis, n in enumerate(shape):
+        if n == 0:
+            return Cut(axis, 1, 0)
+        slab //= n
+        if slab <= PIECE_BYTES or axis == len(shape) - 1:
+            return Cut(axis, max(1, PIECE_BYTES // max(1, slab)), slab)
+    return Cut(0, 1, p.nbytes)  # (no axes: no part of it is ever wanted)
 
 
 def read(
@@ -38,44 +69,58 @@ def read(
     watch: Watch | None = None,
 ) -> None:
     """Reads ``chunk`` (any of its parts: the key and bytes are the chunk's) from file
-    ``fd`` a piece of rows at a time into ``scratch`` (uint8, at least a piece), and copies
-    each piece's rows of every part in ``targets`` (the part, the buffers of its slice:
-    itself and its replicas, of the slice's dtype) into place; raises ``crc.Corrupt`` where
-    the chunk's CRC32C does not match its trailer (the buffers then hold bytes that must
-    not be used), StorageError where its file ends early or can't be read."""
+    ``fd`` a piece at a time (``cut``) into ``scratch`` (uint8, at least
+    ``cut(chunk).piece_bytes``), and copies each piece's values of every part in ``targets``
+    (the part, the buffers of its slice: itself and its replicas, of the slice's dtype)
+    into place; raises ``crc.Corrupt`` where the chunk's CRC32C does not match its trailer
+    (the buffers then hold bytes that must not be used), StorageError where its file ends
+    early or can't be read."""
     shape = chunk.chunk_shape
-    rows = shape[0]
-    row_bytes = chunk.nbytes // rows
-    step = rows_per_piece(chunk)
+    axis, step, slab = cut(chunk)
     dtype = targets[0][1][0].dtype
     trailer = bytearray(TRAILER)
     run = [ChunkRead(chunk.key, chunk.at, 0, chunk.nbytes)]
-    pos, got = chunk.at.start, 0
-    for a in range(0, rows, step):
-        b = min(rows, a + step)
-        n = (b - a) * row_bytes
-        views = [scratch[:n].data]
-        if b == rows:
-            views.append(memoryview(trailer))
-        pos = spans.preadv_all(fd, views, pos, run, watch, n + (TRAILER if b == rows else 0))
-        got = crc32c.crc32c(scratch[:n].data, got)
-        values = scratch[:n].view(dtype).reshape((b - a, *shape[1:]))
-        for part, bufs in targets:
-            _copy_rows(part, values, a, b, bufs)
+    pos, got, end = chunk.at.start, 0, chunk.at.start + chunk.nbytes
+    for outer in itertools.product(*map(range, shape[:axis])):  # () once: whole rows
+        wanted = [(p, bs) for p, bs in targets if _holds(p.src, outer)]
+        for a in range(0, shape[axis], step):
+            b = min(shape[axis], a + step)
+            n = (b - a) * slab
+            last = pos + n == end
+            views = [scratch[:n].data, memoryview(trailer)] if last else [scratch[:n].data]
+            pos = spans.preadv_all(fd, views, pos, run, watch, n + (TRAILER if last else 0))
+            got = crc32c.crc32c(scratch[:n].data, got)
+            if wanted:
+                values = scratch[:n].view(dtype).reshape((b - a, *shape[axis + 1 :]))
+                for part, bufs in wanted:
+                    _copy(part, outer, values, a, b, bufs)
     crc.verify(chunk.key, chunk.at, got, trailer)
 
 
-def _copy_rows(
-    part: ChunkPart, values: np.ndarray, a: int, b: int, bufs: Sequence[np.ndarray]
+def _holds(src: tuple[slice, ...], outer: tuple[int, ...]) -> bool:
+    """Whether a part taking ``src`` of its chunk takes anything at the index ``outer`` of
+    the chunk's first axes."""
+    return all(s.start <= i < s.stop for s, i in zip(src, outer, strict=False))
+
+
+def _copy(
+    part: ChunkPart,
+    outer: tuple[int, ...],
+    values: np.ndarray,
+    a: int,
+    b: int,
+    bufs: Sequence[np.ndarray],
 ) -> None:
-    """The rows ``a`` to ``b`` of the chunk (``values``) that ``part`` takes, into place in
-    each of ``bufs``."""
-    s0, s1 = part.src[0].start, part.src[0].stop
-    lo, hi = max(a, s0), min(b, s1)
+    """The values of the chunk at ``outer`` (its first axes' indices), ``a`` to ``b`` along
+    the next (``values``), that ``part`` takes, into place in each of ``bufs``."""
+    k = len(outer)
+    s = part.src[k]
+    lo, hi = max(a, s.start), min(b, s.stop)
     if lo >= hi:
         return
-    d0 = part.dst[0].start + lo - s0
-    src = (slice(lo - a, hi - a), *part.src[1:])
-    dst = (slice(d0, d0 + hi - lo), *part.dst[1:])
+    d = part.dst[k].start + lo - s.start
+    at = tuple(t.start + i - f.start for t, i, f in zip(part.dst, outer, part.src, strict=False))
+    src = (slice(lo - a, hi - a), *part.src[k + 1 :])
+    dst = (*at, slice(d, d + hi - lo), *part.dst[k + 1 :])
     for buf in bufs:
         buf[dst] = values[src]
