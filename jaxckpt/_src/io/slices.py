@@ -158,7 +158,7 @@ def read(
         contextlib.closing(InFlight[Any](budget, threads=use_threads, watch=watch)) as reads,
     ):
         limit = min(GROUP_BYTES, budget // 4)  # (several groups in flight: every thread busy)
-        for group, alone in _groups(requests, plans, maps, limit, budget // 2):
+        for group, alone in _groups(requests, plans, maps, limit, budget):
             if alone is None:
                 _issue_group(reads, [(requests[i], plans[i]) for i in group], reader, name, failed)
                 continue
@@ -226,9 +226,12 @@ def _groups(
     reader reads together (``direct.Reader.start_group``), about ``limit`` bytes in all:
     slices of whole chunks, neither mapped nor small (the reader batches those itself),
     and slices that need parts of chunks (never mapped: ``mapped.suitable``), a group going
-    on past ``limit``, up to ``cap`` (half the read budget: the next group is read while one
-    is used), while the next slice needs a chunk it reads (each group reads its chunks once:
-    a chunk is read again only by another group); ([], i) for every other request alone."""
+    on past ``limit``, up to ``cap`` (the read budget), while the next slice needs a chunk it
+    reads (each group reads its chunks once: a chunk is read again only by another group).
+    Such a group may hold the whole budget, the next read waiting until it is used: reading
+    a chunk again costs more (four slices of 30 MiB sharing their chunks, in groups of half
+    a 128 MiB budget, read every chunk twice: docs/MEASURED.md). ([], i) for every other
+    request alone."""
     group: list[int] = []
     keys: set[str] = set()
     size = 0
