@@ -9,10 +9,10 @@ reads them. Chunks adjacent in a data file are read in one ``preadv``, their 4-b
 trailers into a scratch array; each piece is checksummed right after it arrives, while it
 is still in the CPU's cache. Slices that cut through chunks (a restore onto another mesh,
 or ending in an edge chunk zarr padded) are read in groups (``start_group``): each chunk
-once for every slice of the group that needs a part of it, a piece of rows at a time, each
-piece checked and copied into those slices while it is in the cache (``scatter``; a chunk
-must be read whole to check it, and TensorStore reads it whole too). As a slice's read is
-issued, the kernel is asked to read its chunks ahead (``residency``).
+once for every slice of the group that needs a part of it, a piece (of rows, or of a row's
+slabs) at a time, each piece checked and copied into those slices while it is in the cache
+(``scatter``; a chunk must be read whole to check it, and TensorStore reads it whole too).
+As a slice's read is issued, the kernel is asked to read its chunks ahead (``residency``).
 ``JAXCKPT_DIRECT_READ=0`` turns the path off (for benchmarks and debugging).
 """
 
