@@ -118,6 +118,33 @@ def test_hostile_values_restore_bit_exactly(
             assert preadv.bytes - before == direct_bytes + x[:64].nbytes + 4
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stacked_chunks_wider_than_a_piece_restore_bit_exactly(
+    dtype, x64, preadv, tmp_path, monkeypatch
+):
+    """Stacked weights saved a layer a device (a chunk: one row of 16 x 24 values), restored
+    onto a mesh that cuts every chunk's last axis in four, with a piece smaller than a row
+    (``scatter.cut``: 5 slabs of its second axis): random bits of every dtype come back
+    exactly, and each chunk is read once for the four slices that need it."""
+    monkeypatch.setenv(linux.MAP, "0")
+    x = random_bits((8, 16, 24), dtype, np.random.default_rng(11))
+    monkeypatch.setattr(scatter, "PIECE_BYTES", 5 * 24 * x.itemsize)
+    cuts: list[scatter.Cut] = []
+    real_cut = scatter.cut
+    monkeypatch.setattr(scatter, "cut", lambda p: cuts.append(real_cut(p)) or cuts[-1])
+    layers = NamedSharding(jax.make_mesh((8,), ("e",)), P("e"))
+    jaxckpt.save(tmp_path / "c", {"x": jax.device_put(x, layers)})
+    cut = NamedSharding(jax.make_mesh((2, 4), ("e", "m")), P("e", None, "m"))
+    before = preadv.bytes
+    out = jaxckpt.restore(tmp_path / "c", target={"x": cut})
+    assert_same_bits(x, np.asarray(out["x"]), f"{dtype} onto (2, 4)")
+    for shard in out["x"].addressable_shards:
+        assert_same_bits(x[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
+    if direct_dtype(dtype):
+        assert preadv.bytes - before == x.nbytes + 8 * 4  # each chunk and its CRC once
+        assert {c[:2] for c in cuts} == {(1, 5)}, cuts  # 5 slabs of a row a piece
+
+
 def test_chunks_of_a_shard_are_coalesced(preadv, mesh42, tmp_path, monkeypatch):
     """Tall shards cut into row chunks (each a contiguous run of the slice): the chunks of a
     shard that lie back to back in their data file come in one preadv of many buffers,
