@@ -1,6 +1,7 @@
 """The one way slices are read (jaxckpt/_src/io/slices.py): both restores go through it, a
 corrupt chunk is named one way through either, and the read budget holds through either."""
 
+import dataclasses
 import functools
 import os
 import re
@@ -259,8 +260,9 @@ def test_slices_of_a_few_mib_are_read_in_groups_each_failing_by_itself(
 def test_a_slice_whose_memory_cant_be_had_fails_alone_in_its_group(tmp_path, mesh42, monkeypatch):
     """Slices of two leaves that cut through chunks read as one group; no buffer can be had
     for leaf 'b' (a MemoryError): its slices fail, each named by 'b', and those of 'a' are
-    read and handed on, bit for bit."""
-    from jaxckpt._src.io import arrays
+    read and handed on, bit for bit. Where the whole group fails after 'b's buffers were
+    refused, 'b's slices still fail with their own error."""
+    from jaxckpt._src.io import arrays, direct
     from jaxckpt._src.readers import any_manifest
 
     rng = np.random.default_rng(0)
@@ -300,3 +302,22 @@ def test_a_slice_whose_memory_cant_be_had_fails_alone_in_its_group(tmp_path, mes
         _same(xs[n][:, c : c + 7], data, f"{n} {c}")
     assert sorted(bad) == [("b", c) for c in (0, 7, 14, 21)]
     assert all("leaf 'b'" in str(e) and "no memory" in str(e) for e in bad.values()), bad
+
+    # 'b's buffers refused by the ring (``stage``) before the group starts, and the whole
+    # group failing after: each slice of 'b' fails with its own error, each of 'a' the group's
+    def no_slot(nbytes: int) -> np.ndarray:
+        raise MemoryError("no ring slot for 'b'")
+
+    def broken(self, items):
+        raise OSError("the reader's threads are gone")
+
+    monkeypatch.setattr(direct.Reader, "start_group", broken)
+    staged = [dataclasses.replace(r, stage=no_slot) if r.leaf.name == "b" else r for r in requests]
+    bad.clear()
+    slices.read(
+        db, staged, opener, failed=lambda r, e: bad.__setitem__((r.leaf.name, r.index[1][0]), e)
+    )
+    assert len(bad) == 8, bad
+    for (n, _), e in bad.items():
+        assert f"leaf {n!r}" in str(e), e
+        assert ("no ring slot" if n == "b" else "threads are gone") in str(e), e

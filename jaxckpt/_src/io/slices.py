@@ -298,9 +298,11 @@ def _issue_group(
     def use(fut: Any) -> None:
         try:
             got: list[Any] = fut.result()
-        except Exception as e:  # the whole group (a stall's error is named already)
-            for r, _ in group:
-                _fail(r, e if isinstance(e, ReadStalledError) else name.error(e, r.leaf), failed)
+        except Exception as e:  # the whole group (a stall's error is named already), but a
+            for k, (r, _) in enumerate(group):  # slice whose buffer failed fails with that
+                own = early.get(k, e)
+                _fail(r, own if isinstance(own, ReadStalledError) else name.error(own, r.leaf),
+                      failed)  # fmt: skip
             return
         read = iter(got)
         for k, ((r, _), fill) in enumerate(zip(group, fills, strict=True)):
