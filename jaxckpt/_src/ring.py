@@ -63,6 +63,7 @@ class Ring:
     address: int = field(init=False, repr=False)  # the region's first byte
     ready: threading.Event = field(init=False, repr=False)  # faulted in and registered
     _slots: collections.deque[_Slot] = field(init=False, repr=False)
+    _at: dict[int, _Slot] = field(init=False, repr=False)  # the live slots by start
     _lock: threading.Lock = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +72,7 @@ class Ring:
         self.ready = threading.Event()
         self.ready.set()  # (``for_restore`` prepares a new ring on a thread: ``_prepare``)
         self._slots = collections.deque()
+        self._at = {}
         self._lock = threading.Lock()
 
     @property
@@ -91,7 +93,8 @@ class Ring:
                 self._reclaim()
                 start = self._fit(size)
                 if start is not None:
-                    self._slots.append(_Slot(start, start + size))
+                    self._slots.append(slot := _Slot(start, start + size))
+                    self._at[start] = slot
                     return self.region[start : start + nbytes]
                 oldest = self._slots[0]
                 if oldest.moving is None:  # a read not placed yet: never wait on it
@@ -116,17 +119,18 @@ class Ring:
         if not 0 <= at < self.capacity:
             return
         with self._lock:
-            for slot in self._slots:
-                if slot.start <= at < slot.stop and not slot.given:
-                    slot.moving, slot.given = list(moving), True
-                    return
+            slot = self._at.get(at)  # (a restore gives back what it took, from its start)
+            if slot is None:  # a view from inside its slot
+                slot = next((s for s in self._slots if s.start <= at < s.stop), None)
+            if slot is not None and not slot.given:
+                slot.moving, slot.given = list(moving), True
 
     def _reclaim(self) -> None:
         """Frees the oldest slots whose copies have finished."""
         while self._slots and self._slots[0].moving is not None:
             if not all(_done(a) for a in self._slots[0].moving):
                 return
-            self._slots.popleft()
+            del self._at[self._slots.popleft().start]
 
     def _fit(self, size: int) -> int | None:
         """Where a slot of ``size`` starts: after the newest slot, or at the ring's start
@@ -153,11 +157,13 @@ class Ring:
             self._slots = collections.deque(
                 s for s in self._slots if s.moving is None or not all(map(_done, s.moving))
             )
+            self._at = {s.start: s for s in self._slots}
 
     def clear(self) -> None:
         """Frees every slot: its reads are over (no other restore uses the ring)."""
         with self._lock:
             self._slots.clear()
+            self._at.clear()
 
     def drop_arrays(self) -> None:
         """Lets go of the arrays copied out of the ring (a retired ring keeps its memory,
