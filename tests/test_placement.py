@@ -391,3 +391,50 @@ def test_borrowed_host_bytes_are_copied_before_a_cpu_device_gets_them(adopt, mes
         out.put(index, reused, borrowed=True)
         reused[:] = np.nan  # the next user of the memory
     np.testing.assert_array_equal(np.asarray(out.array()), full)
+
+
+@pytest.mark.parametrize("spec", [P("data", "model"), P("data"), P()], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_small_leaf_on_devices_that_copy_is_put_whole_as_its_last_slice_arrives(
+    dtype, spec, x64, mesh42, monkeypatch
+):
+    """Devices that copy host buffers (CPU devices with ``JAXCKPT_ADOPT=0``, as an
+    accelerator does): a small leaf's slices are read into its own buffer, replicas
+    included (``host_buffer``, ``replica_buffers``), and the leaf goes onto its devices in
+    jax's put as the last slice is put, one call (a device at a time where it is replicated
+    everywhere); every device holds its own bytes, exact."""
+    monkeypatch.setenv("JAXCKPT_ADOPT", "0")
+    calls: list[int] = []
+    real = placement._put
+    monkeypatch.setattr(placement, "_put", lambda *a: calls.append(1) or real(*a))
+    full = random_bits((8, 6), dtype, np.random.default_rng(1))
+    out = Placement(NamedSharding(mesh42, spec), full.shape, full.dtype)
+    if jax.dtypes.itemsize_bits(full.dtype) != 8 * full.dtype.itemsize:
+        assert out.host_buffer(out.indices[0]) is None  # packed types: a put a slice
+        return
+    for k, index in enumerate(out.indices):
+        box = tuple(slice(a, b) for a, b in index)
+        into, copies = out.host_buffer(index), out.replica_buffers(index)
+        assert into is not None and len(copies) == 8 // len(out.indices) - 1
+        for buf in (into, *copies):
+            np.copyto(buf, full[box])  # (a reader filling them)
+        out.put(index, into, copies)
+        assert (out._array is not None) == (k == len(out.indices) - 1)
+    arr = out.array()
+    assert len(calls) == (8 if spec == P() else 1), calls
+    assert_same_bits(full, np.asarray(arr), str(dtype))
+    pointers = {s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
+    assert len(pointers) == 8  # every device its own bytes
+    for shard in arr.addressable_shards:
+        assert_same_bits(full[shard.index], np.asarray(shard.data), f"{dtype} {shard.device}")
+
+
+def test_a_leaf_over_the_bound_or_on_adopting_devices_is_not_put_whole(mesh42, monkeypatch):
+    sharding = NamedSharding(mesh42, P("data"))
+    monkeypatch.setenv("JAXCKPT_ADOPT", "0")
+    assert Placement(sharding, (64, 64), np.float32).host_buffer(((0, 16), (0, 64))) is not None
+    monkeypatch.setattr(placement, "WHOLE_LEAF_BYTES", 64 * 64 * 4)  # its 2 copies: 32 KiB
+    assert Placement(sharding, (64, 64), np.float32).host_buffer(((0, 16), (0, 64))) is None
+    monkeypatch.setenv("JAXCKPT_ADOPT", "1")  # adopted: read into its own memory, put at array
+    adopted = Placement(sharding, (64, 64), np.float32)
+    assert adopted.host_buffer(((0, 16), (0, 64))) is not None and adopted.mappable

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._src import ring
+from jaxckpt._src import placement, ring
 from jaxckpt.errors import ChecksumError
 
 
@@ -158,10 +158,12 @@ def saved_over_8(tmp_path, x: np.ndarray) -> dict:
 @pytest.fixture
 def as_accelerator(monkeypatch):
     """CPU devices restored the way an accelerator is: no mappings, no adopted buffers,
-    every slice read into the ring and copied onto its device."""
+    every slice read into the ring and copied onto its device (small leaves too: none put
+    whole, ``placement.WHOLE_LEAF_BYTES``)."""
     monkeypatch.setenv("JAXCKPT_ADOPT", "0")
     monkeypatch.setenv("JAXCKPT_MAP", "0")
     monkeypatch.setattr(ring, "_ring", None)
+    monkeypatch.setattr(placement, "WHOLE_LEAF_BYTES", 0)
 
 
 def test_every_dtype_restores_bit_exactly_through_the_ring(tmp_path, as_accelerator, x64):

@@ -36,6 +36,13 @@ class Placement:
     public ``device_put`` per shard, more than the rest of a restore of small ones; an
     allocation per copy, a few % of a restore of many small leaves: docs/MEASURED.md.)
     The leaf's shards then free their memory together, when the last of them is gone.
+
+    A small leaf on devices that copy host buffers (an accelerator; CPU devices with
+    ``JAXCKPT_ADOPT=0``), one whose copies on this process come to ``WHOLE_LEAF_BYTES`` or
+    less, is read the same way into a buffer of its own, and put whole with jax's own put
+    as its last slice arrives (each device copying its place): one call a leaf rather than
+    a put a slice and a device-to-device copy a replica, the calls being most of the cost
+    of a restore of many small leaves (docs/MEASURED.md).
     """
 
     def __init__(
@@ -50,7 +57,9 @@ class Placement:
         # devices that copy host buffers into their own memory (not CPU ones, which keep
         # them even when told not to, nor host memory kinds, which might)
         self._copies = not cpu and sharding.memory_kind in (None, "device")
-        self._host = self._host_buffers() if self._cpu else {}
+        self._whole = not self._cpu and _small(sharding, shape, self.dtype, adopt)
+        self._host = self._host_buffers() if self._cpu or self._whole else {}
+        self._array: jax.Array | None = None  # (a small leaf: put as its last slice came)
         self._waiting: dict[Index, tuple[np.ndarray, Sequence[np.ndarray] | None]] = {}
         _release_dropped()  # before this leaf's memory is filled
 
@@ -81,6 +90,12 @@ class Placement:
         return list(self._host.get(index, [])[1:])
 
     @property
+    def mappable(self) -> bool:
+        """Whether its devices take the host buffers as they are (CPU devices): a slice of
+        it may be a mapping of its chunks."""
+        return self._cpu
+
+    @property
     def indices(self) -> list[Index]:
         return list(self.devices)
 
@@ -99,8 +114,10 @@ class Placement:
         the copies onto the devices are done (a ``ring`` slot): no device keeps it as its
         own. Returns the arrays copied out of ``data`` (none where the slice waits for
         ``array``, which CPU devices adopt)."""
-        if self._cpu:  # adopted at ``array``: memory that is reused must be copied first
-            self._waiting[index] = (_copied(data) if borrowed else data, replicas)
+        if self._cpu or self._whole:  # put at ``array``, or a small leaf once it is all here:
+            self._waiting[index] = (_copied(data) if borrowed else data, replicas)  # (reused
+            if self._whole and len(self._waiting) == len(self.devices):  # memory: copied)
+                self._array = self._adopt_waiting()
             return []
         first, *rest = self.devices[index]
         if borrowed and not self._copies:  # a CPU device keeps the host bytes it is given
@@ -112,6 +129,8 @@ class Placement:
         return [self.placed[first]]
 
     def array(self) -> jax.Array:
+        if self._array is not None:
+            return self._array
         if self._waiting:
             return self._adopt_waiting()
         singles = [self.placed[d] for d in self.index_map]
@@ -288,3 +307,26 @@ def _adopted(dtype: np.dtype) -> bool:
     """Whether a CPU device adopts a host buffer of ``dtype`` as it is: whole bytes per
     element (XLA packs 1-, 2- and 4-bit types, copying them)."""
     return jax.dtypes.itemsize_bits(dtype) == 8 * dtype.itemsize
+
+
+WHOLE_LEAF_BYTES = 1 << 20
+"""A leaf whose copies on this process come to this or less is put whole on devices that copy
+host buffers (``Placement``)."""
+
+
+def _small(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], dtype: np.dtype, adopt: bool
+) -> bool:
+    """Whether a leaf is put whole on its devices as its last slice arrives: its copies on
+    this process ``WHOLE_LEAF_BYTES`` or less, on devices that copy host buffers into their
+    own memory (an accelerator; CPU devices told not to adopt them), with jax's own put at
+    hand and a dtype it puts as it is."""
+    slices, cpu = _slices(sharding, shape)
+    if not slices or (cpu and adopt) or _put is None or not _adopted(dtype):
+        return False
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype or sharding.memory_kind not in (
+        None,
+        "device",
+    ):
+        return False
+    return _places(sharding, shape, dtype.itemsize)[0] <= WHOLE_LEAF_BYTES
