@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt._src import ring  # noqa: E402
+from jaxckpt._src import placement, ring  # noqa: E402
 
 # Fixed leaves that read once (replicated over 'data') and random ones: each dtype gets
 # ``RANDOM`` leaves of random shapes and PartitionSpecs drawn from $JAXCKPT_TEST_SEED.
@@ -199,11 +199,19 @@ def run(mode: str, path: str) -> None:
             jaxckpt.restore(path, target=target(other, lambda k, s: random_spec(s, rng))), "random"
         )
         if mode == "restore":  # as onto accelerators: read into the host ring, copied out
-            with mock.patch.dict(os.environ, {"JAXCKPT_ADOPT": "0", "JAXCKPT_MAP": "0"}):
+            accelerator = {"JAXCKPT_ADOPT": "0", "JAXCKPT_MAP": "0"}
+            with (
+                mock.patch.dict(os.environ, accelerator),
+                mock.patch.object(placement, "WHOLE_LEAF_BYTES", 0),
+            ):  # (every leaf through the ring: none put whole)
                 out = jaxckpt.restore(path, target=target(other, lambda k, s: random_spec(s, rng)))
             assert ring._ring is not None and not ring._ring.pinned
             ring._ring.region[:] = 0xA5  # nothing restored lives in the ring
             check(out, "ring")
+            with mock.patch.dict(os.environ, accelerator):  # small leaves put whole
+                out = jaxckpt.restore(path, target=target(other, lambda k, s: random_spec(s, rng)))
+            ring._ring.region[:] = 0x5A
+            check(out, "ring, small leaves whole")
     elif mode == "manager":
         with jaxckpt.CheckpointManager(path) as mgr:
             mgr.save(1, state(mesh))
