@@ -1,6 +1,7 @@
 """Host slices onto devices (jaxckpt/_src/placement.py): every device gets the right slice,
 replicas are copies (no two devices share memory), bytes exact."""
 
+import contextlib
 import itertools
 import mmap
 
@@ -438,3 +439,53 @@ def test_a_leaf_over_the_bound_or_on_adopting_devices_is_not_put_whole(mesh42, m
     monkeypatch.setenv("JAXCKPT_ADOPT", "1")  # adopted: read into its own memory, put at array
     adopted = Placement(sharding, (64, 64), np.float32)
     assert adopted.host_buffer(((0, 16), (0, 64))) is not None and adopted.mappable
+
+
+def test_two_placing_threads_put_a_small_leaf_whole_once(mesh42, monkeypatch):
+    """Placing threads put the slices of one small leaf side by side: the leaf goes onto its
+    devices once, by the thread that put its last slice, with every slice in it. (Each
+    thread's last slice waits, once set aside, for the other's, and each look at a complete
+    leaf for the other's, so that without the lock both threads see the leaf complete.)"""
+    import threading
+
+    monkeypatch.setenv("JAXCKPT_ADOPT", "0")
+    calls: list[int] = []
+    real = placement._put
+    monkeypatch.setattr(placement, "_put", lambda *a: calls.append(1) or real(*a))
+    full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    out = Placement(NamedSharding(mesh42, P("data", "model")), full.shape, full.dtype)
+    work = [(i, full[tuple(slice(a, b) for a, b in i)].copy()) for i in out.indices]
+    lasts = {work[-1][0], work[-2][0]}
+    meet = [threading.Barrier(2, timeout=0.25) for _ in range(2)]
+
+    class Meeting(dict):  # (the other thread held by the lock: it comes after, the wait ends)
+        def __setitem__(self, key, value) -> None:
+            super().__setitem__(key, value)
+            if key in lasts:  # both threads' last slices set aside before either looks
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    meet[0].wait()
+
+        def __len__(self) -> int:
+            n = super().__len__()
+            if n == len(work):  # and both look before either puts the leaf
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    meet[1].wait()
+            return n
+
+    out._waiting = Meeting()
+    errors: list[Exception] = []
+
+    def put(half: list) -> None:
+        try:
+            for index, data in half:
+                out.put(index, data)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=put, args=(work[k::2],)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(calls) == 1, (errors, calls)
+    np.testing.assert_array_equal(np.asarray(out.array()), full)

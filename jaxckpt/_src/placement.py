@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -114,9 +115,12 @@ class Placement:
         the copies onto the devices are done (a ``ring`` slot): no device keeps it as its
         own. Returns the arrays copied out of ``data`` (none where the slice waits for
         ``array``, which CPU devices adopt)."""
-        if self._cpu or self._whole:  # put at ``array``, or a small leaf once it is all here:
-            self._waiting[index] = (_copied(data) if borrowed else data, replicas)  # (reused
-            if self._whole and len(self._waiting) == len(self.devices):  # memory: copied)
+        if self._cpu or self._whole:  # put at ``array``, or a small leaf once it is all here
+            held = _copied(data) if borrowed else data  # (memory that is reused: copied)
+            with _waiting_lock:  # (placing threads put a leaf's slices side by side)
+                self._waiting[index] = (held, replicas)
+                last = self._whole and len(self._waiting) == len(self.devices)
+            if last:  # (the one thread that put the last slice)
                 self._array = self._adopt_waiting()
             return []
         first, *rest = self.devices[index]
@@ -308,6 +312,8 @@ def _adopted(dtype: np.dtype) -> bool:
     element (XLA packs 1-, 2- and 4-bit types, copying them)."""
     return jax.dtypes.itemsize_bits(dtype) == 8 * dtype.itemsize
 
+
+_waiting_lock = threading.Lock()
 
 WHOLE_LEAF_BYTES = 1 << 20
 """A leaf whose copies on this process come to this or less is put whole on devices that copy
