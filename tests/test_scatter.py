@@ -125,3 +125,24 @@ def test_a_chunk_of_wide_rows_is_read_in_pieces_of_a_row(piece, axis, dtype, tmp
     expected[at_b] = values[b]
     for r in second:
         assert_same_bits(expected, r, "second")  # its box, and nothing outside it
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 3)])
+def test_a_chunk_with_no_values_checks_its_trailer_once(shape, tmp_path, monkeypatch):
+    """A chunk of no values (a 0-size axis): its trailer alone is read, once, and checked
+    (the CRC32C of no bytes); a wrong one is named."""
+    monkeypatch.setattr(scatter, "PIECE_BYTES", 1)
+    values = np.zeros(shape, np.uint8)
+    at = _chunk_file(tmp_path / "d", values)
+    box = tuple(slice(0, n) for n in shape)
+    part = _part(at, values, box, box)
+    fd = os.open(at.file, os.O_RDONLY)
+    try:
+        scatter.read(fd, part, [(part, [np.zeros(shape, np.uint8)])], np.empty(1, np.uint8))
+        with open(at.file, "r+b") as f:
+            f.seek(at.start)
+            f.write(b"BAD!")
+        with pytest.raises(crc.Corrupt, match="x/c/0/0"):
+            scatter.read(fd, part, [(part, [np.zeros(shape, np.uint8)])], np.empty(1, np.uint8))
+    finally:
+        os.close(fd)

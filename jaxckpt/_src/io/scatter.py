@@ -81,7 +81,10 @@ def read(
     trailer = bytearray(TRAILER)
     run = [ChunkRead(chunk.key, chunk.at, 0, chunk.nbytes)]
     pos, got, end = chunk.at.start, 0, chunk.at.start + chunk.nbytes
-    for outer in itertools.product(*map(range, shape[:axis])):  # () once: whole rows
+    if not chunk.nbytes:  # (no values: its trailer alone, the CRC32C of no bytes)
+        spans.preadv_all(fd, [memoryview(trailer)], pos, run, watch, TRAILER)
+    outers = itertools.product(*map(range, shape[:axis])) if chunk.nbytes else ()
+    for outer in outers:  # (whole rows: () once)
         wanted = [(p, bs) for p, bs in targets if _holds(p.src, outer)]
         for a in range(0, shape[axis], step):
             b = min(shape[axis], a + step)
