@@ -230,31 +230,44 @@ def _groups(
     reads (each group reads its chunks once: a chunk is read again only by another group).
     Such a group may hold the whole budget, the next read waiting until it is used: reading
     a chunk again costs more (four slices of 30 MiB sharing their chunks, in groups of half
-    a 128 MiB budget, read every chunk twice: docs/MEASURED.md). ([], i) for every other
-    request alone."""
+    a 128 MiB budget, read every chunk twice: docs/MEASURED.md). Where a group must end,
+    the slices at its end that need the very chunks the next slice needs (the other columns
+    of the same rows) go on with it, not split from it, unless they are the whole group or
+    would take it past ``cap``.
+    ([], i) for every other request alone."""
     group: list[int] = []
+    sizes: list[int] = []
+    needs: list[frozenset[str]] = []  # (each member's chunks, for the end of a group)
     keys: set[str] = set()
     size = 0
     for i, r in enumerate(requests):
         sr, n = plans.get(i), r.nbytes
+        mine = frozenset(p.key for p in sr.parts) if sr is not None else frozenset()
         if sr is not None and sr.parts:  # (``Reader.start`` reads one alone as a group too)
-            ok, shares = True, any(p.key in keys for p in sr.parts)
+            ok, shares = True, not mine.isdisjoint(keys)
         else:
             ok = sr is not None and i not in maps and SMALL_CHUNK_BYTES < n <= limit
             shares = False
         if not ok:
             if group:
                 yield group, None
-                group, size, keys = [], 0, set()
+                group, sizes, needs, keys, size = [], [], [], set(), 0
             yield [], i
             continue
         if group and size + n > limit and not (shares and size + n <= cap):
-            yield group, None
-            group, size, keys = [], 0, set()
+            same, moved = 0, n  # the members at the end that need exactly its chunks
+            while mine and same < len(group) and needs[-1 - same] == mine:
+                moved += sizes[-1 - same]
+                same += 1
+            cut = len(group) - same if same < len(group) and moved <= cap else len(group)
+            yield group[:cut], None
+            group, sizes, needs = group[cut:], sizes[cut:], needs[cut:]
+            keys, size = set(mine) if group else set(), sum(sizes)
         group.append(i)
+        sizes.append(n)
         size += n
-        if sr is not None:
-            keys.update(p.key for p in sr.parts)
+        needs.append(mine)
+        keys.update(mine)
     if group:
         yield group, None
 
