@@ -314,8 +314,9 @@ def test_chunk_bytes_bound_what_a_thin_slice_restore_reads(
     once (with 16 MiB, groups of half the budget read each chunk twice); with 4 MiB, groups
     of two slices each read every chunk whole (a chunk is read whole to check its CRC32C,
     by TensorStore too): 4x, the case ``chunk_bytes`` is for: chunks of 256 KiB are each
-    needed by two slices, a group within the budget reads them once again. (Read, not mapped: ``JAXCKPT_MAP=0``; a mapping's page faults are no
-    reads a process's ``rchar`` counts.)"""
+    needed by two slices, a group within the budget reads them once again. (Read, not
+    mapped: ``JAXCKPT_MAP=0``; a mapping's page faults are no reads a process's ``rchar``
+    counts.)"""
     monkeypatch.setenv(linux.MAP, "0")
     x = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)
     jaxckpt.save(tmp_path / "c", {"x": sharded(x, mesh42, ("data", None))}, chunk_bytes=chunk_bytes)
