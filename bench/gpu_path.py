@@ -27,7 +27,8 @@ cache, a garbage collection), the order rotating from repeat to repeat:
   memory as the restored replicas hold on each mesh (``raw + replicas``: onto CPU devices
   every replica is host memory a restore must fill, so it is the least a restore does), and
   the same with each block's CRC32C (``verified + replicas``: the least a restore that
-  checks every chunk does);
+  checks every chunk does; ``ceiling``: its ratio to the raw read + replicas, above which
+  no restore that checks every chunk's CRC32C gets on this host);
 * ``--baseline-tree DIR``: the default restore (mappings on) with another source tree of
   jaxckpt first on ``PYTHONPATH`` too, against this tree's: a slowdown shows as a ratio.
 
@@ -260,6 +261,8 @@ def report(args, res: dict[str, list[dict]], nbytes: int, bad: list[str]) -> Non
                   f"restore MAP=0 {mesh}, reads alone", with_replicas)  # fmt: skip
         ratio(f"restore as on a GPU {mesh} / raw read + replicas",
               f"restore as on a GPU {mesh}", with_replicas)  # fmt: skip
+        ratio(f"  ceiling: verified read + replicas {mesh} / raw read + replicas",
+              f"verified read + replicas {mesh}", with_replicas)  # fmt: skip
     ratio("engine reads (ring) / verified read, same threads", "engine reads, ring",
           "verified read", 0.9)  # fmt: skip
     ratio("engine reads (fresh memory) / verified read", "engine reads, fresh memory",
