@@ -421,6 +421,7 @@ def test_a_small_leaf_on_devices_that_copy_is_put_whole_as_its_last_slice_arrive
             np.copyto(buf, full[box])  # (a reader filling them)
         out.put(index, into, copies)
         assert (out._array is not None) == (k == len(out.indices) - 1)
+    assert out.host_buffer(out.indices[0]) is None  # its buffer left to jax (to its copies)
     arr = out.array()
     assert len(calls) == (8 if spec == P() else 1), calls
     assert_same_bits(full, np.asarray(arr), str(dtype))

@@ -122,6 +122,7 @@ class Placement:
                 last = self._whole and len(self._waiting) == len(self.devices)
             if last:  # (the one thread that put the last slice)
                 self._array = self._adopt_waiting()
+                self._host = {}  # (its buffer is jax's now: gone once the copies are done)
             return []
         first, *rest = self.devices[index]
         if borrowed and not self._copies:  # a CPU device keeps the host bytes it is given
