@@ -80,7 +80,7 @@ def test_a_corrupt_chunk_and_a_short_file_are_named(tmp_path, monkeypatch):
 def test_a_piece_holds_about_piece_bytes_of_whole_rows_or_of_slabs_of_a_row():
     at = arrays.ChunkBytes("f", 0, 68)
     box = ChunkPart("k", at, 64, (4, 4), (slice(0, 2), slice(1, 3)), (slice(0, 2), slice(0, 2)))
-    assert scatter.cut(box) == scatter.Cut(0, scatter.PIECE_BYTES // 16, 16)
+    assert scatter.cut(box) == scatter.Cut(0, 4, 16)  # (all 4 rows: a piece of 64 bytes)
     wide = ChunkPart(
         "k", at, 1 << 30, (2, 1 << 27), (slice(0, 2), slice(0, 8)), (slice(0, 2), slice(0, 8))
     )  # a row of 512 MiB: a piece of values along it, not the row
@@ -89,7 +89,12 @@ def test_a_piece_holds_about_piece_bytes_of_whole_rows_or_of_slabs_of_a_row():
         "k", at, 64 << 20, (1, 4096, 4096), (slice(0, 1),) * 3, (slice(0, 1),) * 3
     )  # one layer of stacked weights: rows of its second axis
     assert scatter.cut(layer) == scatter.Cut(1, scatter.PIECE_BYTES // (16 << 10), 16 << 10)
-    for p in (box, wide, layer):
+    n = scatter.PIECE_BYTES // 4 + 1  # a row just wider than a piece: two even halves
+    just = ChunkPart(
+        "k", at, 3 * n * 4, (3, n), (slice(0, 3), slice(0, 1)), (slice(0, 3), slice(0, 1))
+    )
+    assert scatter.cut(just) == scatter.Cut(1, (n + 1) // 2, 4)
+    for p in (box, wide, layer, just):
         assert scatter.cut(p).piece_bytes <= scatter.PIECE_BYTES
 
 

@@ -47,9 +47,10 @@ class Cut(NamedTuple):
 
 
 def cut(p: ChunkPart) -> Cut:
-    """The pieces chunk ``p`` is read in: whole rows, about ``PIECE_BYTES`` of them (one at
-    least), where a row fits in ``PIECE_BYTES``; else the first axis whose slabs fit, or
-    single values along the last."""
+    """The pieces chunk ``p`` is read in: whole rows, at most ``PIECE_BYTES`` of them (one
+    at least), where a row fits in ``PIECE_BYTES``; else the first axis whose slabs fit, or
+    single values along the last. The pieces along that axis are as even as they can be (a
+    row just wider than a piece: two halves, not a piece and a sliver)."""
     shape = p.chunk_shape
     slab = p.nbytes
     for axis, n in enumerate(shape):
@@ -57,7 +58,9 @@ def cut(p: ChunkPart) -> Cut:
             return Cut(axis, 1, 0)
         slab //= n
         if slab <= PIECE_BYTES or axis == len(shape) - 1:
-            return Cut(axis, max(1, PIECE_BYTES // max(1, slab)), slab)
+            most = max(1, PIECE_BYTES // max(1, slab))  # slabs a piece holds at most
+            pieces = -(-n // most)
+            return Cut(axis, -(-n // pieces), slab)
     return Cut(0, 1, p.nbytes)  # (no axes: no part of it is ever wanted)
 
 
