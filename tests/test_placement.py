@@ -400,10 +400,11 @@ def test_a_small_leaf_on_devices_that_copy_is_put_whole_as_its_last_slice_arrive
     dtype, spec, x64, mesh42, monkeypatch
 ):
     """Devices that copy host buffers (CPU devices with ``JAXCKPT_ADOPT=0``, as an
-    accelerator does): a small leaf's slices are read into its own buffer, replicas
-    included (``host_buffer``, ``replica_buffers``), and the leaf goes onto its devices in
-    jax's put as the last slice is put, one call (a device at a time where it is replicated
-    everywhere); every device holds its own bytes, exact."""
+    accelerator does): a small leaf's slices are read into its own buffer (``stage``: none
+    held by the request), and the leaf goes onto its devices in jax's put as the last slice
+    is put, one call (a device at a time where it is replicated everywhere), each replica
+    copied into its place; every device holds its own bytes, exact, and the leaf's buffer
+    is let go."""
     monkeypatch.setenv("JAXCKPT_ADOPT", "0")
     calls: list[int] = []
     real = placement._put
@@ -411,17 +412,19 @@ def test_a_small_leaf_on_devices_that_copy_is_put_whole_as_its_last_slice_arrive
     full = random_bits((8, 6), dtype, np.random.default_rng(1))
     out = Placement(NamedSharding(mesh42, spec), full.shape, full.dtype)
     if jax.dtypes.itemsize_bits(full.dtype) != 8 * full.dtype.itemsize:
-        assert out.host_buffer(out.indices[0]) is None  # packed types: a put a slice
+        assert out.stage(out.indices[0]) is None  # packed types: a put a slice
         return
     for k, index in enumerate(out.indices):
         box = tuple(slice(a, b) for a, b in index)
-        into, copies = out.host_buffer(index), out.replica_buffers(index)
-        assert into is not None and len(copies) == 8 // len(out.indices) - 1
-        for buf in (into, *copies):
-            np.copyto(buf, full[box])  # (a reader filling them)
-        out.put(index, into, copies)
+        assert out.host_buffer(index) is None and not out.replica_buffers(index)
+        stage = out.stage(index)
+        assert stage is not None and stage(full[box].nbytes + 1) is None  # another size
+        slot = stage(full[box].nbytes)
+        into = slot.view(full.dtype).reshape(full[box].shape)  # (a reader filling it)
+        np.copyto(into, full[box])
+        out.put(index, into)
         assert (out._array is not None) == (k == len(out.indices) - 1)
-    assert out.host_buffer(out.indices[0]) is None  # its buffer left to jax (to its copies)
+    assert stage(full[box].nbytes) is None  # its buffer left to jax (to its copies)
     arr = out.array()
     assert len(calls) == (8 if spec == P() else 1), calls
     assert_same_bits(full, np.asarray(arr), str(dtype))
@@ -434,12 +437,13 @@ def test_a_small_leaf_on_devices_that_copy_is_put_whole_as_its_last_slice_arrive
 def test_a_leaf_over_the_bound_or_on_adopting_devices_is_not_put_whole(mesh42, monkeypatch):
     sharding = NamedSharding(mesh42, P("data"))
     monkeypatch.setenv("JAXCKPT_ADOPT", "0")
-    assert Placement(sharding, (64, 64), np.float32).host_buffer(((0, 16), (0, 64))) is not None
+    assert Placement(sharding, (64, 64), np.float32).stage(((0, 16), (0, 64))) is not None
     monkeypatch.setattr(placement, "WHOLE_LEAF_BYTES", 64 * 64 * 4)  # its 2 copies: 32 KiB
-    assert Placement(sharding, (64, 64), np.float32).host_buffer(((0, 16), (0, 64))) is None
+    assert Placement(sharding, (64, 64), np.float32).stage(((0, 16), (0, 64))) is None
     monkeypatch.setenv("JAXCKPT_ADOPT", "1")  # adopted: read into its own memory, put at array
     adopted = Placement(sharding, (64, 64), np.float32)
     assert adopted.host_buffer(((0, 16), (0, 64))) is not None and adopted.mappable
+    assert adopted.stage(((0, 16), (0, 64))) is None
 
 
 def test_two_placing_threads_put_a_small_leaf_whole_once(mesh42, monkeypatch):

@@ -481,3 +481,49 @@ def test_a_restore_from_the_disk_faults_its_buffers_in_ahead_of_the_reads(
         assert populated == handed[: len(populated)]
         for seen in (handed, populated, nbytes):
             seen.clear()
+
+
+def test_small_leaves_put_whole_let_go_of_their_host_buffers_as_they_are_put(
+    mesh42, tmp_path, monkeypatch
+):
+    """As onto an accelerator (``JAXCKPT_ADOPT=0``, jax's put made to copy, as a device
+    does): once every leaf is put, before the restore ends, no small leaf's host buffer is
+    alive (a request that held one kept them all to the end, beyond the read budget)."""
+    import gc
+    import weakref
+
+    from jaxckpt._src import placement, restoring
+
+    monkeypatch.setenv("JAXCKPT_ADOPT", "0")
+    monkeypatch.setenv(linux.MAP, "0")
+    real_put, real_buffers, real_read = (
+        placement._put, placement.Placement._host_buffers, restoring.slices.read
+    )  # fmt: skip
+    monkeypatch.setattr(placement, "_put", lambda *a: real_put(*a[:3], [b.copy() for b in a[3]]))
+    regions: list[weakref.ref] = []
+
+    def host_buffers(self):
+        out = real_buffers(self)
+        base = next(iter(out.values()))[0]
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        regions.append(weakref.ref(base))
+        return out
+
+    alive: list[int] = []
+
+    def read(*args, **kwargs):
+        n = real_read(*args, **kwargs)
+        gc.collect()
+        alive.append(sum(r() is not None for r in regions))
+        return n
+
+    monkeypatch.setattr(placement.Placement, "_host_buffers", host_buffers)
+    monkeypatch.setattr(restoring.slices, "read", read)
+    state = {
+        f"x{i}": sharded(np.full((16, 8), i, np.float32), mesh42, ("data",)) for i in range(20)
+    }
+    jaxckpt.save(tmp_path / "c", state)
+    out = jaxckpt.restore(tmp_path / "c", target=state)
+    assert len(regions) == 20 and alive == [0], (len(regions), alive)
+    assert_tree_equal(out, state)

@@ -40,10 +40,11 @@ class Placement:
 
     A small leaf on devices that copy host buffers (an accelerator; CPU devices with
     ``JAXCKPT_ADOPT=0``), one whose copies on this process come to ``WHOLE_LEAF_BYTES`` or
-    less, is read the same way into a buffer of its own, and put whole with jax's own put
-    as its last slice arrives (each device copying its place): one call a leaf rather than
-    a put a slice and a device-to-device copy a replica, the calls being most of the cost
-    of a restore of many small leaves (docs/MEASURED.md).
+    less, is read into a buffer of its own too (``stage``), and put whole with jax's own
+    put as its last slice arrives, each replica copied into its place first (each device
+    copying its place): one call a leaf rather than a put a slice and a device-to-device
+    copy a replica, the calls being most of the cost of a restore of many small leaves
+    (docs/MEASURED.md).
     """
 
     def __init__(
@@ -80,15 +81,35 @@ class Placement:
 
     def host_buffer(self, index: Index) -> np.ndarray | None:
         """Where to read slice ``index`` for ``put`` (C-contiguous, this array's dtype), or
-        None where any fresh buffer will do."""
-        copies = self._host.get(index)
+        None where any fresh buffer will do (or ``stage`` gives one)."""
+        copies = self._host.get(index) if self._cpu else None
         return copies[0] if copies else None
 
     def replica_buffers(self, index: Index) -> list[np.ndarray]:
         """Where slice ``index``'s replicas go, if any (its other devices' places): a reader
         that fills them as it reads ``host_buffer`` says so to ``put``, which then copies
         nothing."""
-        return list(self._host.get(index, [])[1:])
+        return list(self._host.get(index, [])[1:]) if self._cpu else []
+
+    def stage(self, index: Index) -> Callable[[int], np.ndarray | None] | None:
+        """For a small leaf put whole: what gives a read of slice ``index`` its place in the
+        leaf's buffer as the read starts (its bytes, uint8; None once the leaf is put, or
+        for a read of another size: fresh memory), as ``slices.Request.stage`` asks. Asked
+        for, not held by the request, the buffer goes with the put: a request that held
+        it kept every small leaf's buffer until the restore's end. None for other leaves."""
+        if not self._whole:
+            return None
+
+        def place(nbytes: int) -> np.ndarray | None:
+            copies = self._host.get(index)
+            first = copies[0] if copies else None
+            return (
+                first.reshape(-1).view(np.uint8)
+                if first is not None and first.nbytes == nbytes
+                else None
+            )
+
+        return place
 
     @property
     def mappable(self) -> bool:

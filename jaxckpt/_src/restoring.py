@@ -275,7 +275,7 @@ def _plan_leaf(
         # as mappings of the chunks that become it
         into, copies = out.host_buffer(index), out.replica_buffers(index)
         maps = len(copies) if into is not None and out.mappable else None
-        stage = host.take if host is not None and into is None else None
+        stage = out.stage(index) or (host.take if host is not None and into is None else None)
         requests.append(
             slices.Request(
                 rec, index, functools.partial(place, index), into, copies, maps, stage=stage
