@@ -112,12 +112,6 @@ class Placement:
         return place
 
     @property
-    def mappable(self) -> bool:
-        """Whether its devices take the host buffers as they are (CPU devices): a slice of
-        it may be a mapping of its chunks."""
-        return self._cpu
-
-    @property
     def indices(self) -> list[Index]:
         return list(self.devices)
 
@@ -350,11 +344,8 @@ def _small(
     own memory (an accelerator; CPU devices told not to adopt them), with jax's own put at
     hand and a dtype it puts as it is."""
     slices, cpu = _slices(sharding, shape)
-    if not slices or (cpu and adopt) or _put is None or not _adopted(dtype):
-        return False
-    if jax.dtypes.canonicalize_dtype(dtype) != dtype or sharding.memory_kind not in (
-        None,
-        "device",
-    ):
+    device_memory = sharding.memory_kind in (None, "device")
+    putable = _put is not None and _adopted(dtype) and jax.dtypes.canonicalize_dtype(dtype) == dtype
+    if not slices or (cpu and adopt) or not device_memory or not putable:
         return False
     return _places(sharding, shape, dtype.itemsize)[0] <= WHOLE_LEAF_BYTES

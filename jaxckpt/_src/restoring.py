@@ -274,7 +274,7 @@ def _plan_leaf(
         # read straight into the array's own memory where it has some (CPU devices), or
         # as mappings of the chunks that become it
         into, copies = out.host_buffer(index), out.replica_buffers(index)
-        maps = len(copies) if into is not None and out.mappable else None
+        maps = None if into is None else len(copies)  # (a buffer only where devices adopt)
         stage = out.stage(index) or (host.take if host is not None and into is None else None)
         requests.append(
             slices.Request(

@@ -233,8 +233,7 @@ def _groups(
     a 128 MiB budget, read every chunk twice: docs/MEASURED.md). Where a group must end,
     the slices at its end that need the very chunks the next slice needs (the other columns
     of the same rows) go on with it, not split from it, unless they are the whole group or
-    would take it past ``cap``.
-    ([], i) for every other request alone."""
+    would take it past ``cap``. ([], i) for every other request alone."""
     group: list[int] = []
     sizes: list[int] = []
     needs: list[frozenset[str]] = []  # (each member's chunks, for the end of a group)
